@@ -1,0 +1,102 @@
+"""SamplingParams: the per-request generation settings (SGLang/vLLM names)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-k count of output logprobs; None = off
+    logprob_start_len: int | None = None  # prompt logprobs from this position; None = off
+    cache_salt: str | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @classmethod
+    def from_any(cls, value: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+        if value is None:
+            return cls()
+        if isinstance(value, SamplingParams):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            return cls(**value)
+        raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self) -> None:
+        _check_int(self, "max_new_tokens", lo=0)
+        _check_int(self, "min_new_tokens", lo=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be <= max_new_tokens "
+                             f"({self.max_new_tokens})")
+        _check_float(self, "temperature", lo=0.0, hi=100.0)
+        _check_float(self, "top_p", lo=0.0, hi=1.0, lo_open=True)
+        _check_int(self, "top_k", lo=-1)
+        _check_float(self, "min_p", lo=0.0, hi=1.0)
+        _check_float(self, "frequency_penalty", lo=-2.0, hi=2.0)
+        _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
+        _check_float(self, "repetition_penalty", lo=0.0, hi=10.0, lo_open=True)
+        if self.seed is not None:
+            _check_int(self, "seed", lo=-(2**63), hi=2**63 - 1)
+        if self.logprobs is not None:
+            _check_int(self, "logprobs", lo=0, hi=20)
+        if self.logprob_start_len is not None:
+            _check_int(self, "logprob_start_len", lo=0)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+
+
+def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    value = getattr(p, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+
+
+def _check_float(p: SamplingParams, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+    value = getattr(p, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    setattr(p, name, value)
+    bad_lo = value <= lo if lo_open else value < lo
+    if bad_lo or value > hi or value != value:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
