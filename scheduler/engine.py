@@ -1,0 +1,348 @@
+"""The Engine: public API (ARCHITECTURE §2b) and the step that ties planner, runner and outputs."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from radixserve.kernels.forward_io import SeqInput
+from radixserve.scheduler.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from radixserve.scheduler.detokenizer import IncrementalDetokenizer
+from radixserve.scheduler.kv_ops import PrefixKV
+from radixserve.scheduler.metrics import EngineMetrics
+from radixserve.scheduler.output import OutputProcessor
+from radixserve.scheduler.planner import Batch, BatchItem, Planner
+from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.req import GenerateResult, Req, ReqStatus, StreamDelta
+from radixserve.scheduler.sampling_params import SamplingParams
+from radixserve.scheduler.serving import EngineLoop
+from radixserve.scheduler.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+ParamsLike = SamplingParams | dict[str, Any] | None
+
+
+class Engine:
+    """Offline and serving entry point. ``step()`` is single-threaded; ``generate_stream``,
+    ``abort`` and ``start`` run the same step loop in a background thread."""
+
+    def __init__(self, model_path: str | None = None, **config: Any):
+        from radixserve.kernels.runner import ModelRunner  # torch import kept off the radix path
+
+        self.config = EngineConfig.from_kwargs(model_path, **config)
+        if model_path is None:
+            from radixserve.kernels.demo import demo_model_path
+            model_path = demo_model_path()
+        self.model_path = model_path
+        self.tokenizer = Tokenizer(model_path)
+        num_slots = self._num_slots()
+        self.runner = ModelRunner(model_path, num_slots=num_slots, dtype=self.config.dtype,
+                                  attention_backend=self.config.attention_backend,
+                                  device=self.config.device, context_length=self.config.context_length)
+        self.model_config = self.runner.config
+        self.context_length: int = self.runner.context_length
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.kv = PrefixKV(num_slots, self.config.page_size, self.config.disable_radix_cache,
+                           self.config.eviction_policy)
+        self.policy = SchedulePolicy(self.config.schedule_policy, self.kv)
+        self.planner = Planner(self.config, self.kv, self.policy)
+        self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
+        self.metrics = EngineMetrics()
+        self._rng = random.Random(self.config.seed)
+        self._reqs: dict[str, Req] = {}
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._step_idx = 0
+        self._loop = EngineLoop(self)
+        self._stats = self._compute_stats()
+        logger.info("engine ready: %s, %d KV slots (page size %d), context %d", model_path, num_slots,
+                    self.config.page_size, self.context_length)
+
+    # -- submission ---------------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, sampling_params: ParamsLike = None, rid: str | None = None,
+                    on_delta: Callable[[StreamDelta], None] | None = None) -> str:
+        """Queue one request (thread-safe). Raises ValueError on bad input."""
+        params = SamplingParams.from_any(sampling_params)
+        prompt_ids = self._prompt_ids(prompt)
+        self._validate(prompt_ids, params)
+        with self._cv:
+            rid = rid if rid is not None else uuid.uuid4().hex
+            if rid in self._reqs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,
+                      arrival_step=self._step_idx, arrival_time=time.perf_counter())
+            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            self._reqs[rid] = req
+            if on_delta is not None:
+                self._loop.listen(rid, on_delta)
+            self._inbox.append(("add", req))
+            self._cv.notify_all()
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """Finish a request with finish_reason "abort" and free its KV (thread-safe)."""
+        with self._cv:
+            self._inbox.append(("abort", rid))
+            self._cv.notify_all()
+
+    def has_unfinished(self) -> bool:
+        with self._cv:
+            return bool(self._inbox) or bool(self.planner.waiting) or bool(self.planner.running)
+
+    # -- offline API --------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: ParamsLike | Sequence[ParamsLike] = None) -> list[GenerateResult]:
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_list)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params] * len(prompt_list)
+        if self._loop.running:
+            return self._loop.generate_blocking(prompt_list, params_list)
+        rids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        results: dict[str, GenerateResult] = {}
+        while len(results) < len(rids):
+            for delta in self.step():
+                if delta.finished and delta.result is not None:
+                    results[delta.rid] = delta.result
+        return [results[r] for r in rids]
+
+    async def generate_stream(self, prompt: Prompt, sampling_params: ParamsLike = None,
+                              rid: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Yield deltas from the background loop; cancelling the iteration aborts the request."""
+        async for delta in self._loop.stream(prompt, sampling_params, rid):
+            yield delta
+
+    def start(self) -> None:
+        """Run the step loop in a background thread (idempotent)."""
+        self._loop.start()
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[StreamDelta]:
+        """Run one scheduling decision and (at most) one forward; return the deltas."""
+        deltas = self._drain_inbox()
+        t0 = time.perf_counter()
+        batch, admitted = self.planner.schedule(self._step_idx)
+        for req in admitted:
+            self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
+                                         prefix_only=req.params.max_new_tokens == 0)
+        t1 = time.perf_counter()
+        if batch.items:
+            self._run_batch(batch)
+        t2 = time.perf_counter()
+        for item in batch.items:
+            self._after_item(item.req)
+        self.metrics.schedule_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.metrics.forward_time_s += t2 - t1
+        deltas.extend(d for d in (self.outputs.take_delta(it.req) for it in batch.items) if d is not None)
+        for d in deltas:
+            if d.finished:
+                self._reqs.pop(d.rid, None)
+        self._step_idx += 1
+        self._stats = self._compute_stats()
+        return deltas
+
+    def _run_batch(self, batch: Batch) -> None:
+        self.metrics.num_steps += 1
+        self.metrics.max_batch_size = max(self.metrics.max_batch_size, len(batch.items))
+        self.metrics.num_mixed_steps += int(batch.is_mixed)
+        seqs = [self._seq_input(item) for item in batch.items]
+        self.metrics.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
+        try:
+            outs = self.runner.forward(seqs)
+        except Exception as exc:  # a failed forward must not take other requests or the loop down
+            logger.exception("forward failed; aborting the %d requests of this batch", len(seqs))
+            for item in batch.items:
+                self.outputs.finish(item.req, "abort", error=f"forward failed: {exc}")
+            return
+        for item, seq, out in zip(batch.items, seqs, outs):
+            req = item.req
+            req.kv_len += item.num_tokens
+            self.outputs.record_prompt_logprobs(req, seq.prefix_len, out)
+            if item.sample:
+                self.outputs.append_token(req, out.next_token_id, out.next_logprob)
+            elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
+                self.outputs.finish(req, "length")
+
+    def _after_item(self, req: Req) -> None:
+        if req.finish_reason is not None:
+            self._finish(req)
+        elif not req.is_decoding:
+            self.kv.cache_prefix(req)  # a chunked prefix becomes shareable at once
+
+    def _seq_input(self, item: BatchItem) -> SeqInput:
+        req = item.req
+        start, end = req.kv_len, req.kv_len + item.num_tokens
+        if self._needs_logit_restart(req):
+            start -= 1  # recompute one token so its logits give the chunk's first prompt logprob
+        p = req.params
+        return SeqInput(
+            input_ids=_token_slice(req, start, end), prefix_len=start, slot_ids=req.kv_slots[:end],
+            sample=item.sample, sampling=p, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
+            num_top_logprobs=p.logprobs or 0)
+
+    @staticmethod
+    def _needs_logit_restart(req: Req) -> bool:
+        start = req.params.logprob_start_len
+        if start is None or req.kv_len == 0:
+            return False
+        next_pos = max(1, start) + len(req.prompt_logprobs)
+        return next_pos == req.kv_len and next_pos < len(req.prompt_ids)
+
+    def _finish(self, req: Req) -> None:
+        if req.status is ReqStatus.FINISHED:
+            return
+        self.kv.release(req)
+        self.planner.remove(req)
+        req.status = ReqStatus.FINISHED
+        m = self.metrics
+        m.num_requests_finished += 1
+        m.num_requests_aborted += int(req.finish_reason == "abort")
+        m.num_generated_tokens += len(req.output_ids)
+        if req.first_token_time is not None:
+            m.ttft.observe(req.first_token_time - req.arrival_time)
+            if len(req.output_ids) > 1 and req.finish_time is not None:
+                m.tpot.observe((req.finish_time - req.first_token_time) / (len(req.output_ids) - 1))
+        if req.finish_time is not None:
+            m.e2e.observe(req.finish_time - req.arrival_time)
+
+    def _drain_inbox(self) -> list[StreamDelta]:
+        deltas: list[StreamDelta] = []
+        with self._cv:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        for kind, arg in commands:
+            if kind == "add":
+                self.planner.waiting.append(arg)
+            elif kind == "abort":
+                deltas.extend(self._abort_now(arg))
+            elif kind == "call":
+                arg()
+        return deltas
+
+    def _abort_now(self, rid: str) -> list[StreamDelta]:
+        req = self._reqs.get(rid)
+        if req is None or req.status is ReqStatus.FINISHED:
+            return []
+        self.outputs.finish(req, "abort", error="aborted")
+        self._finish(req)
+        self._reqs.pop(rid, None)
+        delta = self.outputs.take_delta(req)
+        return [delta] if delta is not None else []
+
+    def _abort_all(self, reason: str) -> list[StreamDelta]:
+        deltas: list[StreamDelta] = []
+        for req in list(self.planner.running) + list(self.planner.waiting):
+            self.outputs.finish(req, "abort", error=reason)
+            self._finish(req)
+            delta = self.outputs.take_delta(req)
+            if delta is not None:
+                deltas.append(delta)
+            self._reqs.pop(req.rid, None)
+        return deltas
+
+    # -- cache and stats ----------------------------------------------------------------
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix. Refused (False) while requests are queued or running."""
+        return self._loop.call(self._flush_now) if self._loop.running else self._flush_now()
+
+    def _flush_now(self) -> bool:
+        if self.planner.running or self.planner.waiting or self._inbox:
+            return False
+        self.kv.flush()
+        self._stats = self._compute_stats()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot taken after the latest step (cheap; safe from any thread)."""
+        return dict(self._stats)
+
+    def check_integrity(self) -> None:
+        """Assert the slot accounting identity (free + evictable + locked + in-flight == total)."""
+        self.kv.check_integrity(self.planner.running)
+
+    def _compute_stats(self) -> dict[str, Any]:
+        tree, m = self.kv.tree, self.metrics
+        return {
+            "total_slots": self.kv.total_slots, "free_slots": self.kv.allocator.num_free_slots,
+            "evictable_slots": tree.evictable_size, "locked_slots": tree.locked_size,
+            "in_flight_slots": sum(r.owned_slots for r in self.planner.running),
+            "num_running": len(self.planner.running), "num_waiting": len(self.planner.waiting),
+            "cache_hit_rate": m.cache_hit_rate, "num_prompt_tokens": m.num_prompt_tokens,
+            "num_cached_tokens": m.num_cached_tokens, "num_generated_tokens": m.num_generated_tokens,
+            "num_evicted_tokens": tree.num_evicted_tokens, "num_requests_finished": m.num_requests_finished,
+            "num_requests_aborted": m.num_requests_aborted, "num_retractions": self.planner.num_retractions,
+            "num_steps": m.num_steps, "num_mixed_steps": m.num_mixed_steps, "max_batch_size": m.max_batch_size,
+            "num_forward_tokens": m.num_forward_tokens, "schedule_time_s": m.schedule_time_s,
+            "forward_time_s": m.forward_time_s,
+        }
+
+    def shutdown(self) -> None:
+        self._loop.stop()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}: "
+                             f"{total} exceeds the context length {self.context_length}")
+        if self.kv.pages_for(total) * self.config.page_size > self.kv.total_slots:
+            raise ValueError(f"request needs {total} KV slots but the KV pool has only {self.kv.total_slots} "
+                             f"(raise kv_cache_tokens)")
+
+    def _num_slots(self) -> int:
+        tokens = self.config.kv_cache_tokens or DEFAULT_CPU_KV_TOKENS
+        return max(tokens // self.config.page_size, 1) * self.config.page_size
+
+
+def _token_slice(req: Req, start: int, end: int) -> list[int]:
+    num_prompt = len(req.prompt_ids)
+    if start >= num_prompt:
+        return req.output_ids[start - num_prompt:end - num_prompt]
+    if end <= num_prompt:
+        return req.prompt_ids[start:end]
+    return req.prompt_ids[start:] + req.output_ids[:end - num_prompt]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)

@@ -1,0 +1,123 @@
+"""Request-level KV bookkeeping over the radix tree and the slot allocator.
+
+Every slot is in exactly one of four states, and the counts always add up:
+
+    free (allocator) + evictable (tree, unlocked) + locked (tree) + in-flight (owned by
+    running requests, not in the tree) == total slots
+
+A request's slots ``kv_slots[:tree_len]`` belong to the tree and are locked through
+``req.last_node``; ``kv_slots[tree_len:]`` are its own (whole pages, incl. the unused tail
+of its last page).
+"""
+from __future__ import annotations
+
+import logging
+
+from radixserve.radix.allocator import KVAllocator
+from radixserve.radix.radix_cache import RadixCache
+from radixserve.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixKV:
+    def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str):
+        self.page_size = page_size
+        self.allocator = KVAllocator(num_slots, page_size)
+        self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
+                               eviction_policy=eviction_policy)
+
+    @property
+    def total_slots(self) -> int:
+        return self.allocator.total_slots
+
+    def available_slots(self) -> int:
+        """Slots obtainable now without retracting anyone: free + evictable."""
+        return self.allocator.num_free_slots + self.tree.evictable_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def match_len(self, req: Req) -> int:
+        """Length of the cached prefix admission would reuse (for policies); locks nothing."""
+        slots, _ = self.tree.match_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt)
+        return len(slots)
+
+    def match_cap(self, req: Req) -> int:
+        # The last token is always computed (its logits are needed); prompt logprobs need
+        # the logits before logprob_start_len, so the match stops one token earlier there.
+        cap = req.seq_len - 1
+        if req.params.logprob_start_len is not None:
+            cap = min(cap, max(req.params.logprob_start_len - 1, 0))
+        return cap
+
+    def admit(self, req: Req) -> int:
+        """Match and lock the request's cached prefix; returns its length."""
+        slots, node = self.tree.match_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt)
+        self.tree.lock(node)
+        req.last_node = node
+        req.kv_slots = list(slots)
+        req.kv_len = req.tree_len = len(slots)
+        return len(slots)
+
+    def slots_needed(self, req: Req, num_new_tokens: int) -> int:
+        """New slots (whole pages) needed so positions up to kv_len + num_new_tokens have one."""
+        missing = req.kv_len + num_new_tokens - len(req.kv_slots)
+        return self.pages_for(missing) * self.page_size if missing > 0 else 0
+
+    def reserve(self, req: Req, num_new_tokens: int) -> bool:
+        """Allocate slots for the next num_new_tokens positions, evicting cached leaves if needed."""
+        need = self.slots_needed(req, num_new_tokens)
+        if need == 0:
+            return True
+        slots = self._alloc(need)
+        if slots is None:
+            return False
+        req.kv_slots.extend(slots)
+        return True
+
+    def cache_prefix(self, req: Req) -> None:
+        """Insert the request's computed whole pages into the tree and re-lock at the new end.
+
+        Slots the tree already had for that range (another request computed the same
+        prefix meanwhile) are freed and replaced by the tree's, so nothing is stored twice.
+        """
+        aligned = (req.kv_len // self.page_size) * self.page_size
+        if aligned <= req.tree_len or self.tree.disable:
+            return
+        tokens = req.all_ids[:aligned]
+        salt = req.params.cache_salt
+        num_cached = self.tree.insert(tokens, req.kv_slots[:aligned], salt=salt)
+        if num_cached > req.tree_len:
+            self.allocator.free(req.kv_slots[req.tree_len:num_cached])
+        slots, node = self.tree.match_prefix(tokens, salt=salt)
+        assert len(slots) == aligned, f"inserted {aligned} tokens but matched {len(slots)}"
+        req.kv_slots[:aligned] = slots
+        self.tree.lock(node)
+        self.tree.unlock(req.last_node)
+        req.last_node = node
+        req.tree_len = aligned
+
+    def release(self, req: Req) -> None:
+        """Finish, abort or retract: keep the computed prefix cached, free the rest, unlock."""
+        if req.last_node is None:
+            return
+        self.cache_prefix(req)
+        if len(req.kv_slots) > req.tree_len:
+            self.allocator.free(req.kv_slots[req.tree_len:])
+        self.tree.unlock(req.last_node)
+        req.last_node = None
+        req.kv_slots = []
+        req.kv_len = req.tree_len = 0
+
+    def flush(self) -> None:
+        self.tree.reset()
+
+    def check_integrity(self, running: list[Req]) -> None:
+        self.tree.check_integrity(in_flight_slots=sum(r.owned_slots for r in running))
+
+    def _alloc(self, num_slots: int) -> list[int] | None:
+        shortfall = num_slots - self.allocator.num_free_slots
+        if shortfall > 0:
+            self.tree.evict(shortfall)
+        return self.allocator.alloc(num_slots)

@@ -1,0 +1,64 @@
+"""Engine counters and latency histograms (read by stats(), /metrics and the benches)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# Seconds; wide enough for CPU runs of tiny models and real GPU serving alike.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+    count: int = 0
+    samples: list[float] = field(default_factory=list)  # kept for percentiles in benches
+    max_samples: int = 100_000
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+        if len(self.samples) < self.max_samples:
+            self.samples.append(value)
+
+    def percentile(self, q: float) -> float | None:
+        if not self.samples:
+            return None
+        ordered = sorted(self.samples)
+        return ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))]
+
+
+@dataclass
+class EngineMetrics:
+    num_prompt_tokens: int = 0  # first admissions only (§8)
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    num_steps: int = 0
+    num_mixed_steps: int = 0  # steps that ran prefill chunks and decodes together
+    max_batch_size: int = 0  # most sequences in one forward so far
+    num_forward_tokens: int = 0  # tokens actually computed (incl. re-prefills after retraction)
+    ttft: Histogram = field(default_factory=Histogram)
+    tpot: Histogram = field(default_factory=Histogram)
+    e2e: Histogram = field(default_factory=Histogram)
+    schedule_time_s: float = 0.0  # planner + radix work
+    forward_time_s: float = 0.0  # runner (model + sampling)
+
+    num_prefix_only_tokens: int = 0  # prompts of max_new_tokens=0 requests, reported apart (§8)
+    num_prefix_only_cached: int = 0
+
+    def count_admission(self, prompt_tokens: int, cached_tokens: int, prefix_only: bool) -> None:
+        if prefix_only:
+            self.num_prefix_only_tokens += prompt_tokens
+            self.num_prefix_only_cached += cached_tokens
+        else:
+            self.num_prompt_tokens += prompt_tokens
+            self.num_cached_tokens += cached_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0

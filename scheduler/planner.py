@@ -1,0 +1,188 @@
+"""The planner: turns the waiting and running queues into one mixed Batch per step.
+
+Order of work in a step (ARCHITECTURE §4):
+  1. room for every decode (one token each), retracting the least-progressed requests if
+     the pool runs short;
+  2. continue chunked prefills, then admit waiting requests in policy order, while the
+     token budget, max_running_requests and KV room (minus the running requests'
+     estimated decode room) allow.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from radixserve.scheduler.config import EngineConfig
+from radixserve.scheduler.kv_ops import PrefixKV
+from radixserve.scheduler.policy import SchedulePolicy
+from radixserve.scheduler.req import Req, ReqStatus
+
+logger = logging.getLogger(__name__)
+
+# Decode-room estimate for admission: a running request is assumed to still need
+# new_token_ratio * (its remaining max_new_tokens). The ratio starts cautious, relaxes as
+# steps pass without retraction, and jumps back after one (as SGLang does).
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass
+class BatchItem:
+    req: Req
+    num_tokens: int  # computes all_ids[kv_len : kv_len + num_tokens]
+    sample: bool
+
+
+@dataclass
+class Batch:
+    items: list[BatchItem] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for it in self.items if it.req.is_decoding)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(it.num_tokens for it in self.items if not it.req.is_decoding)
+
+    @property
+    def is_mixed(self) -> bool:
+        return 0 < self.num_decodes < len(self.items)
+
+
+class Planner:
+    def __init__(self, config: EngineConfig, kv: PrefixKV, policy: SchedulePolicy):
+        self.config = config
+        self.kv = kv
+        self.policy = policy
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.num_retractions = 0
+
+    def schedule(self, step: int) -> tuple[Batch, list[Req]]:
+        """Plan one step. Returns the batch and the requests admitted for the first time."""
+        batch = Batch()
+        self._reserve_decodes(batch)
+        budget = self.config.chunked_prefill_size
+        budget = self._continue_prefills(batch, budget)
+        admitted = self._admit(batch, budget, step)
+        if not batch.items and self.running:
+            # Everyone holds memory and nobody can progress: free the least-progressed.
+            self._retract(self._pick_victim(exclude=None))
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        return batch, admitted
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    # -- step parts -------------------------------------------------------------------
+
+    def _reserve_decodes(self, batch: Batch) -> None:
+        decodes = [r for r in self.running if r.is_decoding]
+        # Most progressed first: they are the last to be retracted.
+        decodes.sort(key=_progress, reverse=True)
+        for req in decodes:
+            if req.status is not ReqStatus.RUNNING:
+                continue  # retracted while making room for an earlier one
+            while not self.kv.reserve(req, 1):
+                victim = self._pick_victim(exclude=None)
+                if victim is req and len(self.running) == 1:
+                    raise RuntimeError(f"request {req.rid} cannot get one KV slot with nothing else running")
+                self._retract(victim)
+                if victim is req:
+                    break
+        batch.items.extend(BatchItem(r, 1, True) for r in decodes if r.status is ReqStatus.RUNNING)
+
+    def _continue_prefills(self, batch: Batch, budget: int) -> int:
+        for req in self.running:
+            if budget <= 0:
+                break
+            if req.is_decoding or any(it.req is req for it in batch.items):
+                continue
+            num = self._fit_chunk(req, min(req.num_pending, budget))
+            if num > 0:
+                batch.items.append(self._item(req, num))
+                budget -= num
+        return budget
+
+    def _admit(self, batch: Batch, budget: int, step: int) -> list[Req]:
+        admitted: list[Req] = []
+        if not self.waiting:
+            return admitted
+        for req in self.policy.order(self.waiting, step):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                break
+            first_admission = req.cached_tokens is None
+            if not self._try_admit(req, batch, budget):
+                break  # head-of-line: smaller requests must not starve a big one
+            budget -= batch.items[-1].num_tokens
+            if first_admission:
+                admitted.append(req)
+        return admitted
+
+    def _try_admit(self, req: Req, batch: Batch, budget: int) -> bool:
+        cached = self.kv.admit(req)
+        num = min(req.num_pending, budget)
+        need = self.kv.slots_needed(req, num)
+        room = self.kv.available_slots() - self._decode_room_estimate()
+        if self.running and need + self._estimate(req) > room:
+            self.kv.release(req)
+            return False
+        num = self._fit_chunk(req, num)
+        if num <= 0:
+            self.kv.release(req)
+            return False
+        if req.cached_tokens is None:
+            req.cached_tokens = cached
+        self.waiting.remove(req)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        batch.items.append(self._item(req, num))
+        return True
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _item(self, req: Req, num: int) -> BatchItem:
+        reaches_end = req.kv_len + num == req.seq_len
+        return BatchItem(req, num, sample=reaches_end and req.params.max_new_tokens > 0)
+
+    def _fit_chunk(self, req: Req, num: int) -> int:
+        """Reserve slots for up to num tokens; shrink to what the pool can hold."""
+        if self.kv.reserve(req, num):
+            return num
+        page = self.kv.page_size
+        spare = len(req.kv_slots) - req.kv_len
+        fit = spare + (self.kv.available_slots() // page) * page
+        num = min(num, fit)
+        return num if num > 0 and self.kv.reserve(req, num) else 0
+
+    def _estimate(self, req: Req) -> int:
+        remaining = req.params.max_new_tokens - len(req.output_ids)
+        return int(self.new_token_ratio * max(remaining, 0))
+
+    def _decode_room_estimate(self) -> int:
+        return sum(self._estimate(r) for r in self.running)
+
+    def _pick_victim(self, exclude: Req | None) -> Req | None:
+        candidates = [r for r in self.running if r is not exclude]
+        return min(candidates, key=_progress) if candidates else None
+
+    def _retract(self, req: Req) -> None:
+        logger.info("retracting %s (%d output tokens) to free KV", req.rid, len(req.output_ids))
+        self.kv.release(req)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+
+def _progress(req: Req) -> tuple[int, int]:
+    # Least progress = fewest generated tokens; among equals, the latest arrival.
+    return (len(req.output_ids), -req.arrival_step)

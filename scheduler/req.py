@@ -1,0 +1,128 @@
+"""Req (the scheduler's per-request state) and the objects handed back to callers."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.kernels.forward_io import TokenLogprob
+from radixserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateResult:
+    rid: str
+    text: str
+    output_ids: list[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass
+class StreamDelta:
+    rid: str
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new output token ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    result: GenerateResult | None = None
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One request. Token lists are plain Python; the KV layout is:
+
+        all_ids:  | prompt_ids ................ | output_ids ....... |
+        kv:       | tree_len (owned by the tree, locked) | own slots | (not yet computed)
+                  |<---------------- kv_len ------------------->|
+        kv_slots: slots of positions [0, kv_len) plus, with page_size > 1, the unused tail of
+                  the last allocated page (len(kv_slots) is a multiple of page_size).
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # effective sampling seed (params.seed or one drawn from the engine's RNG)
+    arrival_step: int
+    arrival_time: float
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+
+    # KV state (see the class docstring).
+    kv_slots: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    tree_len: int = 0  # leading slots that belong to the radix tree (locked through last_node)
+    last_node: Any = None  # locked TreeNode, or None
+
+    # Reporting.
+    cached_tokens: int | None = None  # from the first admission only (§8)
+    num_retractions: int = 0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    # Text state, owned by the engine's output processor.
+    detok: Any = None
+    text: str = ""  # full decoded output text (trimmed at a matched stop string)
+    emitted_len: int = 0  # chars of `text` already handed out in deltas
+    emitted_tokens: int = 0  # output ids already handed out in deltas
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens without KV yet. A decoding request has exactly one: its newest sampled token.
+
+        Prefill and decode are one mechanism: each step computes all_ids[kv_len:kv_len + n]
+        and samples when that reaches the end of the sequence.
+        """
+        return self.seq_len - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return bool(self.output_ids) and self.num_pending == 1
+
+    @property
+    def owned_slots(self) -> int:
+        """Slots this request holds outside the tree (in-flight in the accounting identity)."""
+        return len(self.kv_slots) - self.tree_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def to_result(self) -> GenerateResult:
+        want_lp = self.params.logprobs is not None
+        e2e = (self.finish_time - self.arrival_time) if self.finish_time else None
+        ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
+        return GenerateResult(
+            rid=self.rid, text=self.text, output_ids=list(self.output_ids),
+            prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
+            completion_tokens=len(self.output_ids), finish_reason=self.finish_reason or "abort",
+            matched_stop=self.matched_stop, logprobs=list(self.output_logprobs) if want_lp else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.logprob_start_len is not None else None,
+            error=self.error, ttft_s=ttft, e2e_s=e2e)
