@@ -1,0 +1,109 @@
+"""Runtime: the DSL over an in-process Engine.
+
+Requests go through the engine's thread-safe submission (`add_request(..., on_delta=...)`) to
+its background step loop, so programs running in different threads land in the same batches.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from radixserve.lang.backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
+from radixserve.lang.roles import ChatTemplate
+
+logger = logging.getLogger(__name__)
+
+
+class Runtime(Backend):
+    """`Runtime(model_path=None, **engine_config)` starts an Engine (None = the built-in demo
+    model); `Runtime(engine=existing)` shares one. `shutdown()` stops only an engine it started."""
+
+    name = "Runtime"
+
+    def __init__(self, model_path: str | None = None, *, engine: Any = None, **engine_config: Any) -> None:
+        if engine is not None and (model_path is not None or engine_config):
+            raise ValueError("pass either engine= or model_path/engine config, not both")
+        self._owns_engine = engine is None
+        if engine is None:
+            from radixserve.scheduler import Engine
+
+            engine = Engine(model_path, **engine_config)
+        self.engine = engine
+        self.engine.start()
+        self._tokenizer = _local_tokenizer(engine)
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._tokenizer.template
+
+    def prompt_text(self, text: str) -> str:
+        return self._tokenizer.prompt_text(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer.encode(self.prompt_text(text), add_special_tokens=True))
+
+    def generate(self, prompt: str, params: dict[str, Any], on_text: TextCallback | None = None) -> GenOutput:
+        return self._wait(self._submit(prompt, params, on_text))
+
+    def generate_batch(self, prompts: list[str], params: list[dict[str, Any]]) -> list[GenOutput]:
+        # Submit all before waiting on any, so that they enter the same step.
+        pending = [self._submit(p, sp, None) for p, sp in zip(prompts, params)]
+        return [self._wait(item) for item in pending]
+
+    def shutdown(self) -> None:
+        if self._owns_engine:
+            self.engine.shutdown()
+
+    def _submit(self, prompt: str, params: dict[str, Any], on_text: TextCallback | None) -> "_Pending":
+        pending = _Pending(on_text)
+        try:
+            pending.rid = self.engine.add_request(self.prompt_text(prompt), dict(params), on_delta=pending.on_delta)
+        except ValueError as exc:
+            raise BackendError(f"request ({_describe(prompt)}) rejected by the engine: {exc}") from exc
+        return pending
+
+    def _wait(self, pending: "_Pending") -> GenOutput:
+        pending.done.wait()
+        result = pending.result
+        if result is None or result.error or result.finish_reason == "abort":
+            cause = (result.error if result is not None else None) or "aborted"
+            raise BackendError(f"request {pending.rid} failed in the engine: {cause}")
+        prompt_logprobs = None
+        if result.prompt_logprobs is not None:
+            prompt_logprobs = [lp.logprob for lp in result.prompt_logprobs]
+        return GenOutput(text=result.text, output_ids=list(result.output_ids), prompt_tokens=result.prompt_tokens,
+                         cached_tokens=result.cached_tokens, completion_tokens=result.completion_tokens,
+                         finish_reason=result.finish_reason, matched_stop=result.matched_stop,
+                         prompt_logprobs=prompt_logprobs, rid=result.rid)
+
+
+class _Pending:
+    """One submitted request: deltas arrive on the engine's loop thread."""
+
+    def __init__(self, on_text: TextCallback | None) -> None:
+        self.rid: str | None = None
+        self.on_text = on_text
+        self.done = threading.Event()
+        self.result: Any = None
+
+    def on_delta(self, delta: Any) -> None:
+        try:
+            if self.on_text is not None and delta.text:
+                self.on_text(delta.text)
+        finally:
+            if delta.finished:
+                self.result = delta.result
+                self.done.set()
+
+
+def _local_tokenizer(engine: Any) -> LocalTokenizer:
+    hf = getattr(engine.tokenizer, "hf", None)
+    if hf is not None:
+        return LocalTokenizer(hf, engine.model_path)
+    return LocalTokenizer.load(engine.model_path)
+
+
+def _describe(prompt: str) -> str:
+    head = prompt[:40].replace("\n", "\\n")
+    return f"prompt {head!r}{'...' if len(prompt) > 40 else ''}, {len(prompt)} chars"
