@@ -70,6 +70,7 @@ class FakeBackend(Backend):
             self.num_in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
             cached = self._cached_len(prompt, params.get("logprob_start_len"))
+        text = ""
         try:
             if self._latency_s:
                 time.sleep(self._latency_s)
