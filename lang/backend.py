@@ -44,6 +44,7 @@ class RequestRecord:
     kind: str  # "gen" | "select" | "prefix"
     prompt: str  # the program text it was built from; backend.encode(prompt) gives the ids the engine saw
     output: GenOutput
+    call_idx: int = 0  # which backend call of its state (a select's prompts share one)
 
 
 @dataclass

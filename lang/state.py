@@ -34,6 +34,7 @@ class ProgramState:
         self._variables: dict[str, Any] = dict(variables or {})
         self._meta: dict[str, dict[str, Any]] = {}
         self._requests: list[RequestRecord] = []
+        self._num_calls = 0  # backend calls made, for RequestRecord.call_idx
         self._events: list[tuple[str | None, str]] = []  # (variable or None, appended text), for streaming
         self._pending: collections.deque[Expr] = collections.deque()
         self._cond = threading.Condition()
@@ -77,6 +78,9 @@ class ProgramState:
     def set_var(self, name: str, value: Any) -> None:
         self.sync()
         self._variables[name] = value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.set_var(name, value)
 
     def get_meta_info(self, name: str) -> dict[str, Any]:
         """Details of the gen/select that set `name`: finish reason, token counts, choice scores."""
@@ -132,7 +136,7 @@ class ProgramState:
         self.sync()
         if cache_prefix and num_branches > 1 and self._text:
             out = _call(self.backend, "fork prefix", lambda: self.backend.prefill_only(self._text))
-            self._requests.append(RequestRecord("prefix", self._text, out))
+            self._record([RequestRecord("prefix", self._text, out)])
         branches = [ProgramState(self.backend, self._defaults, self._text, self._conv.copy(), self._variables,
                                  self._stream) for _ in range(num_branches)]
         return ProgramStateGroup(self, branches)
@@ -206,7 +210,7 @@ class ProgramState:
             self._append(out.text[len(done):], expr.name)
         else:  # the stream disagreed with the final text; the final text wins
             self._replace(prompt + out.text)
-        self._requests.append(RequestRecord("gen", prompt, out))
+        self._record([RequestRecord("gen", prompt, out)])
         if expr.name:
             self._variables[expr.name] = out.text
             self._meta[expr.name] = {"finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
@@ -218,13 +222,19 @@ class ProgramState:
         scores = _call(self.backend, label, lambda: self.backend.score_choices(self._text, expr.choices))
         values = scores.sum_logprobs if expr.method == "sum" else scores.normalized_logprobs
         best = max(range(len(values)), key=values.__getitem__)  # ties: the first choice
-        self._requests.extend(scores.records)
+        self._record(scores.records)
         self._append(expr.choices[best], expr.name)
         if expr.name:
             self._variables[expr.name] = expr.choices[best]
             self._meta[expr.name] = {"choices": scores.choices, "sum_logprobs": scores.sum_logprobs,
                                      "normalized_logprobs": scores.normalized_logprobs,
                                      "num_tokens": scores.num_tokens, "method": expr.method}
+
+    def _record(self, records: list[RequestRecord]) -> None:
+        for record in records:
+            record.call_idx = self._num_calls
+        self._num_calls += 1
+        self._requests.extend(records)
 
     def _append(self, chunk: str, var: str | None = None) -> None:
         if not chunk:
