@@ -1,0 +1,104 @@
+"""Logprob payloads in the three wire formats: OpenAI chat, OpenAI completions, SGLang native."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from radixserve.kernels.forward_io import TokenLogprob
+
+
+class TokenTexts:
+    """Per-token text and bytes, cached (the vocabulary is small and tokens repeat)."""
+
+    def __init__(self, decode_one: Callable[[int], str], token_bytes: Callable[[int], bytes] | None = None) -> None:
+        self._decode_one = decode_one
+        self._token_bytes = token_bytes
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._text.get(token_id)
+        if text is None:
+            text = self._text[token_id] = self._decode_one(token_id)
+        return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            data = self._token_bytes(token_id) if self._token_bytes is not None else None
+            if data is None:
+                data = self.text(token_id).encode("utf-8")
+            raw = self._bytes[token_id] = list(data)
+        return raw
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """`choice.logprobs` of a chat completion: {"content": [...]}."""
+    return {"content": [_chat_entry(lp.token_id, lp.logprob, texts, lp.top) for lp in entries]}
+
+
+def _chat_entry(token_id: int, logprob: float, texts: TokenTexts,
+                top: list[tuple[int, float]] | None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"token": texts.text(token_id), "logprob": logprob, "bytes": texts.bytes(token_id)}
+    if top is not None:
+        entry["top_logprobs"] = [{"token": texts.text(t), "logprob": lp, "bytes": texts.bytes(t)} for t, lp in top]
+    return entry
+
+
+class CompletionLogprobs:
+    """`choice.logprobs` of a completion, built incrementally (text_offset keeps counting)."""
+
+    def __init__(self, texts: TokenTexts, text_offset: int = 0) -> None:
+        self.texts = texts
+        self.offset = text_offset
+
+    def build(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, Any]:
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, lp in zip(token_ids, entries):
+            text = self.texts.text(token_id)
+            tokens.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            if lp is None:  # the first prompt token has no logprob
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                token_logprobs.append(lp.logprob)
+                top_logprobs.append(_top_dict(lp.top, self.texts))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+
+def _top_dict(top: list[tuple[int, float]], texts: TokenTexts) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for token_id, lp in top:
+        out.setdefault(texts.text(token_id), lp)  # distinct ids may share a text; keep the best
+    return out
+
+
+def prompt_entries(prompt_ids: list[int], start: int, prompt_logprobs: list[TokenLogprob] | None
+                   ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Prompt tokens from `start` with their logprobs; position 0 has none (None)."""
+    got = list(prompt_logprobs or [])
+    ids = prompt_ids[start:]
+    entries: list[TokenLogprob | None] = [None] if start == 0 else []
+    entries += got[: len(ids) - len(entries)]
+    entries += [None] * (len(ids) - len(entries))  # defensive: never misalign ids and values
+    return ids, entries
+
+
+def native_logprobs(ids: list[int], entries: list[TokenLogprob | None], texts: TokenTexts | None,
+                    top_num: int) -> tuple[list[list[Any]], list[Any]]:
+    """SGLang lists: [[logprob, token_id, text_or_None]] and the per-position top lists."""
+    values: list[list[Any]] = []
+    tops: list[Any] = []
+    for token_id, lp in zip(ids, entries):
+        values.append([lp.logprob if lp is not None else None, token_id, _maybe_text(texts, token_id)])
+        if lp is None:
+            tops.append(None)
+        else:
+            tops.append([[v, t, _maybe_text(texts, t)] for t, v in lp.top[:top_num]])
+    return values, tops
+
+
+def _maybe_text(texts: TokenTexts | None, token_id: int) -> str | None:
+    return texts.text(token_id) if texts is not None else None

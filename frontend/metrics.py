@@ -1,0 +1,126 @@
+"""Prometheus text exposition for /metrics: engine gauges and counters, latency histograms.
+
+Latency histograms are kept here, fed by each finished request's GenerateResult, so /metrics
+does not depend on how the engine stores its own latency lists.
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from typing import Any
+
+PREFIX = "radixserve_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# engine.stats() key -> (metric name, type, help)
+_ENGINE_METRICS = (
+    ("num_running", "num_running_reqs", "gauge", "Requests running in the engine."),
+    ("num_waiting", "num_waiting_reqs", "gauge", "Requests waiting in the engine queue."),
+    ("total_slots", "kv_slots_total", "gauge", "KV cache slots in the pool."),
+    ("free_slots", "kv_slots_free", "gauge", "KV cache slots free."),
+    ("evictable_slots", "kv_slots_evictable", "gauge", "KV cache slots held by unlocked cached prefixes."),
+    ("locked_slots", "kv_slots_locked", "gauge", "KV cache slots held by prefixes in use."),
+    ("cache_hit_rate", "cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens since start."),
+    ("num_prompt_tokens", "prompt_tokens_total", "counter", "Prompt tokens admitted."),
+    ("num_cached_tokens", "cached_tokens_total", "counter", "Prompt tokens served from the radix cache."),
+    ("num_generated_tokens", "generation_tokens_total", "counter", "Tokens generated."),
+    ("num_evicted_tokens", "evicted_tokens_total", "counter", "Tokens evicted from the radix cache."),
+    ("num_requests_finished", "requests_finished_total", "counter", "Requests finished by the engine."),
+    ("num_retractions", "retractions_total", "counter", "Requests retracted under KV pressure."),
+)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.help_text = help_text
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last = above every bucket
+        self.total = 0.0
+        self.num = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.num += 1
+
+    def render(self) -> list[str]:
+        name = PREFIX + self.name
+        lines = [f"# HELP {name} {self.help_text}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{le="+Inf"}} {self.num}')
+        lines.append(f"{name}_sum {_fmt(self.total)}")
+        lines.append(f"{name}_count {self.num}")
+        return lines
+
+
+class ServerMetrics:
+    """Thread-safe: results arrive on the event loop, renders may come from anywhere."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.tpot = Histogram("time_per_output_token_seconds", "Time per output token after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.finish_reasons: Counter[str] = Counter()
+        self.http_responses: Counter[int] = Counter()
+
+    def observe_result(self, ttft_s: float | None, e2e_s: float | None, completion_tokens: int,
+                       finish_reason: str) -> None:
+        with self._lock:
+            self.finish_reasons[finish_reason] += 1
+            if ttft_s is not None and completion_tokens > 0:
+                self.ttft.observe(ttft_s)
+            if e2e_s is not None:
+                self.e2e.observe(e2e_s)
+                if ttft_s is not None and completion_tokens > 1:
+                    self.tpot.observe(max(e2e_s - ttft_s, 0.0) / (completion_tokens - 1))
+
+    def observe_response(self, status: int) -> None:
+        with self._lock:
+            self.http_responses[status] += 1
+
+    def render(self, stats: dict[str, Any], num_in_flight: int) -> str:
+        lines: list[str] = []
+        for key, name, kind, help_text in _ENGINE_METRICS:
+            if key in stats and isinstance(stats[key], (int, float)):
+                _scalar(lines, name, kind, help_text, stats[key])
+        if "total_slots" in stats and "free_slots" in stats:
+            _scalar(lines, "kv_slots_used", "gauge", "KV cache slots not free (cached or in use).",
+                    stats["total_slots"] - stats["free_slots"])
+        _scalar(lines, "http_requests_in_flight", "gauge",
+                "Engine requests admitted by the HTTP server and not yet finished.", num_in_flight)
+        with self._lock:
+            for hist in (self.ttft, self.tpot, self.e2e):
+                lines.extend(hist.render())
+            _labelled(lines, "requests_total", "Finished requests by finish reason.", "finish_reason",
+                      dict(self.finish_reasons))
+            _labelled(lines, "http_responses_total", "HTTP responses by status code.", "code",
+                      {str(k): v for k, v in self.http_responses.items()})
+        return "\n".join(lines) + "\n"
+
+
+def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
+    full = PREFIX + name
+    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {_fmt(value)}"]
+
+
+def _labelled(lines: list[str], name: str, help_text: str, label: str, values: dict[str, int]) -> None:
+    full = PREFIX + name
+    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]
+    for key in sorted(values):
+        lines.append(f'{full}{{{label}="{key}"}} {values[key]}')
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))

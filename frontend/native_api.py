@@ -1,0 +1,119 @@
+"""SGLang-native POST /generate: same request and response shapes, so RuntimeEndpoint works unchanged."""
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.frontend.engine_client import Job, Lease
+from radixserve.frontend.errors import APIError, bad_request
+from radixserve.frontend.logprobs import TokenTexts, native_logprobs, prompt_entries
+from radixserve.frontend.native_protocol import NativeItem, NativeRequest, parse_generate_request
+from radixserve.frontend.sse import DONE, SSEResponse, collect, sse_event
+from radixserve.frontend.state import ServerState
+from radixserve.scheduler.req import GenerateResult
+from radixserve.scheduler.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
+
+
+async def generate(state: ServerState, request: Request, body: Any) -> Any:
+    req = parse_generate_request(body)
+    jobs = [_make_job(state, item, i if req.is_batch else None) for i, item in enumerate(req.items)]
+    lease = state.client.reserve(len(jobs))
+    if req.stream:
+        return SSEResponse(_native_events(state, req, jobs, lease), on_close=lease.close)
+    results = await collect(state.client, request, jobs, lease)
+    if results is None:
+        return Response(status_code=499)
+    outputs = [_output(state, item, job, r) for item, job, r in zip(req.items, jobs, results)]
+    return Response(orjson.dumps(outputs if req.is_batch else outputs[0]), media_type="application/json")
+
+
+def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
+    where = f"[{index}]" if index is not None else ""
+    if isinstance(item.prompt, str):
+        param = "text" + where
+        prompt_ids = state.encode(item.prompt, param)
+    else:
+        param = "input_ids" + where
+        prompt_ids = item.prompt
+    state.client.check_prompt(prompt_ids, param)
+    sampling = dict(item.sampling)
+    max_new = sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    state.client.check_max_tokens(len(prompt_ids), max_new, f"sampling_params{where}.max_new_tokens")
+    if item.return_logprob:
+        start = item.logprob_start_len if item.logprob_start_len >= 0 else len(prompt_ids) - 1
+        if start >= len(prompt_ids):
+            raise bad_request(f"logprob_start_len{where} ({start}) must be less than the prompt length "
+                              f"({len(prompt_ids)})", f"logprob_start_len{where}")
+        sampling["logprobs"] = item.top_logprobs_num
+        sampling["logprob_start_len"] = start
+    rid = item.rid if item.rid is not None else state.new_id("gen")
+    return Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid)
+
+
+def finish_reason(r: GenerateResult) -> dict[str, Any]:
+    if r.finish_reason == "length":
+        return {"type": "length", "length": r.completion_tokens}
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    return {"type": "abort", "message": r.error or "aborted"}
+
+
+def _output(state: ServerState, item: NativeItem, job: Job, r: GenerateResult) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": job.rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens, "finish_reason": finish_reason(r), "e2e_latency": r.e2e_s,
+    }
+    if item.return_logprob:
+        meta.update(_logprob_meta(state, item, job, r.prompt_logprobs, r.output_ids, r.logprobs or []))
+    return {"text": r.text, "output_ids": list(r.output_ids), "meta_info": meta}
+
+
+def _logprob_meta(state: ServerState, item: NativeItem, job: Job, prompt_logprobs: Any,
+                  output_ids: list[int], output_logprobs: list[Any]) -> dict[str, Any]:
+    texts: TokenTexts | None = state.texts if item.return_text_in_logprobs else None
+    top_num = item.top_logprobs_num
+    ids, entries = prompt_entries(job.prompt_ids, job.params.logprob_start_len or 0, prompt_logprobs)
+    input_values, input_tops = native_logprobs(ids, entries, texts, top_num)
+    output_values, output_tops = native_logprobs(output_ids, list(output_logprobs), texts, top_num)
+    return {"input_token_logprobs": input_values, "output_token_logprobs": output_values,
+            "input_top_logprobs": input_tops, "output_top_logprobs": output_tops}
+
+
+async def _native_events(state: ServerState, req: NativeRequest, jobs: list[Job], lease: Lease
+                         ) -> AsyncIterator[bytes]:
+    """Each event carries the cumulative text and output ids so far (SGLang's streaming format)."""
+    texts = [""] * len(jobs)
+    ids: list[list[int]] = [[] for _ in jobs]
+    logprobs: list[list[Any]] = [[] for _ in jobs]
+    try:
+        async with aclosing(state.client.stream(jobs, lease)) as deltas:
+            async for i, delta in deltas:
+                texts[i] += delta.text
+                ids[i] += delta.token_ids
+                logprobs[i] += delta.logprobs
+                if delta.finished:
+                    out = _output(state, req.items[i], jobs[i], delta.result)
+                else:
+                    out = _partial(state, req.items[i], jobs[i], texts[i], ids[i], logprobs[i])
+                if req.is_batch:
+                    out["index"] = i
+                yield sse_event(out)
+    except APIError as exc:
+        yield sse_event(exc.body())
+    yield DONE
+
+
+def _partial(state: ServerState, item: NativeItem, job: Job, text: str, output_ids: list[int],
+             output_logprobs: list[Any]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": job.rid, "prompt_tokens": len(job.prompt_ids),
+                            "completion_tokens": len(output_ids), "cached_tokens": 0, "finish_reason": None}
+    if item.return_logprob:
+        meta.update(_logprob_meta(state, item, job, None, output_ids, output_logprobs))
+        meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []  # known once finished
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}

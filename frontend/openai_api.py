@@ -1,0 +1,286 @@
+"""POST /v1/chat/completions and /v1/completions (OpenAI wire format, streamed or not)."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.frontend.engine_client import Job, Lease
+from radixserve.frontend.errors import APIError
+from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
+from radixserve.frontend.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    parse_chat_request,
+    parse_completion_request,
+)
+from radixserve.frontend.sse import DONE, SSEResponse, collect, sse_event
+from radixserve.frontend.state import ServerState
+from radixserve.frontend.tool_parser import StreamingToolParser, parse_tool_calls
+from radixserve.scheduler.req import GenerateResult, StreamDelta
+
+logger = logging.getLogger(__name__)
+
+
+async def chat_completions(state: ServerState, request: Request, body: Any) -> Any:
+    req = parse_chat_request(body, state.config.max_n)
+    common = req.common
+    state.check_model(common.model)
+    prompt_ids = state.render_chat(req.messages, req.tools)
+    state.client.check_prompt(prompt_ids, "messages")
+    max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens)
+    rid = state.new_id("chatcmpl")
+    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed,
+                           max_new_tokens=max_new, logprobs=common.logprobs)
+    lease = state.client.reserve(len(jobs))
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    if common.stream:
+        handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
+        return SSEResponse(_sse_events(state, jobs, lease, handler), on_close=lease.close)
+    results = await collect(state.client, request, jobs, lease)
+    if results is None:
+        return Response(status_code=499)
+    for r in results:
+        _raise_if_failed(r)
+    choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
+    payload = dict(head, object="chat.completion", choices=choices,
+                   usage=_usage([len(prompt_ids)], results, len(jobs)))
+    return _json(payload)
+
+
+async def completions(state: ServerState, request: Request, body: Any) -> Any:
+    req = parse_completion_request(body, state.config.max_n)
+    common = req.common
+    state.check_model(common.model)
+    prompts_ids = [state.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts]
+    for ids in prompts_ids:
+        state.client.check_prompt(ids, "prompt")
+        state.client.check_max_tokens(len(ids), common.max_tokens, "max_tokens")
+    rid = state.new_id("cmpl")
+    echo_logprobs = req.echo and common.logprobs is not None
+    jobs: list[Job] = []
+    for p, ids in enumerate(prompts_ids):
+        sub_rid = rid if len(prompts_ids) == 1 else f"{rid}-{p}"
+        jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed,
+                                max_new_tokens=common.max_tokens, logprobs=common.logprobs,
+                                logprob_start_len=0 if echo_logprobs else None)
+    lease = state.client.reserve(len(jobs))
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    echo_texts = [_echo_text(state, p, ids) for p, ids in zip(req.prompts, prompts_ids)] if req.echo else None
+    if common.stream:
+        handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
+        return SSEResponse(_sse_events(state, jobs, lease, handler), on_close=lease.close)
+    results = await collect(state.client, request, jobs, lease)
+    if results is None:
+        return Response(status_code=499)
+    for r in results:
+        _raise_if_failed(r)
+    choices = []
+    for i, (job, r) in enumerate(zip(jobs, results)):
+        echo = echo_texts[i // common.n] if echo_texts is not None else None
+        choices.append(_completion_choice(state, req, i, job, r, echo))
+    usage = _usage([len(i) for i in prompts_ids], results, common.n)
+    return _json(dict(head, object="text_completion", choices=choices, usage=usage))
+
+
+# -- shared ---------------------------------------------------------------------------------
+
+
+def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:
+    if max_tokens is None:
+        # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag.
+        return max(1, min(state.config.max_tokens_default, state.client.room_for(prompt_len)))
+    state.client.check_max_tokens(prompt_len, max_tokens, "max_tokens")
+    return max_tokens
+
+
+def _usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice); cached is the least any choice got."""
+    prompt_tokens = sum(prompt_lens)
+    cached = 0
+    for p in range(len(prompt_lens)):
+        group = results[p * n:(p + 1) * n]
+        cached += min((r.cached_tokens for r in group), default=0)
+    completion_tokens = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(payload), media_type="application/json")
+
+
+# -- chat -----------------------------------------------------------------------------------
+
+
+def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateResult) -> dict[str, Any]:
+    content, calls = parse_tool_calls(r.text) if req.tools else (r.text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    logprobs = chat_logprobs(r.logprobs or [], state.texts) if req.common.logprobs is not None else None
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": "tool_calls" if calls else r.finish_reason, "matched_stop": r.matched_stop}
+
+
+class _ChatStream:
+    """Turns engine deltas into chat.completion.chunk events (tool calls parsed on the fly)."""
+
+    def __init__(self, state: ServerState, req: ChatRequest, head: dict[str, Any], num_choices: int,
+                 prompt_len: int) -> None:
+        self.state, self.req, self.prompt_len = state, req, prompt_len
+        self.base = dict(head, object="chat.completion.chunk")
+        if req.common.include_usage:
+            self.base["usage"] = None
+        self.parsers = [StreamingToolParser() if req.tools else None for _ in range(num_choices)]
+        self.results: list[GenerateResult] = []
+
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return sse_event(dict(self.base, choices=[choice]))
+
+    def prologue(self) -> list[bytes]:
+        return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
+
+    def on_delta(self, i: int, delta: StreamDelta) -> list[bytes]:
+        parser = self.parsers[i]
+        events = [("content", delta.text)] if parser is None else parser.feed(delta.text)
+        if delta.finished and parser is not None:
+            events += parser.finish()
+        out = []
+        logprobs = None
+        if self.req.common.logprobs is not None and delta.logprobs:
+            logprobs = chat_logprobs(delta.logprobs, self.state.texts)
+        content = "".join(v for kind, v in events if kind == "content")
+        if content or logprobs is not None:
+            out.append(self.chunk(i, {"content": content}, logprobs=logprobs))
+        calls = [v for kind, v in events if kind == "tool_call"]
+        for k, call in enumerate(calls):
+            index = parser.num_calls - len(calls) + k
+            out.append(self.chunk(i, {"tool_calls": [call.to_openai(index=index)]}))
+        if delta.finished:
+            r = delta.result
+            self.results.append(r)
+            finish = "tool_calls" if parser is not None and parser.num_calls else r.finish_reason
+            out.append(self.chunk(i, {}, finish=finish))
+        return out
+
+    def epilogue(self) -> list[bytes]:
+        if not self.req.common.include_usage:
+            return []
+        usage = _usage([self.prompt_len], self.results, len(self.parsers))
+        return [sse_event(dict(self.base, choices=[], usage=usage))]
+
+
+async def _sse_events(state: ServerState, jobs: list[Job], lease: Lease, handler: Any) -> AsyncIterator[bytes]:
+    """The SSE body: handler.prologue(), events per delta, handler.epilogue(), [DONE].
+
+    An engine failure mid-stream becomes an error event (the status line is already sent).
+    """
+    for event in handler.prologue():
+        yield event
+    try:
+        async with aclosing(state.client.stream(jobs, lease)) as deltas:
+            async for i, delta in deltas:
+                if delta.finished:
+                    _raise_if_failed(delta.result)
+                for event in handler.on_delta(i, delta):
+                    yield event
+    except APIError as exc:
+        yield sse_event(exc.body())
+        yield DONE
+        return
+    for event in handler.epilogue():
+        yield event
+    yield DONE
+
+
+def _raise_if_failed(r: GenerateResult | None) -> None:
+    if r is None or r.finish_reason == "abort":
+        raise APIError(500, f"generation failed: {(r.error if r else None) or 'aborted'}", code="generation_failed")
+
+
+# -- completions ------------------------------------------------------------------------------
+
+
+def _echo_text(state: ServerState, prompt: str | list[int], ids: list[int]) -> str:
+    return prompt if isinstance(prompt, str) else state.engine.tokenizer.decode(ids)
+
+
+def _completion_choice(state: ServerState, req: CompletionRequest, index: int, job: Job, r: GenerateResult,
+                       echo: str | None) -> dict[str, Any]:
+    text = (echo or "") + r.text
+    logprobs = None
+    if req.common.logprobs is not None:
+        ids: list[int] = []
+        entries: list[Any] = []
+        if echo is not None:
+            ids, entries = prompt_entries(job.prompt_ids, 0, r.prompt_logprobs)
+        logprobs = CompletionLogprobs(state.texts).build(ids + list(r.output_ids), entries + list(r.logprobs or []))
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": r.finish_reason,
+            "matched_stop": r.matched_stop}
+
+
+class _CompletionStream:
+    """Turns engine deltas into text_completion chunks (echo and logprobs included)."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, head: dict[str, Any], jobs: list[Job],
+                 echo_texts: list[str] | None, prompt_lens: list[int]) -> None:
+        self.state, self.req, self.jobs = state, req, jobs
+        self.echo_texts, self.prompt_lens = echo_texts, prompt_lens
+        self.base = dict(head, object="text_completion")
+        if req.common.include_usage:
+            self.base["usage"] = None
+        self.want_logprobs = req.common.logprobs is not None
+        # Prompt logprobs arrive with the final result, so echo + logprobs holds a choice's events.
+        self.hold_echo = echo_texts is not None and self.want_logprobs
+        self.held: list[list[bytes]] = [[] for _ in jobs]
+        self.results: list[GenerateResult | None] = [None] * len(jobs)
+        self.builders = []
+        for job in jobs:
+            # Offsets of generated tokens continue after the echoed prompt tokens.
+            start = sum(len(state.texts.text(t)) for t in job.prompt_ids) if echo_texts is not None else 0
+            self.builders.append(CompletionLogprobs(state.texts, text_offset=start))
+
+    def chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return sse_event(dict(self.base, choices=[choice]))
+
+    def prologue(self) -> list[bytes]:
+        if self.echo_texts is None or self.hold_echo:
+            return []
+        return [self.chunk(i, self.echo_texts[i // self.req.common.n]) for i in range(len(self.jobs))]
+
+    def on_delta(self, i: int, delta: StreamDelta) -> list[bytes]:
+        out: list[bytes] = []
+        logprobs = self.builders[i].build(delta.token_ids, delta.logprobs) if self.want_logprobs else None
+        if delta.text or (logprobs is not None and delta.token_ids):
+            out.append(self.chunk(i, delta.text, logprobs=logprobs))
+        if delta.finished:
+            self.results[i] = delta.result
+            out.append(self.chunk(i, "", finish=delta.result.finish_reason))
+        if not self.hold_echo:
+            return out
+        self.held[i] += out
+        if not delta.finished:
+            return []
+        echo = _echo_chunk(self.state, self.chunk, i, self.jobs[i], self.echo_texts[i // self.req.common.n],
+                           delta.result)
+        return [echo] + self.held[i]
+
+    def epilogue(self) -> list[bytes]:
+        if not self.req.common.include_usage:
+            return []
+        usage = _usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
+        return [sse_event(dict(self.base, choices=[], usage=usage))]
+
+
+def _echo_chunk(state: ServerState, chunk: Any, index: int, job: Job, echo: str, r: GenerateResult) -> bytes:
+    ids, entries = prompt_entries(job.prompt_ids, 0, r.prompt_logprobs)
+    return chunk(index, echo, logprobs=CompletionLogprobs(state.texts).build(ids, entries))

@@ -1,0 +1,230 @@
+"""OpenAI request parsing: JSON bodies into validated ChatRequest / CompletionRequest.
+
+Every rejection is an APIError(400) naming the parameter, so clients see what to fix.
+Unknown top-level fields are ignored (clients send vendor extras); unsupported features that
+would silently change the output (constrained decoding, logit_bias, suffix) are refused.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.frontend.errors import bad_request
+from radixserve.frontend.fields import (
+    OPENAI_SAMPLING_NAMES,
+    FieldReader,
+    make_sampling_params,
+    read_openai_sampling,
+)
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class CommonOptions:
+    """What chat and completions requests share."""
+
+    model: str | None
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None = the endpoint's default
+    seed: int | None
+    logprobs: int | None  # top-k alternatives per output token; None = no logprobs
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (validated)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: CommonOptions
+    messages: list[dict[str, Any]]  # roles normalized, content flattened to strings
+    tools: list[dict[str, Any]] | None  # None when absent or tool_choice == "none"
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: CommonOptions
+    prompts: list[str | list[int]]  # one entry per prompt (OpenAI allows a batch)
+    echo: bool
+
+
+def parse_chat_request(body: Any, max_n: int) -> ChatRequest:
+    reader = FieldReader(body)
+    messages = _parse_messages(reader.raw("messages"))
+    if reader.has("max_completion_tokens"):
+        max_tokens = reader.int("max_completion_tokens", lo=1)
+    else:
+        max_tokens = reader.int("max_tokens", lo=1)
+    logprobs_on = reader.bool("logprobs", False)
+    top_logprobs = reader.int("top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs and not logprobs_on:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    _refuse_unsupported(reader)
+    tools = _parse_tools(reader)
+    common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None)
+    return ChatRequest(common=common, messages=messages, tools=tools)
+
+
+def parse_completion_request(body: Any, max_n: int) -> CompletionRequest:
+    reader = FieldReader(body)
+    prompts = _parse_prompts(reader.raw("prompt", _Missing))
+    max_tokens = reader.int("max_tokens", 16, lo=0)
+    logprobs = reader.int("logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = reader.bool("echo", False)
+    if reader.str("suffix"):
+        raise bad_request("suffix is not supported", "suffix", code="unsupported_parameter")
+    best_of = reader.int("best_of", None, lo=1)
+    _refuse_unsupported(reader)
+    common = _parse_common(reader, max_n, max_tokens, logprobs)
+    if best_of is not None and best_of != common.n:
+        raise bad_request("best_of must equal n (server-side ranking is not supported)", "best_of")
+    return CompletionRequest(common=common, prompts=prompts, echo=echo)
+
+
+class _Missing:
+    pass
+
+
+def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
+                  logprobs: int | None) -> CommonOptions:
+    n = reader.int("n", 1, lo=1, hi=max_n)
+    stream = reader.bool("stream", False)
+    options = reader.obj("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = options.bool("include_usage", False) if options is not None else False
+    seed = reader.int("seed", None, lo=-(2**63), hi=2**63 - 1)
+    sampling = read_openai_sampling(reader)
+    # Validate the whole set once (ranges, min_tokens <= max_tokens) with the client's names.
+    probe = dict(sampling, max_new_tokens=max_tokens if max_tokens is not None else sampling["min_new_tokens"],
+                 seed=seed, logprobs=logprobs)
+    make_sampling_params(probe, OPENAI_SAMPLING_NAMES)
+    model = reader.str("model")
+    return CommonOptions(model=model, n=n, stream=stream, include_usage=include_usage,
+                         max_tokens=max_tokens, seed=seed, logprobs=logprobs, sampling=sampling)
+
+
+def _refuse_unsupported(reader: FieldReader) -> None:
+    bias = reader.raw("logit_bias")
+    if bias:
+        raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported_parameter")
+    fmt = reader.obj("response_format")
+    if fmt is not None and fmt.raw("type", "text") != "text":
+        raise bad_request("response_format other than text needs constrained decoding, which is not "
+                          "supported", "response_format", code="unsupported_parameter")
+
+
+def _parse_messages(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        raise bad_request("messages is required", "messages", code="missing_required_parameter")
+    if not isinstance(raw, list):
+        raise bad_request("messages must be an array", "messages")
+    if not raw:
+        raise bad_request("messages must not be empty", "messages")
+    return [_parse_message(msg, f"messages[{i}]") for i, msg in enumerate(raw)]
+
+
+def _parse_message(raw: Any, where: str) -> dict[str, Any]:
+    reader = FieldReader(raw, prefix=where + ".")
+    role = reader.raw("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                          f"{where}.role")
+    message: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = _flatten_content(reader.raw("content"), f"{where}.content")
+    tool_calls = reader.raw("tool_calls")
+    if content is None and not (role == "assistant" and tool_calls):
+        raise bad_request(f"{where}.content is required", f"{where}.content")
+    message["content"] = content if content is not None else ""
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", f"{where}.tool_calls")
+        message["tool_calls"] = _parse_message_tool_calls(tool_calls, f"{where}.tool_calls")
+    for key in ("name", "tool_call_id"):
+        value = reader.str(key)
+        if value is not None:
+            message[key] = value
+    return message
+
+
+def _flatten_content(content: Any, where: str) -> str | None:
+    """Content as a string; a list of text parts is joined (other part types are refused)."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of text parts", where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{i}] must be a text part ({{\"type\": \"text\", \"text\": ...}}); "
+                              "other content types are not supported", f"{where}[{i}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _parse_message_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """Assistant tool calls as templates expect them: arguments decoded to an object when JSON."""
+    if not isinstance(raw, list):
+        raise bad_request(f"{where} must be an array", where)
+    calls = []
+    for i, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{i}].function.name is required", f"{where}[{i}].function.name")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                pass  # the template renders the string as given
+        calls.append({"id": call.get("id"), "type": "function",
+                      "function": {"name": fn["name"], "arguments": arguments}})
+    return calls
+
+
+def _parse_tools(reader: FieldReader) -> list[dict[str, Any]] | None:
+    raw_tools = reader.raw("tools")
+    choice = reader.raw("tool_choice", "auto")
+    if isinstance(choice, dict) or choice == "required":
+        raise bad_request("tool_choice \"required\" or a named function needs constrained decoding, which "
+                          "is not supported; use \"auto\" or \"none\"", "tool_choice", code="unsupported_parameter")
+    if choice not in ("auto", "none"):
+        raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {choice!r}", "tool_choice")
+    if raw_tools is None:
+        return None
+    if not isinstance(raw_tools, list):
+        raise bad_request("tools must be an array", "tools")
+    tools = []
+    for i, tool in enumerate(raw_tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
+        tools.append({"type": "function", "function": fn})
+    if choice == "none" or not tools:
+        return None
+    return tools
+
+
+def _parse_prompts(raw: Any) -> list[str | list[int]]:
+    """prompt: a string, a list of strings, a list of token ids, or a list of lists of ids."""
+    if raw is _Missing:
+        raise bad_request("prompt is required", "prompt", code="missing_required_parameter")
+    if isinstance(raw, str):
+        return [raw]
+    if isinstance(raw, list) and raw:
+        if all(isinstance(p, str) for p in raw):
+            return list(raw)
+        if all(_is_token_id(t) for t in raw):
+            return [list(raw)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in raw):
+            return [list(p) for p in raw]
+    raise bad_request("prompt must be a string, a list of strings, a non-empty list of token ids "
+                      "(non-negative integers) or a list of such lists", "prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,220 @@
+"""The Starlette app: routes, API-key check, body limit, error rendering; native info endpoints."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import asdict
+from typing import Any, Awaitable, Callable
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from radixserve.frontend import native_api, openai_api
+from radixserve.frontend.config import ServerConfig
+from radixserve.frontend.engine_client import EngineClient
+from radixserve.frontend.errors import APIError, bad_request
+from radixserve.frontend.logprobs import TokenTexts
+from radixserve.frontend.metrics import ServerMetrics
+from radixserve.frontend.state import ServerState
+from radixserve.scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
+
+
+def build_state(engine: Any, config: ServerConfig) -> ServerState:
+    metrics = ServerMetrics()
+    tokenizer = engine.tokenizer
+    texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), _token_bytes_fn(tokenizer))
+    return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
+                       metrics=metrics, model_name=config.model_name(engine.model_path), texts=texts,
+                       created=int(time.time()))
+
+
+def build_app(state: ServerState) -> Starlette:
+    def route(path: str, handler: Handler, methods: list[str], auth: bool = True, body: bool = False,
+              health: bool = False) -> Route:
+        return Route(path, _endpoint(state, handler, auth=auth, body=body, health=health), methods=methods)
+
+    routes = [
+        route("/v1/chat/completions", openai_api.chat_completions, ["POST"], body=True),
+        route("/v1/completions", openai_api.completions, ["POST"], body=True),
+        route("/v1/models", _list_models, ["GET"]),
+        route("/v1/models/{model:path}", _get_model, ["GET"]),
+        route("/generate", native_api.generate, ["POST"], body=True),
+        route("/get_model_info", _model_info, ["GET"]),
+        route("/get_server_info", _server_info, ["GET"]),
+        route("/flush_cache", _flush_cache, ["POST", "GET"]),
+        route("/metrics", _metrics, ["GET"]),
+        route("/health", _health, ["GET"], auth=False, health=True),
+        route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
+    ]
+    app = Starlette(routes=routes)
+    app.state.radixserve = state
+    return app
+
+
+def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, health: bool
+              ) -> Callable[[Request], Awaitable[Any]]:
+    async def endpoint(request: Request) -> Any:
+        try:
+            if auth:
+                _check_api_key(state.config.api_key, request)
+            if state.client.draining and not health:
+                raise APIError(503, "the server is shutting down", code="server_shutting_down")
+            payload = await read_json(request, state.config.max_body_bytes) if body else None
+            response = await handler(state, request, payload)
+        except APIError as exc:
+            response = exc.response()
+        except Exception as exc:  # a bug in one request must not take the server down
+            logger.exception("unhandled error in %s", request.url.path)
+            response = APIError(500, f"internal error: {exc}").response()
+        if isinstance(response, (dict, list)):
+            response = Response(orjson.dumps(response), media_type="application/json")
+        state.metrics.observe_response(getattr(response, "status_code", 200))
+        return response
+
+    return endpoint
+
+
+def _check_api_key(api_key: str | None, request: Request) -> None:
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past `limit` bytes (checked before and while reading)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+
+
+# -- small endpoints --------------------------------------------------------------------------
+
+
+async def _list_models(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+async def _get_model(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    state.check_model(request.path_params["model"])
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
+            "root": state.engine.model_path, "max_model_len": state.client.context_length}
+
+
+async def _model_info(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    path = state.engine.model_path
+    return {"model_path": path, "tokenizer_path": path, "is_generation": True,
+            "served_model_name": state.model_name, "context_length": state.client.context_length}
+
+
+async def _server_info(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    info = state.config.public_dict()
+    info.update({
+        "engine_config": asdict(state.engine.config),
+        "context_length": state.client.context_length,
+        "max_queued_requests": state.config.max_queued_requests,
+        "num_in_flight": state.client.num_in_flight,
+        "stats": state.engine.stats(),
+    })
+    return info
+
+
+async def _flush_cache(state: ServerState, request: Request, body: Any) -> Response:
+    busy = APIError(400, "cache not flushed: requests are queued or running; retry when idle", code="busy")
+    if state.client.num_in_flight:
+        raise busy
+    # flush_cache waits for the engine thread between steps: never block the event loop on it.
+    if not await asyncio.to_thread(state.engine.flush_cache):
+        raise busy
+    return PlainTextResponse("Cache flushed.\n")
+
+
+async def _metrics(state: ServerState, request: Request, body: Any) -> Response:
+    text = state.metrics.render(state.engine.stats(), state.client.num_in_flight)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def _health(state: ServerState, request: Request, body: Any) -> Response:
+    if state.client.draining:
+        raise APIError(503, "the server is shutting down", code="server_shutting_down")
+    return Response(status_code=200)
+
+
+async def _health_generate(state: ServerState, request: Request, body: Any) -> Response:
+    """Runs a one-token request through the engine."""
+    await _health(state, request, body)
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+    async def one_token() -> None:
+        async for _ in state.engine.generate_stream([0], params, rid=state.new_id("health")):
+            pass
+
+    try:
+        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+    except Exception as exc:
+        logger.warning("health_generate failed: %r", exc)
+        raise APIError(503, f"the engine did not generate: {exc!r}", code="unhealthy") from exc
+    return Response(status_code=200)
+
+
+def _token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes | None] | None:
+    """Exact bytes of a token for byte-level BPE vocabularies (a token may hold half a character)."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None:
+        hf = getattr(tokenizer, "hf", None) or getattr(tokenizer, "tokenizer", None)
+        convert = getattr(hf, "convert_ids_to_tokens", None)
+    if convert is None:
+        return None
+    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
+
+    def token_bytes(token_id: int) -> bytes | None:
+        piece = convert(token_id)
+        if not isinstance(piece, str) or not piece or any(ch not in byte_of for ch in piece):
+            return None
+        return bytes(byte_of[ch] for ch in piece)
+
+    return token_bytes
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte <-> printable-character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping

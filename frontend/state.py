@@ -1,0 +1,69 @@
+"""ServerState: what every handler needs (engine, config, admission, metrics, token texts)."""
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.frontend.config import ServerConfig
+from radixserve.frontend.engine_client import EngineClient, Job
+from radixserve.frontend.errors import APIError, bad_request
+from radixserve.frontend.logprobs import TokenTexts
+from radixserve.frontend.metrics import ServerMetrics
+from radixserve.scheduler.sampling_params import SamplingParams
+
+_SEED_MAX = 2**63 - 1
+
+
+@dataclass
+class ServerState:
+    engine: Any
+    config: ServerConfig
+    client: EngineClient
+    metrics: ServerMetrics
+    model_name: str
+    texts: TokenTexts
+    created: int
+    rng: random.Random = field(default_factory=random.Random)
+
+    def check_model(self, model: str | None) -> None:
+        """Unknown model names get 404; an absent `model` means the served one."""
+        if model is None or model in (self.model_name, self.engine.model_path):
+            return
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                       param="model", code="model_not_found")
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    def base_seed(self, seed: int | None) -> int:
+        """Choice i samples with base + i; without a seed each request draws its own base."""
+        return seed if seed is not None else self.rng.getrandbits(62)
+
+    def encode(self, text: str, param: str) -> list[int]:
+        try:
+            return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
+        except Exception as exc:  # a tokenizer refusing the text is the client's input problem
+            raise bad_request(f"could not tokenize {param}: {exc}", param) from exc
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        try:
+            ids = self.engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        except Exception as exc:  # template errors (e.g. a role order it refuses) are input errors
+            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+        return list(ids)
+
+    def make_jobs(self, prompt_ids: list[int], sampling: dict[str, Any], n: int, rid: str,
+                  seed: int | None, **overrides: Any) -> list[Job]:
+        """n engine requests for one prompt; choice i uses seed base + i."""
+        base = self.base_seed(seed)
+        jobs = []
+        for i in range(n):
+            params = SamplingParams(**dict(sampling, seed=_wrap_seed(base + i), **overrides))
+            jobs.append(Job(prompt_ids=prompt_ids, params=params, rid=f"{rid}-{i}" if n > 1 else rid))
+        return jobs
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed if seed <= _SEED_MAX else seed - 2**64

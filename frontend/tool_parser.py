@@ -1,0 +1,123 @@
+"""Tool calls in generated text: the `<tool_call>{json}</tool_call>` convention (Qwen / Hermes templates).
+
+The streaming parser sees text deltas and releases content as soon as it cannot be the start of a
+tool call; a complete `<tool_call>...</tool_call>` block becomes one ToolCall. A block whose body
+is not `{"name": ..., "arguments": ...}` JSON stays content, so nothing the model wrote is lost.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON string, as OpenAI returns it
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+class StreamingToolParser:
+    """feed(delta) -> events; an event is ("content", text) or ("tool_call", ToolCall)."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+        self._in_call = False
+        self._held_space = ""  # whitespace-only content, dropped if a tool call follows
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self._pending += text
+        events: list[tuple[str, Any]] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    return events
+                body = self._pending[:end]
+                self._pending = self._pending[end + len(TOOL_CALL_CLOSE):]
+                self._in_call = False
+                call = parse_tool_call_body(body)
+                if call is None:
+                    self._content(events, TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
+                else:
+                    self._held_space = ""
+                    self.num_calls += 1
+                    events.append(("tool_call", call))
+                continue
+            start = self._pending.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                self._content(events, self._pending[:start])
+                self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
+                self._in_call = True
+                continue
+            keep = _partial_prefix_len(self._pending, TOOL_CALL_OPEN)
+            self._content(events, self._pending[:len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            return events
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """Flushes what is left: an unterminated tool call is returned as content."""
+        events: list[tuple[str, Any]] = []
+        rest = (TOOL_CALL_OPEN if self._in_call else "") + self._pending
+        self._pending, self._in_call = "", False
+        self._content(events, rest)
+        if self._held_space and self.num_calls == 0:
+            events.append(("content", self._held_space))
+        self._held_space = ""
+        return events
+
+    def _content(self, events: list[tuple[str, Any]], text: str) -> None:
+        if not text:
+            return
+        if not text.strip():
+            self._held_space += text
+            return
+        if self._held_space and self.num_calls == 0:
+            text = self._held_space + text
+        self._held_space = ""
+        events.append(("content", text))
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Whole-text parse: (content, tool calls). With calls, content is stripped and None if empty."""
+    parser = StreamingToolParser()
+    events = parser.feed(text) + parser.finish()
+    content = "".join(value for kind, value in events if kind == "content")
+    calls = [value for kind, value in events if kind == "tool_call"]
+    if calls:
+        content = content.strip() or None
+    return content, calls
+
+
+def parse_tool_call_body(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=obj["name"], arguments=arguments)
+
+
+def _partial_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
