@@ -35,7 +35,7 @@ class StreamingToolParser:
     def __init__(self) -> None:
         self._pending = ""
         self._in_call = False
-        self._held_space = ""  # whitespace-only content, dropped if a tool call follows
+        self._held_space = ""  # whitespace-only content: dropped if a tool call follows it directly
         self.num_calls = 0
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
@@ -80,15 +80,13 @@ class StreamingToolParser:
         return events
 
     def _content(self, events: list[tuple[str, Any]], text: str) -> None:
-        if not text:
-            return
-        if not text.strip():
-            self._held_space += text
-            return
-        if self._held_space and self.num_calls == 0:
-            text = self._held_space + text
-        self._held_space = ""
-        events.append(("content", text))
+        # Trailing whitespace waits: it is dropped if a tool call follows directly, so the
+        # result does not depend on how the text was split into deltas.
+        text = self._held_space + text
+        body = text.rstrip()
+        self._held_space = text[len(body):]
+        if body:
+            events.append(("content", body))
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
