@@ -143,7 +143,7 @@ class Engine:
             self._run_batch(batch)
         t2 = time.perf_counter()
         for item in batch.items:
-            self._after_item(item.req)
+            self._after_item(item)
         self.metrics.schedule_time_s += (t1 - t0) + (time.perf_counter() - t2)
         self.metrics.forward_time_s += t2 - t1
         deltas.extend(d for d in (self.outputs.take_delta(it.req) for it in batch.items) if d is not None)
@@ -176,11 +176,12 @@ class Engine:
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
                 self.outputs.finish(req, "length")
 
-    def _after_item(self, req: Req) -> None:
+    def _after_item(self, item: BatchItem) -> None:
+        req = item.req
         if req.finish_reason is not None:
             self._finish(req)
-        elif not req.is_decoding:
-            self.kv.cache_prefix(req)  # a chunked prefix becomes shareable at once
+        elif not item.is_decode:
+            self.kv.cache_prefix(req)  # a prefilled prefix becomes shareable at once
 
     def _seq_input(self, item: BatchItem) -> SeqInput:
         req = item.req

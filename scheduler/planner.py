@@ -32,6 +32,7 @@ class BatchItem:
     req: Req
     num_tokens: int  # computes all_ids[kv_len : kv_len + num_tokens]
     sample: bool
+    is_decode: bool = False
 
 
 @dataclass
@@ -40,11 +41,11 @@ class Batch:
 
     @property
     def num_decodes(self) -> int:
-        return sum(1 for it in self.items if it.req.is_decoding)
+        return sum(1 for it in self.items if it.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items if not it.req.is_decoding)
+        return sum(it.num_tokens for it in self.items if not it.is_decode)
 
     @property
     def is_mixed(self) -> bool:
@@ -96,7 +97,7 @@ class Planner:
                 self._retract(victim)
                 if victim is req:
                     break
-        batch.items.extend(BatchItem(r, 1, True) for r in decodes if r.status is ReqStatus.RUNNING)
+        batch.items.extend(BatchItem(r, 1, True, is_decode=True) for r in decodes if r.status is ReqStatus.RUNNING)
 
     def _continue_prefills(self, batch: Batch, budget: int) -> int:
         for req in self.running:
