@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     backend = make_backend(args)
     try:
         state = tree_of_thought.run(question=args.question, backend=backend, temperature=0.0)
+        for i, approach in enumerate(state["approach"]):
+            print(f"approach {i + 1}:{approach}")
+        print(f"chosen (approach, step): {tuple(k + 1 for k in state['best'])}\n")
         print(state.text())
         kinds = [r.kind for r in state.requests]
         prompt = sum(r.output.prompt_tokens for r in state.requests)
