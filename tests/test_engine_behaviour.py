@@ -1,0 +1,159 @@
+"""Engine behaviour: cached_tokens accounting, retraction, seeded sampling, stops, abort, errors."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from _engine_helpers import make_checkpoint, shared_prefix_prompts
+from radixserve.scheduler import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "behaviour", arch="llama")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 40])
+def test_repeat_reports_cached_tokens(ckpt, page_size, prompt_len):
+    engine = Engine(ckpt, kv_cache_tokens=1024, page_size=page_size)
+    prompt = shared_prefix_prompts(1, prefix_len=prompt_len)[0][:prompt_len]
+    params = dict(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    first, = engine.generate([prompt], params)
+    second, = engine.generate([prompt], params)
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == ((prompt_len - 1) // page_size) * page_size
+    assert second.output_ids == first.output_ids
+    engine.check_integrity()
+
+
+def test_retraction_keeps_outputs(ckpt):
+    prompts = shared_prefix_prompts(8, prefix_len=24, seed=3)
+    params = dict(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    big = Engine(ckpt, kv_cache_tokens=4096)
+    expected = [r.output_ids for r in big.generate(prompts, params)]
+
+    small = Engine(ckpt, kv_cache_tokens=160, page_size=4)  # a few requests' worth
+    rids = [small.add_request(p, params) for p in prompts]
+    results, streamed = {}, {r: [] for r in rids}
+    while small.has_unfinished():
+        for d in small.step():
+            streamed[d.rid].extend(d.token_ids)
+            if d.finished:
+                results[d.rid] = d.result
+        small.check_integrity()
+    assert small.stats()["num_retractions"] >= 1
+    for rid, exp in zip(rids, expected):
+        assert results[rid].output_ids == exp
+        assert streamed[rid] == exp  # streamed tokens are never repeated or lost
+    stats = small.stats()
+    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+    assert small.flush_cache()
+    assert small.stats()["free_slots"] == small.stats()["total_slots"]
+
+
+def test_seed_independent_of_batch_mates(ckpt):
+    prompt = shared_prefix_prompts(1, prefix_len=12)[0]
+    params = dict(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], params)[0].output_ids
+    mates = shared_prefix_prompts(5, prefix_len=20, seed=9)
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    batch = engine.generate(mates + [prompt], [dict(max_new_tokens=12, temperature=1.0, ignore_eos=True)] * 5 + [params])
+    assert batch[-1].output_ids == alone
+    # A different seed gives different tokens (the test can fail).
+    other = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], dict(params, seed=99))[0].output_ids
+    assert other != alone
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(ckpt):
+    prompt = shared_prefix_prompts(1, prefix_len=10)[0]
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    greedy = engine.generate([prompt], dict(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0].output_ids
+    topk1 = engine.generate([prompt], dict(max_new_tokens=10, temperature=1.5, top_k=1, ignore_eos=True))[0].output_ids
+    assert greedy == topk1
+
+
+def test_stop_token_ids_and_strings(ckpt):
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    prompt = shared_prefix_prompts(1, prefix_len=10)[0]
+    free = engine.generate([prompt], dict(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    stop_id = free.output_ids[5]
+    res = engine.generate([prompt], dict(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                                          stop_token_ids=[stop_id]))[0]
+    first = free.output_ids.index(stop_id)
+    assert res.finish_reason == "stop" and res.matched_stop == stop_id
+    assert res.output_ids == free.output_ids[:first + 1]
+    text = free.text
+    stop_str = text[len(text) // 2: len(text) // 2 + 3]
+    if stop_str.strip():
+        res = engine.generate([prompt], dict(max_new_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop_str]))[0]
+        assert res.finish_reason == "stop" and res.matched_stop == stop_str
+        assert res.text == text[:text.index(stop_str)]
+
+
+def test_prefix_only_request_caches_prompt(ckpt):
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    prompt = shared_prefix_prompts(1, prefix_len=30)[0]
+    res = engine.generate([prompt], dict(max_new_tokens=0))[0]
+    assert res.completion_tokens == 0 and res.finish_reason == "length"
+    again = engine.generate([prompt + [11, 12]], dict(max_new_tokens=2, temperature=0.0))[0]
+    assert again.cached_tokens == len(prompt)
+
+
+def test_prompt_logprobs_match_across_chunks(ckpt):
+    prompt = shared_prefix_prompts(1, prefix_len=30)[0]
+    params = dict(max_new_tokens=1, temperature=0.0, logprob_start_len=3, logprobs=2)
+    whole = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], params)[0]
+    chunked_engine = Engine(ckpt, kv_cache_tokens=1024, chunked_prefill_size=7)
+    chunked_engine.generate([prompt[:20]], dict(max_new_tokens=1))  # a cached prefix past the start
+    chunked = chunked_engine.generate([prompt], params)[0]
+    assert len(whole.prompt_logprobs) == len(prompt) - 3
+    assert [lp.token_id for lp in whole.prompt_logprobs] == prompt[3:]
+    for a, b in zip(whole.prompt_logprobs, chunked.prompt_logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_bad_input_is_a_clear_error(ckpt):
+    engine = Engine(ckpt, kv_cache_tokens=256, context_length=128)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 2, 10**6])
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="context length"):
+        engine.add_request([5] * 100, dict(max_new_tokens=50))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request([5], dict(temperature=-1))
+    with pytest.raises(ValueError, match="unknown engine option"):
+        Engine(ckpt, kv_cache_token=5)
+    assert not engine.has_unfinished()
+
+
+def test_stream_abort_frees_kv(ckpt):
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    prompt = shared_prefix_prompts(1, prefix_len=20)[0]
+
+    async def consume(n_deltas: int):
+        got = []
+        async for delta in engine.generate_stream(prompt, dict(max_new_tokens=200, ignore_eos=True)):
+            got.append(delta)
+            if len(got) == n_deltas:
+                break  # the consumer goes away: the request must be aborted
+        return got
+
+    got = asyncio.run(consume(3))
+    assert len(got) == 3 and not got[-1].finished
+    full = asyncio.run(_collect(engine, prompt))
+    assert full[-1].finished and full[-1].result.completion_tokens == 5
+    for _ in range(200):
+        s = engine.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    s = engine.stats()
+    assert s["free_slots"] + s["evictable_slots"] == s["total_slots"] and s["locked_slots"] == 0
+    engine.shutdown()
+
+
+async def _collect(engine, prompt):
+    return [d async for d in engine.generate_stream(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))]
