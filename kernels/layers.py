@@ -1,0 +1,78 @@
+"""Building blocks of the Llama-family forward: RMSNorm, rotary embedding, SwiGLU.
+
+Numerics follow transformers' own modules (norm in float32 then cast back, rotary cos/sin
+computed in float32 then cast to the activation dtype) so fp32 runs match HF to ~1e-6.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels.model_config import RopeConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: x / rms(x) * weight, statistics in float32."""
+    input_dtype = x.dtype
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(input_dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation of a fused [gate | up] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate]
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 for the supported rope types."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.rope_theta ** exponents)  # [head_dim // 2]
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope)
+    raise ValueError(f"unsupported rope type {rope.rope_type!r}")
+
+
+class RotaryEmbedding:
+    """Neox-style (rotate-half) rotary embedding applied at arbitrary absolute positions."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device | str) -> None:
+        self.head_dim = head_dim
+        self.inv_freq = rope_inv_freq(head_dim, rope).to(device)  # [head_dim // 2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, head_dim] for positions [num_tokens], cast to the activation dtype."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim]
+    sin: torch.Tensor,  # [num_tokens, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, and the band
+    # between low_freq_wavelen and high_freq_wavelen interpolated smoothly.
+    old_len = float(rope.original_max_position_embeddings)
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

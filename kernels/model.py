@@ -1,0 +1,135 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened batch of tokens.
+
+One forward takes the new tokens of every sequence of a step side by side
+([num_tokens] ids and absolute positions) and attends over the paged KV pool through an
+attention backend. q/k/v and gate/up projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.kernels.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from radixserve.kernels.loader import take, take_optional
+from radixserve.kernels.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_w: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor  # [hidden, num_heads * head_dim]
+    o_b: torch.Tensor | None
+    q_norm: torch.Tensor | None  # [head_dim], Qwen3
+    k_norm: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor  # [hidden, intermediate]
+    down_b: torch.Tensor | None
+    sliding_window: int | None
+
+
+class CausalLM:
+    """Weights plus the forward of a Llama-family causal LM (no nn.Module: nothing to train)."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> None:
+        self.config = config
+        self.embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]
+        self.layers = [_layer_weights(config, state, i) for i in range(config.num_layers)]
+        self.final_norm = take(state, "model.norm.weight")
+        lm_head = state.pop("lm_head.weight", None)
+        if lm_head is None:
+            if not config.tie_word_embeddings:
+                raise ValueError("checkpoint is missing weight 'lm_head.weight' "
+                                 "(and tie_word_embeddings is false)")
+            lm_head = self.embed
+        self.lm_head = lm_head  # [vocab, hidden]
+        leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            logger.warning("ignoring %d unused checkpoint tensor(s), e.g. %s", len(leftover), leftover[0])
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope, device)
+        self.sm_scale = config.head_dim ** -0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64, absolute
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,  # [num_layers, num_slots, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states before the last norm
+        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [num_tokens, head_dim] each
+        for layer_idx, layer in enumerate(self.layers):
+            residual = hidden
+            x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
+            x = self._attention(x, layer, cos, sin, meta, k_cache[layer_idx], v_cache[layer_idx], backend)
+            hidden = residual + x
+            residual = hidden
+            x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
+            x = F.linear(silu_and_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)), layer.down_w, layer.down_b)
+            hidden = residual + x
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] (pre-norm) -> logits [num_rows, vocab] in float32."""
+        x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(self, x, layer: LayerWeights, cos, sin, meta, k_cache, v_cache, backend) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)  # [num_tokens, num_heads, head_dim]
+        k = apply_rotary(k, cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.sm_scale,
+                              layer.sliding_window)  # [num_tokens, num_heads, head_dim]
+        return F.linear(out.reshape(num_tokens, self.q_size), layer.o_w, layer.o_b)
+
+
+def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int) -> LayerWeights:
+    attn = f"model.layers.{idx}.self_attn."
+    mlp = f"model.layers.{idx}.mlp."
+    q_w, k_w, v_w = (take(state, attn + f"{n}_proj.weight") for n in "qkv")
+    qkv_b = None
+    if config.qkv_bias:
+        qkv_b = torch.cat([take(state, attn + f"{n}_proj.bias") for n in "qkv"])
+    return LayerWeights(
+        input_norm=take(state, f"model.layers.{idx}.input_layernorm.weight"),
+        qkv_w=torch.cat([q_w, k_w, v_w]),
+        qkv_b=qkv_b,
+        o_w=take(state, attn + "o_proj.weight"),
+        o_b=take_optional(state, attn + "o_proj.bias", config.o_bias),
+        q_norm=take_optional(state, attn + "q_norm.weight", config.qk_norm),
+        k_norm=take_optional(state, attn + "k_norm.weight", config.qk_norm),
+        post_norm=take(state, f"model.layers.{idx}.post_attention_layernorm.weight"),
+        gate_up_w=torch.cat([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
+        gate_up_b=_gate_up_bias(config, state, mlp),
+        down_w=take(state, mlp + "down_proj.weight"),
+        down_b=take_optional(state, mlp + "down_proj.bias", config.mlp_bias),
+        sliding_window=config.layer_sliding_windows[idx],
+    )
+
+
+def _gate_up_bias(config: ModelConfig, state: dict[str, torch.Tensor], mlp: str) -> torch.Tensor | None:
+    if not config.mlp_bias:
+        return None
+    return torch.cat([take(state, mlp + "gate_proj.bias"), take(state, mlp + "up_proj.bias")])

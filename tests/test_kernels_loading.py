@@ -1,0 +1,131 @@
+"""Checkpoint loading: config layouts, EOS ids, sharded weights, dtypes and clear errors."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from kernels_fixtures import hf_logits, load_hf, make_checkpoint, make_prompts
+from kernels_fixtures import single_thread  # noqa: F401  (fixture)
+from radixserve.kernels import ModelRunner, RopeConfig, SeqInput, load_model_config
+from radixserve.kernels.model_config import parse_model_config
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama_load"), "llama", seed=7)
+
+
+def _copy_with_config(src: str, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        raw = json.load(f)
+    edit(raw)
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    return str(dst)
+
+
+def _prompt_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    seq = SeqInput(input_ids=prompt, prefix_len=0, slot_ids=list(range(len(prompt))), sample=False)
+    return runner.forward_logits([seq])[0]
+
+
+def test_config_fields_and_eos_ids(llama_path):
+    cfg = load_model_config(llama_path)
+    assert cfg.architecture == "LlamaForCausalLM"
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (64, 2, 4, 2, 16)
+    assert cfg.vocab_size == 256 and cfg.sliding_window is None
+    assert cfg.eos_token_ids == (2, 3)  # generation_config.json's list, then config.json's 2
+    assert cfg.rope == RopeConfig(rope_type="default", rope_theta=10000.0)
+
+
+def test_old_and_new_rope_layouts_agree():
+    base = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4,
+                num_hidden_layers=2, intermediate_size=128, vocab_size=256, eos_token_id=5)
+    new = parse_model_config({**base, "rope_parameters": LLAMA3_ROPE})
+    old_scaling = {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    old = parse_model_config({**base, "rope_theta": 5000.0, "rope_scaling": old_scaling}, {"eos_token_id": 9})
+    assert new.rope == old.rope and new.rope.original_max_position_embeddings == 32
+    assert old.eos_token_ids == (9, 5) and new.eos_token_ids == (5,)
+    legacy_type = parse_model_config({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert legacy_type.rope == RopeConfig(rope_type="linear", rope_theta=10000.0, factor=2.0)
+
+
+def test_qwen2_sliding_window_layers():
+    base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=4,
+                num_hidden_layers=4, intermediate_size=128, vocab_size=256, sliding_window=32)
+    assert parse_model_config(base).layer_sliding_windows == (None,) * 4  # use_sliding_window off
+    on = parse_model_config({**base, "use_sliding_window": True, "max_window_layers": 2})
+    assert on.layer_sliding_windows == (None, None, 32, 32) and on.sliding_window == 32
+    assert on.qkv_bias and not on.o_bias
+
+
+def test_sharded_checkpoint_loads_and_matches(tmp_path):
+    path = make_checkpoint(tmp_path / "sharded", "qwen2", seed=3, max_shard_size="40KB")
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        shards = set(json.load(f)["weight_map"].values())
+    assert len(shards) > 1
+    runner = ModelRunner(path, num_slots=64, attention_backend="torch", device="cpu")
+    prompt = make_prompts(1, shared_len=0, tail_lens=[20], vocab=256, seed=1)[0]
+    assert torch.allclose(_prompt_logits(runner, prompt), hf_logits(load_hf(path), prompt), atol=1e-4)
+
+
+def test_bfloat16_runs_close_to_float32(llama_path):
+    fp32 = ModelRunner(llama_path, num_slots=64, dtype="auto", attention_backend="torch", device="cpu")
+    bf16 = ModelRunner(llama_path, num_slots=64, dtype="bfloat16", attention_backend="torch", device="cpu",
+                       context_length=100)
+    assert fp32.dtype == torch.float32 and fp32.config.dtype == "float32"  # "auto" on the CPU
+    assert bf16.k_cache.dtype == torch.bfloat16 and bf16.config.dtype == "bfloat16"
+    assert bf16.context_length == 100 and fp32.context_length == 256
+    prompt = make_prompts(1, shared_len=0, tail_lens=[12], vocab=256, seed=4)[0]
+    a, b = _prompt_logits(fp32, prompt), _prompt_logits(bf16, prompt)
+    assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda raw: raw.update(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
+    (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
+    (lambda raw: raw.update(hidden_act="gelu"), "gelu"),
+])
+def test_unsupported_config_is_a_clear_error(llama_path, tmp_path, edit, message):
+    path = _copy_with_config(llama_path, tmp_path / "bad", edit)
+    with pytest.raises(ValueError, match=message):
+        ModelRunner(path, num_slots=8, device="cpu")
+
+
+def test_missing_files_are_clear_errors(llama_path, tmp_path):
+    no_weights = _copy_with_config(llama_path, tmp_path / "no_weights", lambda raw: None)
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"safetensors"):
+        ModelRunner(no_weights, num_slots=8, device="cpu")
+    with open(os.path.join(no_weights, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}, f)
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+        ModelRunner(no_weights, num_slots=8, device="cpu")
+    with pytest.raises(ValueError, match="config.json"):
+        ModelRunner(str(tmp_path), num_slots=8, device="cpu")
+    with pytest.raises(ValueError, match="not a directory"):
+        ModelRunner(str(tmp_path / "nowhere"), num_slots=8, device="cpu")
+
+
+def test_bad_runner_arguments_and_inputs(llama_path):
+    with pytest.raises(ValueError, match="attention_backend"):
+        ModelRunner(llama_path, num_slots=8, attention_backend="flash", device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        ModelRunner(llama_path, num_slots=8, dtype="int8", device="cpu")
+    runner = ModelRunner(llama_path, num_slots=8, device="cpu", context_length=6)
+    with pytest.raises(ValueError, match="slot_ids"):
+        runner.forward([SeqInput(input_ids=[5, 6], prefix_len=0, slot_ids=[0], sample=True)])
+    with pytest.raises(ValueError, match="slot ids"):
+        runner.forward([SeqInput(input_ids=[5], prefix_len=0, slot_ids=[8], sample=True)])
+    with pytest.raises(ValueError, match="context length"):
+        runner.forward([SeqInput(input_ids=[5] * 7, prefix_len=0, slot_ids=list(range(7)), sample=True)])
