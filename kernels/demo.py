@@ -1,0 +1,228 @@
+"""Checkpoints built locally, with no download: seeded random Llama-family models for tests and benchmarks, the
+built-in demo model, and (in demo_scripted) checkpoints that emit fixed scripts.
+
+Every builder writes a directory that transformers loads as is: config.json, model.safetensors,
+generation_config.json (eos_token_id = [<|im_end|>, <|endoftext|>]) and the tokenizer of demo_tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+from radixserve.kernels import demo_corpus
+from radixserve.kernels.demo_scripted import build_scripted_checkpoint
+from radixserve.kernels.demo_tokenizer import (
+    CHAT_TEMPLATE,
+    MIN_VOCAB_SIZE,
+    build_tokenizer,
+    special_token_ids,
+    write_generation_config,
+)
+
+__all__ = [
+    "build_checkpoint",
+    "build_scripted_checkpoint",
+    "build_tokenizer",
+    "cache_root",
+    "cached_checkpoint",
+    "cached_scripted_checkpoint",
+    "demo_model_path",
+    "scripted_model_path",
+    "SCRIPTS",
+    "special_token_ids",
+    "write_generation_config",
+    "DEMO_CONFIG",
+]
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The built-in demo model (a small random Llama). Bump _DEMO_VERSION when the builder's output changes in a way
+# the fingerprint below (config + corpus + template source) does not see.
+DEMO_CONFIG: dict[str, Any] = dict(
+    arch="llama", seed=0, vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+    intermediate_size=688, max_position_embeddings=4096,
+)
+_DEMO_VERSION = "demo-v1"
+
+
+def build_checkpoint(
+    out_dir: str,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 2048,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+    initializer_range: float = 0.02,
+    dtype: str = "float32",
+    tokenizer: bool = True,
+    max_position_embeddings: int = 2048,
+    max_shard_size: int | str | None = None,
+    **config_overrides: Any,
+) -> str:
+    """Build a seeded random checkpoint of `arch` (llama, qwen2, qwen3, mistral) in out_dir and return out_dir.
+
+    config_overrides go to the transformers config as is (rope_theta, rope_scaling, sliding_window,
+    tie_word_embeddings, attention_bias, ...). max_shard_size (e.g. "200KB") makes save_pretrained shard the
+    weights with a model.safetensors.index.json. Same arguments, same files.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if tokenizer and vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} to ship the tokenizer, got {vocab_size}")
+    config = _make_config(
+        arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
+        initializer_range=initializer_range,
+        max_position_embeddings=max_position_embeddings,
+        **_special_ids_for_config(vocab_size),
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = _model_class(arch)(config).to(DTYPES[dtype]).eval()
+    save_model(model, out_dir, max_shard_size=max_shard_size)
+    if tokenizer:
+        build_tokenizer(out_dir, vocab_size)
+    return out_dir
+
+
+def save_model(model: torch.nn.Module, out_dir: str, *, max_shard_size: int | str | None = None) -> None:
+    """save_pretrained (safetensors) plus our generation_config.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    write_generation_config(out_dir, model.config.vocab_size)
+
+
+# Scripts of the standard scripted checkpoint (scripted_model_path()): a tool call, a stop string with text after
+# it, multi-byte characters split across tokens (the emoji's 4 bytes are 4 tokens), and a plain answer.
+SCRIPTS: dict[str, str] = {
+    "weather": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    "story": "Once upon a time a small robot learned to sing. STOP And then it slept.",
+    "emoji": "héllo 世界🚀 ok",
+    "hello": "Hello! How can I help you today?",
+}
+
+
+def scripted_model_path() -> str:
+    """The standard scripted checkpoint (SCRIPTS), built once into the cache. A prompt containing one trigger word
+    (e.g. "What is the weather?") gets that script then EOS; a prompt without a trigger gets EOS at once."""
+    return cached_scripted_checkpoint(SCRIPTS)
+
+
+def demo_model_path() -> str:
+    """The built-in demo model's directory: built on first use under cache_root(), reused afterwards."""
+    fingerprint = _fingerprint(DEMO_CONFIG, demo_corpus.corpus(), CHAT_TEMPLATE)
+    path = _cached_dir(f"{_DEMO_VERSION}-{fingerprint}", lambda d: build_checkpoint(d, **DEMO_CONFIG))
+    logger.warning(
+        "Using the built-in demo model (%s): a small Llama with RANDOM weights, so its text is gibberish. "
+        "Pass a checkpoint directory to serve a real model.", path,
+    )
+    return path
+
+
+def cached_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
+    """build_checkpoint(dir, arch, **kwargs) into the cache, keyed by the arguments; reused across processes."""
+    key = _fingerprint(dict(arch=arch, **kwargs), inspect.getsource(_model_class), demo_corpus.corpus())
+    return _cached_dir(f"ckpt-{arch}-{key}", lambda d: build_checkpoint(d, arch, **kwargs))
+
+
+def cached_scripted_checkpoint(chains: dict[str, Any], **kwargs: Any) -> str:
+    """build_scripted_checkpoint(dir, chains, **kwargs) into the cache, keyed by the arguments."""
+    from radixserve.kernels import demo_scripted
+
+    key = _fingerprint(dict(chains=chains, **kwargs), inspect.getsource(demo_scripted), demo_corpus.corpus())
+    return _cached_dir(f"scripted-{key}", lambda d: build_scripted_checkpoint(d, chains, **kwargs))
+
+
+def cache_root() -> str:
+    """$RADIXSERVE_CACHE, else ~/.cache/radixserve (or a temp-dir fallback when home is not writable)."""
+    root = os.environ.get("RADIXSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError:
+        root = os.path.join(tempfile.gettempdir(), f"radixserve-cache-{os.getuid()}")
+        os.makedirs(root, exist_ok=True)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cached_dir(name: str, build: Callable[[str], Any]) -> str:
+    """Build into a temp dir beside the target, then rename: concurrent processes never see a half-built dir."""
+    root = cache_root()
+    final = os.path.join(root, name)
+    if os.path.isdir(final):
+        return final
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root)
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, final)
+            logger.info("built %s", final)
+        except OSError:
+            if not os.path.isdir(final):  # not the "another process won the race" case
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _fingerprint(*parts: Any) -> str:
+    text = json.dumps(parts, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def _special_ids_for_config(vocab_size: int) -> dict[str, Any]:
+    if vocab_size < MIN_VOCAB_SIZE:
+        return {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    ids = special_token_ids(vocab_size)
+    return {"bos_token_id": None, "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
+
+
+def _make_config(arch: str, **kwargs: Any):
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[arch]
+    return cls(**kwargs)
+
+
+def _model_class(arch: str):
+    import transformers
+
+    return {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+    }[arch]
+
