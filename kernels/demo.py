@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from typing import Any, Callable
 
@@ -146,7 +147,11 @@ def demo_model_path() -> str:
 
 def cached_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
     """build_checkpoint(dir, arch, **kwargs) into the cache, keyed by the arguments; reused across processes."""
-    key = _fingerprint(dict(arch=arch, **kwargs), inspect.getsource(_model_class), demo_corpus.corpus())
+    from radixserve.kernels import demo_tokenizer
+
+    # Keyed by this module's and the tokenizer module's source too: editing a builder invalidates old entries.
+    key = _fingerprint(dict(arch=arch, **kwargs), inspect.getsource(sys.modules[__name__]),
+                       inspect.getsource(demo_tokenizer), demo_corpus.corpus())
     return _cached_dir(f"ckpt-{arch}-{key}", lambda d: build_checkpoint(d, arch, **kwargs))
 
 
