@@ -32,8 +32,9 @@ def hf_tokenizer():
 
     from radixserve.kernels.demo import cached_checkpoint
 
-    path = cached_checkpoint("llama", seed=3, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                             intermediate_size=128)
+    # The HTTP and lang backend tests' tiny checkpoint: CI builds it once.
+    path = cached_checkpoint("llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=128, max_position_embeddings=1024, seed=3)
     return AutoTokenizer.from_pretrained(path)
 
 
