@@ -1,0 +1,354 @@
+"""Device check for the Triton attention kernels (python -m radixserve.bench.device_check).
+
+On a CUDA machine: checks the Triton kernels against the torch reference (bf16, and fp32
+at a tight tolerance that TF32 would fail), times them against the reference and against
+torch SDPA on contiguous KV (CUDA events, after a warm-up), reports decode's achieved
+memory bandwidth (bytes of K/V read / time), and writes bench/results/device_check.json
+plus a Markdown table. Without CUDA it prints what it would measure and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tqdm import tqdm
+
+from radixserve.kernels.attention.base import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BF16_ATOL = 2e-2  # bf16 keeps 8 mantissa bits; outputs are O(1)
+FP32_ATOL = 1e-5  # a TF32 dot (10-bit mantissa) would miss this by ~100x on short contexts
+SM90_SHARED_BYTES = 232448  # H100/H200 per-block shared memory (opt-in maximum)
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "decode" | "extend"
+    num_seqs: int
+    prefix_len: int  # cached tokens per sequence (decode: the whole context before the new token)
+    q_len: int  # new tokens per sequence (1 for decode)
+    num_q_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kind} bs={self.num_seqs} prefix={self.prefix_len} q={self.q_len} "
+                f"heads={self.num_q_heads}/{self.num_kv_heads} d={self.head_dim}")
+
+
+# Llama-3-8B-like heads; contexts sized so each case runs in well under a second.
+CASES = [
+    Case("decode", 1, 8191, 1),
+    Case("decode", 32, 2047, 1),
+    Case("decode", 128, 1023, 1),
+    Case("decode", 64, 4095, 1, num_q_heads=32, num_kv_heads=32),
+    Case("extend", 1, 0, 4096),
+    Case("extend", 4, 1024, 512),
+    Case("extend", 16, 300, 37),
+]
+QUICK_CASES = [Case("decode", 4, 1000, 1), Case("extend", 2, 100, 200)]
+
+
+@dataclass
+class PagedBatch:
+    """A ragged batch over a pool whose pages are scattered (page order shuffled)."""
+
+    meta: AttentionMetadata
+    k_cache: torch.Tensor  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor  # [num_slots, num_kv_heads, head_dim]
+    k_new: torch.Tensor  # [num_tokens, num_kv_heads, head_dim], not yet stored
+    v_new: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    slot_lists: list[list[int]] = field(default_factory=list)  # per seq, every position's slot
+
+
+def make_paged_batch(prefix_lens: list[int], q_lens: list[int], *, page_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                     seed: int = 0, spare_pages: int = 3) -> PagedBatch:
+    """Random K/V for a ragged batch: prefixes already in the pool, new tokens in k_new/v_new.
+
+    Pages are handed out in a shuffled order so no sequence is contiguous. Slots that belong
+    to nobody hold NaN (except page 0, which the reference gathers for padding), so a kernel
+    that reads outside a sequence's range shows up as NaN in its output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    pages_per_seq = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    slot_lists, next_page = [], 0
+    for kv_len, num_seq_pages in zip(kv_lens, pages_per_seq):
+        pages = order[next_page:next_page + num_seq_pages]
+        next_page += num_seq_pages
+        slot_lists.append([pages[j // page_size] * page_size + j % page_size for j in range(kv_len)])
+
+    num_slots = num_pages * page_size
+    shape = (num_slots, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    k_cache[:page_size] = torch.randn((page_size, num_kv_heads, head_dim), generator=gen)
+    v_cache[:page_size] = torch.randn((page_size, num_kv_heads, head_dim), generator=gen)
+    for slots, prefix_len in zip(slot_lists, prefix_lens):
+        idx = torch.tensor(slots[:prefix_len], dtype=torch.long)
+        k_cache[idx] = torch.randn((prefix_len, num_kv_heads, head_dim), generator=gen)
+        v_cache[idx] = torch.randn((prefix_len, num_kv_heads, head_dim), generator=gen)
+    num_tokens = sum(q_lens)
+    k_new = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
+    v_new = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
+
+    meta = make_meta(prefix_lens, q_lens, slot_lists, device)
+    return PagedBatch(meta, k_cache.to(device=device, dtype=dtype), v_cache.to(device=device, dtype=dtype),
+                      k_new.to(device=device, dtype=dtype), v_new.to(device=device, dtype=dtype), slot_lists)
+
+
+def make_meta(prefix_lens: list[int], q_lens: list[int], slot_lists: list[list[int]],
+              device: str | torch.device) -> AttentionMetadata:
+    """Metadata for one step; slot_lists[i] holds the slots of positions 0 .. kv_len - 1."""
+    kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
+    cumsum = lambda xs: [0] + [sum(xs[:i + 1]) for i in range(len(xs))]  # noqa: E731
+    out_slots = [s for slots, p in zip(slot_lists, prefix_lens) for s in slots[p:]]
+    i32 = dict(dtype=torch.int32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(cumsum(q_lens), **i32),
+        kv_indptr=torch.tensor(cumsum(kv_lens), **i32),
+        kv_indices=torch.tensor([s for slots in slot_lists for s in slots], **i64),
+        prefix_lens=torch.tensor(prefix_lens, **i32),
+        kv_lens=torch.tensor(kv_lens, **i32),
+        out_slot_ids=torch.tensor(out_slots, **i64),
+        max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+        q_lens_list=list(q_lens), kv_lens_list=kv_lens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--quick", action="store_true", help="two tiny cases (smoke test)")
+    parser.add_argument("--dry-run", action="store_true", help="only print the plan")
+    parser.add_argument("--compile-check", action="store_true",
+                        help="also compile the kernels for sm_90 (no GPU needed; needs TRITON_INTERPRET unset)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cases = QUICK_CASES if args.quick else CASES
+    if args.compile_check and not compile_check():
+        return 1
+    if args.dry_run or not torch.cuda.is_available():
+        _print_plan(cases, args.out_dir)
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be exact fp32 too
+    started = time.perf_counter()
+    rows = [_run_case(case) for case in tqdm(cases, desc="device check")]
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "bf16_atol": BF16_ATOL,
+        "fp32_atol": FP32_ATOL,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "cases": rows,
+    }
+    _write(report, args.out_dir)
+    failed = [r["case"] for r in rows if not r["ok"]]
+    if failed:
+        logger.error("accuracy check FAILED for: %s", failed)
+        return 1
+    return 0
+
+
+def _run_case(case: Case) -> dict:
+    from radixserve.kernels.attention import torch_ref, triton_decode, triton_extend, triton_store
+
+    is_decode = case.kind == "decode"
+    kernel = triton_decode.decode_attention if is_decode else triton_extend.extend_attention
+    reference = torch_ref.decode_attention if is_decode else torch_ref.extend_attention
+    batch = make_paged_batch([case.prefix_len] * case.num_seqs, [case.q_len] * case.num_seqs,
+                             page_size=case.page_size, num_kv_heads=case.num_kv_heads,
+                             head_dim=case.head_dim, dtype=torch.bfloat16, device="cuda")
+    meta, k_cache, v_cache = batch.meta, batch.k_cache, batch.v_cache
+    num_tokens = case.num_seqs * case.q_len
+    q = torch.randn((num_tokens, case.num_q_heads, case.head_dim), device="cuda",
+                    dtype=torch.bfloat16)  # [num_tokens, num_q_heads, head_dim]
+    sm_scale = case.head_dim ** -0.5
+
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_ref.store_kv(ref_k, ref_v, batch.k_new, batch.v_new, meta.out_slot_ids)
+    triton_store.store_kv(k_cache, v_cache, batch.k_new, batch.v_new, meta.out_slot_ids)
+    store_ok = bool(torch.equal(ref_k.nan_to_num(), k_cache.nan_to_num())
+                    and torch.equal(ref_v.nan_to_num(), v_cache.nan_to_num()))
+    del ref_k, ref_v
+
+    k32, v32, q32 = k_cache.float(), v_cache.float(), q.float()
+    expected = reference(q32, k32, v32, meta, sm_scale)  # [num_tokens, num_q_heads, head_dim] fp32
+    err_bf16 = _max_err(kernel(q, k_cache, v_cache, meta, sm_scale), expected)
+    err_fp32 = _max_err(kernel(q32, k32, v32, meta, sm_scale), expected)
+    del k32, v32, q32, expected
+    torch.cuda.empty_cache()
+
+    k_new, v_new, slots = batch.k_new, batch.v_new, meta.out_slot_ids
+    row = {
+        "case": case.label, **asdict(case),
+        "store_ok": store_ok, "max_err_bf16": err_bf16, "max_err_fp32": err_fp32,
+        "ok": store_ok and err_bf16 <= BF16_ATOL and err_fp32 <= FP32_ATOL,
+        "store_ms": _time_ms(lambda: triton_store.store_kv(k_cache, v_cache, k_new, v_new, slots)),
+        "triton_ms": _time_ms(lambda: kernel(q, k_cache, v_cache, meta, sm_scale)),
+        "torch_ref_ms": _time_ms(lambda: reference(q, k_cache, v_cache, meta, sm_scale), iters=5),
+        "sdpa_ms": _time_sdpa(case, q),
+    }
+    kv_bytes = sum(meta.kv_lens_list) * case.num_kv_heads * case.head_dim * 2 * k_cache.element_size()
+    row["kv_gb_per_s"] = kv_bytes / row["triton_ms"] / 1e6 if is_decode else None
+    row["sdpa_kv_gb_per_s"] = kv_bytes / row["sdpa_ms"] / 1e6 if is_decode else None
+    causal_pairs = sum(case.q_len * case.prefix_len + case.q_len * (case.q_len + 1) // 2
+                       for _ in range(case.num_seqs))
+    row["triton_tflops"] = 4 * causal_pairs * case.num_q_heads * case.head_dim / row["triton_ms"] / 1e9
+    logger.info("%s: err bf16 %.2e fp32 %.2e, triton %.3f ms, ref %.3f ms, sdpa %.3f ms",
+                case.label, err_bf16, err_fp32, row["triton_ms"], row["torch_ref_ms"], row["sdpa_ms"])
+    return row
+
+
+def _time_sdpa(case: Case, q: torch.Tensor) -> float:
+    """SDPA over the same shapes with each sequence's KV contiguous (the no-paging baseline)."""
+    kv_len = case.prefix_len + case.q_len
+    q4 = q.view(case.num_seqs, case.q_len, case.num_q_heads, case.head_dim).transpose(1, 2)  # [b, hq, q, d]
+    k4 = torch.randn((case.num_seqs, case.num_kv_heads, kv_len, case.head_dim), device="cuda",
+                     dtype=q.dtype)  # [b, hkv, kv, d]
+    v4 = torch.randn_like(k4)
+    mask = None
+    if case.q_len > 1 and case.prefix_len > 0:  # causal with an offset: SDPA's is_causal is top-left
+        rows = torch.arange(case.q_len, device="cuda")[:, None] + case.prefix_len
+        mask = torch.arange(kv_len, device="cuda")[None, :] <= rows  # [q, kv]
+    causal = case.q_len > 1 and mask is None
+
+    def run() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal,
+                                              scale=case.head_dim ** -0.5, enable_gqa=True)
+    return _time_ms(run)
+
+
+def _time_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Median CUDA-event time of fn in milliseconds, after a warm-up (which also compiles)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _max_err(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected).abs().max())
+
+
+def compile_check(arch: int = 90) -> bool:
+    """Compile each kernel (production bf16 tiles, and fp32 with the largest tiles) for a CUDA
+    arch through ptxas, without a GPU: catches GPU-only errors (tl.dot shapes, dtypes,
+    input_precision) and shared-memory overuse on CPU-only CI."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from radixserve.kernels.attention import triton_decode, triton_extend, triton_store
+
+    if triton_store.kernels_interpreted():
+        raise ValueError("compile_check needs compiled kernels: unset TRITON_INTERPRET")
+    precision = triton_extend.DOT_PRECISION  # what the wrappers pass
+    store, extend = triton_store._store_kv_kernel, triton_extend._extend_kernel
+    split, merge = triton_decode._decode_split_kernel, triton_decode._decode_merge_kernel
+    variants = [  # (kernel, dtype, constexprs), tiles as the wrappers pick them for 32 q / 8 kv heads, d 128
+        (store, "bf16", dict(BLOCK_T=4, BLOCK_E=1024)),
+        (extend, "bf16", dict(BLOCK_M=16, BLOCK_G=4, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
+        (extend, "fp32", dict(BLOCK_M=32, BLOCK_G=1, BLOCK_N=32, BLOCK_D=128, PRECISION=precision)),
+        (split, "bf16", dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, PRECISION=precision, DIRECT=False)),
+        (split, "fp32", dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, PRECISION=precision, DIRECT=True)),
+        (merge, "bf16", dict(BLOCK_S=16, BLOCK_D=128)),
+    ]
+    ok = True
+    for kernel, dtype, constexprs in variants:
+        signature = {name: _arg_type(name, dtype) for name in kernel.arg_names}
+        signature.update({name: "constexpr" for name in constexprs})
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32), options={"num_warps": 4, "num_stages": 2})
+        fits = compiled.metadata.shared <= SM90_SHARED_BYTES
+        # fp32 tiles must multiply in true fp32: no TF32 tensor-core instruction in the PTX.
+        no_tf32 = dtype != "fp32" or "tf32" not in compiled.asm["ptx"]
+        ok &= fits and no_tf32
+        print(f"compiled {kernel.__name__} {dtype} {constexprs} for sm_{arch}: "
+              f"{compiled.metadata.shared} B shared memory{'' if fits else ' (TOO MUCH)'}"
+              f"{'' if no_tf32 else ', USES TF32'}")
+    return ok
+
+
+def _arg_type(name: str, dtype: str) -> str:
+    if name in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_lens_ptr"):
+        return "*i32"
+    if name in ("kv_indices_ptr", "slot_ids_ptr"):
+        return "*i64"
+    if name.startswith("mid_"):
+        return "*fp32"
+    if name.endswith("_ptr"):
+        return "*" + dtype
+    return "fp32" if name == "qk_scale" else "i32"
+
+
+def _print_plan(cases: list[Case], out_dir: Path) -> None:
+    print("No CUDA device (or --dry-run): nothing measured. On a CUDA machine this script would:")
+    print("  - check Triton store/extend/decode against the torch reference in bf16 (atol 2e-2) "
+          "and in fp32 (atol 1e-5, which TF32 dots would fail)")
+    print("  - time each (CUDA events, warm-up, median) against the torch reference and "
+          "torch SDPA on contiguous KV")
+    print("  - report decode's achieved memory bandwidth = bytes of K/V read / kernel time")
+    print(f"  - write {out_dir / 'device_check.json'} and {out_dir / 'device_check.md'}")
+    print("Cases (bf16, pages of 16 slots placed non-contiguously):")
+    for case in cases:
+        print(f"  {case.label}")
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "missing"
+
+
+def _write(report: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# Triton attention device check ({report['device']})", "",
+             f"torch {report['torch']}, triton {report['triton']}; median times in ms (bf16); "
+             "speed-up = other ms / triton ms; errors are max abs vs an fp32 reference.", "",
+             "| case | err bf16 | err fp32 | triton ms | torch ref ms | SDPA ms | speed-up vs ref | vs SDPA "
+             "| KV GB/s | TFLOP/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["cases"]:
+        gbps = "-" if r["kv_gb_per_s"] is None else f"{r['kv_gb_per_s']:.0f} (SDPA {r['sdpa_kv_gb_per_s']:.0f})"
+        lines.append(f"| {r['case']} | {r['max_err_bf16']:.1e} | {r['max_err_fp32']:.1e} | {r['triton_ms']:.3f} "
+                     f"| {r['torch_ref_ms']:.3f} | {r['sdpa_ms']:.3f} | {r['torch_ref_ms'] / r['triton_ms']:.1f}x "
+                     f"| {r['sdpa_ms'] / r['triton_ms']:.2f}x | {gbps} | {r['triton_tflops']:.1f} |")
+    (out_dir / "device_check.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
