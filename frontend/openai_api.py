@@ -50,6 +50,10 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
     payload = dict(head, object="chat.completion", choices=choices,
                    usage=_usage([len(prompt_ids)], results, len(jobs)))
+    if common.return_token_ids:
+        payload["prompt_token_ids"] = prompt_ids
+        for choice, r in zip(choices, results):
+            choice["token_ids"] = list(r.output_ids)
     return _json(payload)
 
 
@@ -85,7 +89,12 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
         echo = echo_texts[i // common.n] if echo_texts is not None else None
         choices.append(_completion_choice(state, req, i, job, r, echo))
     usage = _usage([len(i) for i in prompts_ids], results, common.n)
-    return _json(dict(head, object="text_completion", choices=choices, usage=usage))
+    payload = dict(head, object="text_completion", choices=choices, usage=usage)
+    if common.return_token_ids:
+        payload["prompt_token_ids"] = prompts_ids if len(prompts_ids) > 1 else prompts_ids[0]
+        for choice, r in zip(choices, results):
+            choice["token_ids"] = list(r.output_ids)
+    return _json(payload)
 
 
 # -- shared ---------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class CommonOptions:
     max_tokens: int | None  # None = the endpoint's default
     seed: int | None
     logprobs: int | None  # top-k alternatives per output token; None = no logprobs
+    return_token_ids: bool  # extension: prompt_token_ids / choice token_ids in the response
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (validated)
 
 
@@ -103,7 +104,8 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
     make_sampling_params(probe, OPENAI_SAMPLING_NAMES)
     model = reader.str("model")
     return CommonOptions(model=model, n=n, stream=stream, include_usage=include_usage,
-                         max_tokens=max_tokens, seed=seed, logprobs=logprobs, sampling=sampling)
+                         max_tokens=max_tokens, seed=seed, logprobs=logprobs,
+                         return_token_ids=reader.bool("return_token_ids", False), sampling=sampling)
 
 
 def _refuse_unsupported(reader: FieldReader) -> None:

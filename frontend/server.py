@@ -188,20 +188,29 @@ async def _health_generate(state: ServerState, request: Request, body: Any) -> R
 
 
 def _token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes | None] | None:
-    """Exact bytes of a token for byte-level BPE vocabularies (a token may hold half a character)."""
+    """Exact bytes of a token (a token may hold part of a character): byte-level BPE pieces map back
+    through GPT-2's byte alphabet, SentencePiece byte-fallback pieces are <0xNN>; otherwise None."""
     convert = getattr(tokenizer, "convert_ids_to_tokens", None)
     if convert is None:
-        hf = getattr(tokenizer, "hf", None) or getattr(tokenizer, "tokenizer", None)
-        convert = getattr(hf, "convert_ids_to_tokens", None)
-    if convert is None:
+        return None
+    try:
+        byte_level = "\u0120" in "".join(convert(tokenizer.encode(" a b", add_special_tokens=False)))
+    except Exception:  # an unusual tokenizer: fall back to the decoded text's bytes
         return None
     byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
 
     def token_bytes(token_id: int) -> bytes | None:
-        piece = convert(token_id)
-        if not isinstance(piece, str) or not piece or any(ch not in byte_of for ch in piece):
+        piece = convert([token_id])[0]
+        if not isinstance(piece, str) or not piece:
             return None
-        return bytes(byte_of[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        if byte_level and all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
+        return None
 
     return token_bytes
 

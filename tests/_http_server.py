@@ -1,0 +1,160 @@
+"""Real `radixserve serve` subprocesses for the HTTP tests, one per configuration per test session.
+
+A server listens on 127.0.0.1 with --port 0 (the OS picks a free port) and prints its address in
+its one "ready" line, which the helper reads. Servers are shared through `shared_server(name, ...)`
+and stopped (SIGTERM) when the test process exits.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+READY = re.compile(r"radixserve ready: serving .* on (http://[\d.]+:\d+)")
+START_TIMEOUT_S = 180.0
+
+# Tiny checkpoints: fast to build and to run on two CPU cores.
+TINY_MODEL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, max_position_embeddings=1024, seed=3)
+# Trigger word -> the text the scripted model answers with (then EOS).
+SCRIPTS = {
+    "weather": '<tool_call>{"name": "get_forecast", "arguments": {"city": "Paris"}}</tool_call>',
+    "poem": "roses are red STOP violets are blue",
+    "story": "once upon a time there was a tiny model that served many clients at once",
+}
+MULTIBYTE_TEXT = "世界🚀é"
+EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token per byte
+
+
+class ServerProcess:
+    def __init__(self, args: list[str]) -> None:
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read_log, daemon=True).start()
+        if not self._ready.wait(START_TIMEOUT_S) or not self.url:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.log())
+
+    def _read_log(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = READY.search(line)
+            if match and not self.url:
+                self.url = match.group(1)
+                self._ready.set()
+        self._ready.set()  # the process ended (maybe before becoming ready)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120.0), **kwargs)
+
+    def server_info(self, headers: dict | None = None) -> dict:
+        return httpx.get(self.url + "/get_server_info", headers=headers, timeout=30).json()
+
+    def wait_idle(self, headers: dict | None = None, timeout: float = 30.0) -> dict:
+        """Server info once nothing is in flight or running in the engine."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.server_info(headers)
+            stats = info["stats"]
+            if info["num_in_flight"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0:
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout}s: {info}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+_SERVERS: dict[str, ServerProcess] = {}
+_LOCK = threading.Lock()
+
+
+def shared_server(name: str, args: list[str]) -> ServerProcess:
+    """One server per name for the whole test session (stopped at exit)."""
+    with _LOCK:
+        server = _SERVERS.get(name)
+        if server is None or server.proc.poll() is not None:
+            server = _SERVERS[name] = ServerProcess(args)
+        return server
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in _SERVERS.values():
+        server.stop(timeout=20)
+
+
+def tiny_model_path() -> str:
+    from radixserve.kernels.demo import cached_checkpoint
+
+    return cached_checkpoint("llama", **TINY_MODEL)
+
+
+def scripted_chains() -> dict:
+    """Scripts per trigger word; "emoji" is given as single-byte tokens so that its multi-byte
+    characters are split across tokens (the detokenizer must hold partial characters back)."""
+    return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT))
+
+
+def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
+    """One demo-tokenizer id per UTF-8 byte of text (byte-level BPE keeps all 256 byte tokens)."""
+    from tokenizers import Tokenizer
+
+    from radixserve.kernels.demo_tokenizer import tokenizer_json
+
+    tok = Tokenizer.from_str(tokenizer_json(vocab_size))
+    alphabet = _bytes_to_unicode()
+    return [tok.token_to_id(alphabet[b]) for b in text.encode("utf-8")]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def scripted_model_path() -> str:
+    from radixserve.kernels.demo import cached_scripted_checkpoint
+
+    return cached_scripted_checkpoint(scripted_chains())
+
+
+def main_server() -> ServerProcess:
+    return shared_server("main", ["--model", tiny_model_path(), "--context-length", "512",
+                                  "--kv-cache-tokens", "8192", "--max-body-bytes", "65536",
+                                  "--max-tokens-default", "32", "--served-model-name", "tiny"])
+
+
+def scripted_server() -> ServerProcess:
+    return shared_server("scripted", ["--model", scripted_model_path(), "--kv-cache-tokens", "16384",
+                                      "--max-tokens-default", "256", "--served-model-name", "scripted"])
