@@ -39,9 +39,9 @@ class PrefixKV:
         return -(-num_tokens // self.page_size)
 
     def match_len(self, req: Req) -> int:
-        """Length of the cached prefix admission would reuse (for policies); locks nothing."""
-        slots, _ = self.tree.match_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt)
-        return len(slots)
+        """Length of the cached prefix admission would reuse now. Read-only: no edge split,
+        no access stamp or hit count, so ordering the queue does not skew eviction."""
+        return len(self.tree.peek_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt))
 
     def match_cap(self, req: Req) -> int:
         # The last token is always computed (its logits are needed); prompt logprobs need
