@@ -35,7 +35,8 @@ EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token
 
 class ServerProcess:
     def __init__(self, args: list[str]) -> None:
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        # One intra-op thread: test processes share two cores, and oversubscribed threads stall tiny matmuls.
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -156,5 +157,5 @@ def main_server() -> ServerProcess:
 
 
 def scripted_server() -> ServerProcess:
-    return shared_server("scripted", ["--model", scripted_model_path(), "--kv-cache-tokens", "16384",
+    return shared_server("scripted", ["--model", scripted_model_path(), "--kv-cache-tokens", "32768",
                                       "--max-tokens-default", "256", "--served-model-name", "scripted"])
