@@ -157,6 +157,9 @@ def _architecture(raw: dict[str, Any]) -> str:
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 keeps everything in rope_parameters; older files split rope_theta / rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"unsupported rope_parameters per layer type ({', '.join(params)}); "
+                         "only one rope setting for all layers is supported")
     scaling = raw.get("rope_scaling") or {}
     for key, value in scaling.items():
         params.setdefault(key, value)

@@ -82,6 +82,9 @@ class ModelRunner:
         self.config: ModelConfig = replace(config, dtype=str(self.dtype).removeprefix("torch."))
         self.num_slots = num_slots
         self.context_length = min(config.max_position_embeddings, context_length or config.max_position_embeddings)
+        if context_length and context_length > config.max_position_embeddings:
+            logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
+                           context_length, config.max_position_embeddings, self.context_length)
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
@@ -121,39 +124,45 @@ class ModelRunner:
         return list(logits.split(fi.meta.q_lens_list))
 
     def build_forward_input(self, seqs: list[SeqInput]) -> ForwardInput:
-        """Turns the step's SeqInputs into tensors: ids, positions, attention metadata, logit rows."""
+        """Turns the step's SeqInputs into tensors: ids, positions, attention metadata, logit rows.
+
+        Everything is gathered into Python lists first and crosses to the device as one packed
+        int64 tensor (one host-to-device copy per step), then split into views.
+        """
         _validate(seqs, self.num_slots, self.context_length)
+        chain = itertools.chain.from_iterable
         q_lens = [len(s.input_ids) for s in seqs]
         prefix_lens = [s.prefix_len for s in seqs]
         kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
-        q_lens_t = torch.tensor(q_lens, dtype=torch.int64)
-        qo_indptr = _indptr(q_lens_t)
-        kv_indptr = _indptr(torch.tensor(kv_lens, dtype=torch.int64))
-        num_tokens = int(qo_indptr[-1])
-        # position of token t of seq i = prefix_len[i] + (t - qo_indptr[i])
-        offsets = torch.repeat_interleave(torch.tensor(prefix_lens, dtype=torch.int64) - qo_indptr[:-1], q_lens_t)
-        positions = torch.arange(num_tokens, dtype=torch.int64) + offsets  # [num_tokens]
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.input_ids for s in seqs)), dtype=torch.int64)
-        kv_indices = torch.tensor(list(itertools.chain.from_iterable(s.slot_ids for s in seqs)), dtype=torch.int64)
-        out_slots = torch.tensor(list(itertools.chain.from_iterable(s.slot_ids[s.prefix_len:] for s in seqs)),
-                                 dtype=torch.int64)
+        qo_indptr = list(itertools.accumulate(q_lens, initial=0))
         sample_seq_idx = [i for i, s in enumerate(seqs) if s.sample]
-        rows = [int(qo_indptr[i + 1]) - 1 for i in sample_seq_idx]
+        rows = [qo_indptr[i + 1] - 1 for i in sample_seq_idx]
         prompt_plans = []
         for i, seq in enumerate(seqs):
             first_pos, target_ids = _prompt_targets(seq)
             if target_ids:
                 prompt_plans.append(PromptLogprobPlan(i, len(rows), target_ids))
-                first_row = int(qo_indptr[i]) + first_pos - 1 - seq.prefix_len
+                first_row = qo_indptr[i] + first_pos - 1 - seq.prefix_len
                 rows.extend(range(first_row, first_row + len(target_ids)))
-        dev = self.device
+        parts = [
+            list(chain(s.input_ids for s in seqs)),  # input_ids
+            list(chain(range(s.prefix_len, s.prefix_len + len(s.input_ids)) for s in seqs)),  # positions
+            list(chain(s.slot_ids for s in seqs)),  # kv_indices
+            list(chain(s.slot_ids[s.prefix_len:] for s in seqs)),  # out_slot_ids
+            rows,  # logits_idx
+            qo_indptr,
+            list(itertools.accumulate(kv_lens, initial=0)),  # kv_indptr
+            prefix_lens,
+            kv_lens,
+        ]
+        packed = torch.tensor(list(chain(parts)), dtype=torch.int64).to(self.device)
+        (input_ids, positions, kv_indices, out_slots, logits_idx, qo_t, kv_t, prefix_t, kv_lens_t) = \
+            packed.split([len(part) for part in parts])
         meta = AttentionMetadata(
-            qo_indptr=qo_indptr.to(dev, torch.int32), kv_indptr=kv_indptr.to(dev, torch.int32),
-            kv_indices=kv_indices.to(dev), prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=dev),
-            kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=dev), out_slot_ids=out_slots.to(dev),
-            max_q_len=max(q_lens), max_kv_len=max(kv_lens), q_lens_list=q_lens, kv_lens_list=kv_lens)
-        return ForwardInput(input_ids=input_ids.to(dev), positions=positions.to(dev), meta=meta,
-                            logits_idx=torch.tensor(rows, dtype=torch.int64, device=dev),
+            qo_indptr=qo_t.int(), kv_indptr=kv_t.int(), kv_indices=kv_indices, prefix_lens=prefix_t.int(),
+            kv_lens=kv_lens_t.int(), out_slot_ids=out_slots, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
+            q_lens_list=q_lens, kv_lens_list=kv_lens)
+        return ForwardInput(input_ids=input_ids, positions=positions, meta=meta, logits_idx=logits_idx,
                             sample_seq_idx=sample_seq_idx, prompt_plans=prompt_plans)
 
     # -----------------------------------------------------------------------------------------
@@ -207,10 +216,6 @@ def _prompt_targets(seq: SeqInput) -> tuple[int, list[int]]:
     if end > computed_end and first <= computed_end:
         targets.append(seq.prompt_ids[computed_end])
     return first, targets
-
-
-def _indptr(lens: torch.Tensor) -> torch.Tensor:  # [n] -> [n + 1] int64 exclusive cumsum
-    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
 
 
 def _validate(seqs: list[SeqInput], num_slots: int, context_length: int) -> None:

@@ -60,6 +60,26 @@ def test_old_and_new_rope_layouts_agree():
     assert legacy_type.rope == RopeConfig(rope_type="linear", rope_theta=10000.0, factor=2.0)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 500.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5},
+    LLAMA3_ROPE,
+])
+def test_rope_inv_freq_matches_transformers(rope):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from radixserve.kernels.layers import rope_inv_freq
+
+    hf_config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, rope_parameters=rope)
+    if rope["rope_type"] == "default":
+        expected, _ = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(
+            hf_config)
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    ours = rope_inv_freq(32, parse_model_config({**hf_config.to_dict(), "architectures": ["LlamaForCausalLM"]}).rope)
+    assert torch.equal(ours, expected.float())
+
+
 def test_qwen2_sliding_window_layers():
     base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=4,
                 num_hidden_layers=4, intermediate_size=128, vocab_size=256, sliding_window=32)
@@ -95,6 +115,8 @@ def test_bfloat16_runs_close_to_float32(llama_path):
     (lambda raw: raw.update(architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel"),
     (lambda raw: raw.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "yarn"),
     (lambda raw: raw.update(hidden_act="gelu"), "gelu"),
+    (lambda raw: raw.update(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "per layer type"),
 ])
 def test_unsupported_config_is_a_clear_error(llama_path, tmp_path, edit, message):
     path = _copy_with_config(llama_path, tmp_path / "bad", edit)
