@@ -40,6 +40,7 @@ class TokenLogprob:
 class SeqOutput:
     next_token_id: int | None  # None when sample is False
     next_logprob: TokenLogprob | None  # set when sampled and logprobs were requested
-    # Logprobs of input tokens at positions >= prompt_logprob_start within this chunk, in order.
-    # The first prompt position (0) has no logprob and is skipped by the runner.
+    # Logprobs of prompt tokens at positions p in [max(1, prompt_logprob_start, prefix_len + 1), end),
+    # in order, where end is the chunk's end, plus one while the prompt continues (the runner
+    # scores the next chunk's first token from prompt_ids). Position 0 has no logprob.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -186,22 +186,12 @@ class Engine:
     def _seq_input(self, item: BatchItem) -> SeqInput:
         req = item.req
         start, end = req.kv_len, req.kv_len + item.num_tokens
-        if self._needs_logit_restart(req):
-            start -= 1  # recompute one token so its logits give the chunk's first prompt logprob
         p = req.params
         return SeqInput(
             input_ids=_token_slice(req, start, end), prefix_len=start, slot_ids=req.kv_slots[:end],
             sample=item.sample, sampling=p, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
             output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
             num_top_logprobs=p.logprobs or 0)
-
-    @staticmethod
-    def _needs_logit_restart(req: Req) -> bool:
-        start = req.params.logprob_start_len
-        if start is None or req.kv_len == 0:
-            return False
-        next_pos = max(1, start) + len(req.prompt_logprobs)
-        return next_pos == req.kv_len and next_pos < len(req.prompt_ids)
 
     def _finish(self, req: Req) -> None:
         if req.status is ReqStatus.FINISHED:

@@ -13,8 +13,9 @@ class OutputProcessor:
         self.context_length = context_length
 
     def record_prompt_logprobs(self, req: Req, prefix_len: int, out: SeqOutput) -> None:
-        """Append prompt logprobs, skipping positions already recorded (a chunk may restart
-        one token early so that its first position has the logits it needs)."""
+        """Append prompt logprobs in position order. A chunk also scores the next chunk's
+        first token (the runner looks one token ahead), so chunks cover the prompt without
+        gaps; positions already recorded are skipped."""
         if req.params.logprob_start_len is None or not out.prompt_logprobs:
             return
         first_pos = max(1, req.params.logprob_start_len, prefix_len + 1)
