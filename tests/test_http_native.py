@@ -112,19 +112,21 @@ def test_info_health_and_metrics(http):
 def test_flush_cache_refused_while_running(server, http):
     server.wait_idle()
     body = {"text": _unique("long"), "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}, "stream": True}
-    started = threading.Event()
+    started, asked = threading.Event(), threading.Event()
 
     def stream() -> None:
         with server.client() as other, other.stream("POST", "/generate", json=body) as response:
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     started.set()
+                    asked.wait(60)
                     break  # leaving the block disconnects: the server aborts the request
 
     worker = threading.Thread(target=stream)
     worker.start()
     assert started.wait(60)
     refused = http.post("/flush_cache")
+    asked.set()
     worker.join()
     assert refused.status_code == 400 and "running" in refused.json()["error"]["message"]
     info = server.wait_idle()
