@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
-from radixserve.kernels import ModelRunner, SeqInput
+from radixserve.kernels import ForwardInput, ModelRunner, SeqInput
 from radixserve.scheduler.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,22 @@ def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds) -
         sample=not forced and end >= len(req.tokens), sampling=params,
         sampling_seed=seeds[idx] if seeds else 0, prompt_ids=req.tokens[:req.prompt_len],
         output_ids=list(req.output), eos_ids=(2, 3))
+
+
+# -- mutations for the parity checks (installed as runner.forward_input_hook) ----------------
+
+def restart_positions(fi: ForwardInput) -> ForwardInput:
+    # Positions counted from 0 again after the cached prefix (the classic chunking bug).
+    prefix = torch.repeat_interleave(fi.meta.prefix_lens.long(), torch.tensor(fi.meta.q_lens_list))
+    fi.positions = fi.positions - prefix
+    return fi
+
+
+def zero_cached_kv(runner: ModelRunner):
+    def hook(fi: ForwardInput) -> ForwardInput:
+        written = set(fi.meta.out_slot_ids.tolist())
+        cached = [s for s in fi.meta.kv_indices.tolist() if s not in written]
+        runner.k_cache[:, cached] = 0
+        runner.v_cache[:, cached] = 0
+        return fi
+    return hook

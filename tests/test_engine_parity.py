@@ -5,6 +5,7 @@ import pytest
 
 from _engine_helpers import (compare_with_hf, drive_staggered, hf_greedy, hf_model, make_checkpoint,
                              shared_prefix_prompts)
+from kernels_fixtures import restart_positions, zero_cached_kv
 from radixserve.scheduler import Engine
 
 NUM_NEW = 32
@@ -67,30 +68,12 @@ def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk):
     _check(llama_ckpt, prompts, out, expect_hits=not cache_off)
 
 
-def _restart_positions(fi):
-    # Positions counted from 0 again after the cached prefix (the classic chunking bug).
-    import torch
-    prefix = torch.repeat_interleave(fi.meta.prefix_lens.long(), torch.tensor(fi.meta.q_lens_list))
-    fi.positions = fi.positions - prefix
-    return fi
-
-
-def _zero_cached_kv(runner):
-    def hook(fi):
-        written = set(fi.meta.out_slot_ids.tolist())
-        cached = [s for s in fi.meta.kv_indices.tolist() if s not in written]
-        runner.k_cache[:, cached] = 0
-        runner.v_cache[:, cached] = 0
-        return fi
-    return hook
-
-
 @pytest.mark.parametrize("mutation", ["restart_positions", "zero_cached_kv"])
 def test_engine_parity_catches_mutations(llama_ckpt, mutation):
     """The same parity check fails when the engine's cached-prefix handling is broken."""
     prompts = shared_prefix_prompts(prefix_len=40)
     engine = Engine(llama_ckpt, kv_cache_tokens=4096, chunked_prefill_size=12)
-    hook = _restart_positions if mutation == "restart_positions" else _zero_cached_kv(engine.runner)
+    hook = restart_positions if mutation == "restart_positions" else zero_cached_kv(engine.runner)
     engine.runner.forward_input_hook = hook
     out = drive_staggered(engine, prompts, GREEDY)
     with pytest.raises(AssertionError, match=r"token \d+: (ours|logprob)"):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_fixtures import drive, hf_greedy, hf_logits, load_hf, make_checkpoint, make_prompts
+from kernels_fixtures import (drive, hf_greedy, hf_logits, load_hf, make_checkpoint, make_prompts, restart_positions,
+                              zero_cached_kv)
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
-from radixserve.kernels import ForwardInput, ModelRunner
+from radixserve.kernels import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -101,23 +102,6 @@ def test_runner_matches_transformers(checkpoint, name):
     assert _max_logit_error(runner, prompts, share, full, ref_logits) <= ATOL
 
 
-def _restart_positions(fi: ForwardInput) -> ForwardInput:
-    # Positions counted from 0 again after the cached prefix (the classic chunking bug).
-    prefix = torch.repeat_interleave(fi.meta.prefix_lens.long(), torch.tensor(fi.meta.q_lens_list))
-    fi.positions = fi.positions - prefix
-    return fi
-
-
-def _zero_cached_kv(runner: ModelRunner):
-    def hook(fi: ForwardInput) -> ForwardInput:
-        written = set(fi.meta.out_slot_ids.tolist())
-        cached = [s for s in fi.meta.kv_indices.tolist() if s not in written]
-        runner.k_cache[:, cached] = 0
-        runner.v_cache[:, cached] = 0
-        return fi
-    return hook
-
-
 @pytest.mark.parametrize("mutation", ["restart_positions", "zero_cached_kv", "drop_window"])
 def test_parity_check_catches_mutations(checkpoint, monkeypatch, mutation):
     name = "mistral" if mutation == "drop_window" else "llama"
@@ -128,9 +112,9 @@ def test_parity_check_catches_mutations(checkpoint, monkeypatch, mutation):
     assert _max_logit_error(runner, prompts, share, full, ref_logits) <= ATOL  # sane before mutating
 
     if mutation == "restart_positions":
-        monkeypatch.setattr(runner, "forward_input_hook", _restart_positions)
+        monkeypatch.setattr(runner, "forward_input_hook", restart_positions)
     elif mutation == "zero_cached_kv":
-        monkeypatch.setattr(runner, "forward_input_hook", _zero_cached_kv(runner))
+        monkeypatch.setattr(runner, "forward_input_hook", zero_cached_kv(runner))
     else:
         for layer in runner.model.layers:
             monkeypatch.setattr(layer, "sliding_window", None)
