@@ -150,8 +150,11 @@ class _ChatStream:
         self.parsers = [StreamingToolParser() if req.tools else None for _ in range(num_choices)]
         self.results: list[GenerateResult] = []
 
-    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+    def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+              token_ids: list[int] | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return sse_event(dict(self.base, choices=[choice]))
 
     def prologue(self) -> list[bytes]:
@@ -167,8 +170,9 @@ class _ChatStream:
         if self.req.common.logprobs is not None and delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs, self.state.texts)
         content = "".join(v for kind, v in events if kind == "content")
-        if content or logprobs is not None:
-            out.append(self.chunk(i, {"content": content}, logprobs=logprobs))
+        token_ids = delta.token_ids if self.req.common.return_token_ids else None
+        if content or logprobs is not None or token_ids:
+            out.append(self.chunk(i, {"content": content}, logprobs=logprobs, token_ids=token_ids))
         calls = [v for kind, v in events if kind == "tool_call"]
         for k, call in enumerate(calls):
             index = parser.num_calls - len(calls) + k
@@ -257,8 +261,11 @@ class _CompletionStream:
             start = sum(len(state.texts.text(t)) for t in job.prompt_ids) if echo_texts is not None else 0
             self.builders.append(CompletionLogprobs(state.texts, text_offset=start))
 
-    def chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+    def chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None,
+              token_ids: list[int] | None = None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return sse_event(dict(self.base, choices=[choice]))
 
     def prologue(self) -> list[bytes]:
@@ -269,8 +276,9 @@ class _CompletionStream:
     def on_delta(self, i: int, delta: StreamDelta) -> list[bytes]:
         out: list[bytes] = []
         logprobs = self.builders[i].build(delta.token_ids, delta.logprobs) if self.want_logprobs else None
-        if delta.text or (logprobs is not None and delta.token_ids):
-            out.append(self.chunk(i, delta.text, logprobs=logprobs))
+        token_ids = delta.token_ids if self.req.common.return_token_ids else None
+        if delta.text or (logprobs is not None or token_ids) and delta.token_ids:
+            out.append(self.chunk(i, delta.text, logprobs=logprobs, token_ids=token_ids))
         if delta.finished:
             self.results[i] = delta.result
             out.append(self.chunk(i, "", finish=delta.result.finish_reason))

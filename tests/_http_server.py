@@ -7,17 +7,10 @@ and stopped (SIGTERM) when the test process exits.
 from __future__ import annotations
 
 import atexit
-import os
-import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 
-import httpx
+from radixserve.frontend.spawn import ServerProcess as _SpawnedServer
 
-READY = re.compile(r"radixserve ready: serving .* on (http://[\d.]+:\d+)")
 START_TIMEOUT_S = 180.0
 
 # Tiny checkpoints: fast to build and to run on two CPU cores.
@@ -33,61 +26,10 @@ MULTIBYTE_TEXT = "世界🚀é"
 EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token per byte
 
 
-class ServerProcess:
+class ServerProcess(_SpawnedServer):
     def __init__(self, args: list[str]) -> None:
         # One intra-op thread: test processes share two cores, and oversubscribed threads stall tiny matmuls.
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--log-level", "warning", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        self._ready = threading.Event()
-        self.url = ""
-        threading.Thread(target=self._read_log, daemon=True).start()
-        if not self._ready.wait(START_TIMEOUT_S) or not self.url:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + self.log())
-
-    def _read_log(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            match = READY.search(line)
-            if match and not self.url:
-                self.url = match.group(1)
-                self._ready.set()
-        self._ready.set()  # the process ended (maybe before becoming ready)
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-    def client(self, **kwargs) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120.0), **kwargs)
-
-    def server_info(self, headers: dict | None = None) -> dict:
-        return httpx.get(self.url + "/get_server_info", headers=headers, timeout=30).json()
-
-    def wait_idle(self, headers: dict | None = None, timeout: float = 30.0) -> dict:
-        """Server info once nothing is in flight or running in the engine."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.server_info(headers)
-            stats = info["stats"]
-            if info["num_in_flight"] == 0 and stats["num_running"] == 0 and stats["num_waiting"] == 0:
-                return info
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not idle after {timeout}s: {info}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        super().__init__(args, start_timeout_s=START_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
 
 
 _SERVERS: dict[str, ServerProcess] = {}

@@ -150,6 +150,10 @@ def test_token_id_prompts_match_text_prompts(client):
     ids = by_text.model_extra["prompt_token_ids"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0, stream=True,
+                                         extra_body={"return_token_ids": True})
+    assert [t for c in streamed for t in c.choices[0].model_extra.get("token_ids", [])] == \
+        by_text.choices[0].model_extra["token_ids"]
     batch = client.completions.create(model=MODEL, prompt=[ids, ids[:-1]], max_tokens=6, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == by_text.choices[0].text
     assert batch.usage.prompt_tokens == 2 * len(ids) - 1
