@@ -38,7 +38,9 @@ class PolicyConfig:
 
     window: int = 256  # fresh requests ordered per step (oldest first); the rest stay fcfs
     block_size: int = 16  # prompt tokens per hashed block when grouping shared prefixes
-    dedup_min_tokens: int = 32  # defer followers when the shared uncached prefix is at least this
+    # Defer followers when the shared uncached prefix is at least this long (shared lengths are
+    # seen in whole blocks, so 1 means: any uncached shared block).
+    dedup_min_tokens: int = 1
     # Anti-starvation (cache-aware only):
     #   overtake: a request jumps ahead once `max_overtakes` requests that arrived after it were
     #             admitted before it (fcfs never lets that happen; batch arrivals never trigger it);
@@ -119,6 +121,7 @@ class SchedulePolicy:
         picked = groups.dfs_order(cached=cached,
                                   dedup_min_tokens=self.config.dedup_min_tokens if cache_aware else None)
         return [window[i] for i in picked]
+
 
     # -- anti-starvation ----------------------------------------------------------------
 

@@ -103,7 +103,7 @@ def test_cache_aware_defers_requests_sharing_a_running_prefill(kv):
 
 def test_short_shared_prefix_is_not_deduped(kv):
     reqs = [make_req([5] * 8 + [i] * 40) for i in range(10, 14)]  # share 8 tokens < dedup_min_tokens
-    out = SchedulePolicy("cache-aware", kv, PolicyConfig(block_size=4)).order(reqs, 0)
+    out = SchedulePolicy("cache-aware", kv, PolicyConfig(block_size=4, dedup_min_tokens=32)).order(reqs, 0)
     assert out == reqs
 
 
