@@ -15,6 +15,7 @@ Same signature as ``torch_ref.decode_attention`` (plus keyword-only tuning knobs
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 MIN_TOKENS_PER_SPLIT = 256  # below this, a split's launch and merge cost more than they save
 MAX_KV_SPLITS = 16
+PROGRAMS_PER_SM = 4  # enough resident programs per SM to hide memory latency
 
 
 def decode_attention(
@@ -52,10 +54,10 @@ def decode_attention(
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    if kernels_interpreted():
-        block_n = block_n or 64  # the interpreter pays per loop step more than per element
-    block_n = block_n or (32 if q.element_size() >= 4 else 64)
-    num_kv_splits = num_kv_splits or default_num_kv_splits(meta.max_kv_len)
+    # fp32 tiles on a GPU are halved for shared memory; the interpreter prefers fewer loop steps.
+    block_n = block_n or (32 if q.element_size() >= 4 and not kernels_interpreted() else 64)
+    num_sms = _num_sms(q.device) if q.is_cuda else None
+    num_kv_splits = num_kv_splits or default_num_kv_splits(meta.max_kv_len, num_seqs * num_kv_heads, num_sms)
     if block_n < 16 or num_kv_splits < 1:
         raise ValueError(f"decode_attention: block_n ({block_n}) must be >= 16 and num_kv_splits "
                          f"({num_kv_splits}) >= 1")
@@ -96,9 +98,18 @@ def decode_attention(
     return out
 
 
-def default_num_kv_splits(max_kv_len: int) -> int:
-    """Enough splits that a long context is spread over several programs, never tiny ones."""
-    return max(1, min(MAX_KV_SPLITS, triton.cdiv(max_kv_len, MIN_TOKENS_PER_SPLIT)))
+def default_num_kv_splits(max_kv_len: int, num_programs: int = 1, num_sms: int | None = None) -> int:
+    """Enough splits that a long context is spread over several programs, never tiny ones;
+    on a GPU, no more than needed to give every SM a few programs (num_programs = seqs x kv heads)."""
+    num_splits = min(MAX_KV_SPLITS, triton.cdiv(max_kv_len, MIN_TOKENS_PER_SPLIT))
+    if num_sms is not None:
+        num_splits = min(num_splits, triton.cdiv(PROGRAMS_PER_SM * num_sms, num_programs))
+    return max(1, num_splits)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit

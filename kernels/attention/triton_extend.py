@@ -89,6 +89,10 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          "must share one dtype")
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1:
         raise ValueError("attention: the KV pool's head_dim must be contiguous (stride 1)")
+    if q.dtype == torch.bfloat16 and kernels_interpreted():
+        # The interpreter multiplies bf16 tiles as raw 16-bit integers (garbage); a GPU is fine.
+        raise ValueError("attention: the Triton interpreter cannot run bfloat16 dots; use float32 or "
+                         "float16 on the CPU (or attention_backend='torch')")
     return num_q_heads // num_kv_heads
 
 
