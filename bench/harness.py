@@ -167,13 +167,8 @@ def run_workload(engine: Any, workload: Workload, config: dict[str, Any] | None 
     return RunResult(workload.name, dict(config or {}), list(records.values()), step, wall_s)
 
 
-def estimate_distinct_tokens(make: Callable[[], Workload], seed: int = 12345) -> int:
-    """Distinct tokens of a workload run with stand-in outputs (random ids of the right length).
-
-    Equal to the real count unless two requests have identical prompts (then their greedy
-    outputs coincide and this over-counts): an upper bound, good for sizing a pool that never
-    evicts.
-    """
+def stand_in_rounds(make: Callable[[], Workload], seed: int = 12345) -> list[list[tuple]]:
+    """The workload's rounds with stand-in outputs (random ids of the right lengths), no engine."""
     import random
 
     rng = random.Random(seed)
@@ -187,7 +182,25 @@ def estimate_distinct_tokens(make: Callable[[], Workload], seed: int = 12345) ->
             outputs[req.key] = out
             items.append((req.prompt_ids, out, req.cache_salt))
         rounds.append(items)
-    return distinct_tokens(rounds)
+    return rounds
+
+
+def estimate_distinct_tokens(make: Callable[[], Workload], seed: int = 12345) -> int:
+    """Distinct tokens of a workload run with stand-in outputs.
+
+    Equal to the real count unless two requests have identical prompts (then their greedy
+    outputs coincide and this over-counts): an upper bound, good for sizing a pool that never
+    evicts.
+    """
+    return distinct_tokens(stand_in_rounds(make, seed))
+
+
+def budget_tokens(make: Callable[[], Workload], fraction: float, max_running_requests: int,
+                  page_size: int = 1) -> int:
+    """kv_cache_tokens for a §8 budget: `fraction` of the workload's distinct tokens plus the
+    decode room of the requests that may run at once."""
+    rounds = stand_in_rounds(make)
+    return kv_budget(distinct_tokens(rounds), fraction, decode_room(rounds, max_running_requests), page_size)
 
 
 def decode_room(rounds: list[list[tuple]], max_running_requests: int) -> int:

@@ -194,6 +194,72 @@ class TreeOfThought(Workload):
         return Round(requests)
 
 
+class HotPrefixStream(Workload):
+    """hotstream: a steady stream (one request every `gap` engine steps) in which a request is, with
+    probability 1/hot_every (seeded), a question on one hot few-shot prefix, and otherwise a one-off
+    long prompt. A burst of one-offs pushes the hot prefix out under pure LRU; reuse-weighted
+    eviction can keep it once it has been hit. Used to compare eviction policies (issue 4)."""
+
+    def __init__(self, num_requests: int = 96, hot_every: int = 4, prefix_len: int = 1024,
+                 question_len: int = 32, oneoff_len: int = 768, output_len: int = 8, gap: int = 2,
+                 seed: int = 0) -> None:
+        _check_positive(num_requests=num_requests, hot_every=hot_every, prefix_len=prefix_len,
+                        question_len=question_len, oneoff_len=oneoff_len, output_len=output_len, gap=gap)
+        self.name = "hotstream"
+        self.num_rounds = num_requests
+        self.params = dict(num_requests=num_requests, hot_every=hot_every, prefix_len=prefix_len,
+                           question_len=question_len, oneoff_len=oneoff_len, output_len=output_len,
+                           gap=gap, seed=seed)
+        rng = random.Random(seed)
+        hot = _draw(rng, prefix_len)
+        self._requests = []
+        for idx in range(num_requests):
+            is_hot = idx == 0 or rng.random() < 1.0 / hot_every
+            prompt_ids = hot + _draw(rng, question_len) if is_hot else _draw(rng, oneoff_len)
+            self._requests.append(WorkRequest(f"s{idx}", prompt_ids, output_len))
+        self._gap = gap
+
+    def make_round(self, round_idx: int, outputs: Mapping[str, list[int]]) -> Round:
+        return Round([self._requests[round_idx]])
+
+    def arrival_step(self, round_idx: int) -> int | None:
+        return round_idx * self._gap
+
+
+class MissStream(Workload):
+    """starve: every engine step `hot_per_step` requests on one hot prefix arrive, and every
+    `miss_every` steps one cache-miss request; with few running slots the queue builds up, so a
+    policy that always prefers cache hits would leave the misses waiting (issue 4's starvation
+    test). Request keys: h<step>.<i> (hot) and m<step> (miss)."""
+
+    def __init__(self, num_steps: int = 120, hot_per_step: int = 1, miss_every: int = 10,
+                 prefix_len: int = 64, question_len: int = 8, miss_len: int = 72, output_len: int = 8,
+                 seed: int = 0) -> None:
+        _check_positive(num_steps=num_steps, hot_per_step=hot_per_step, miss_every=miss_every,
+                        prefix_len=prefix_len, question_len=question_len, miss_len=miss_len,
+                        output_len=output_len)
+        self.name = "starve"
+        self.num_rounds = num_steps
+        self.params = dict(num_steps=num_steps, hot_per_step=hot_per_step, miss_every=miss_every,
+                           prefix_len=prefix_len, question_len=question_len, miss_len=miss_len,
+                           output_len=output_len, seed=seed)
+        rng = random.Random(seed)
+        hot = _draw(rng, prefix_len)
+        self._rounds = []
+        for step in range(num_steps):
+            requests = [WorkRequest(f"h{step}.{i}", hot + _draw(rng, question_len), output_len)
+                        for i in range(hot_per_step)]
+            if step % miss_every == miss_every // 2:
+                requests.append(WorkRequest(f"m{step}", _draw(rng, miss_len), output_len))
+            self._rounds.append(Round(requests))
+
+    def make_round(self, round_idx: int, outputs: Mapping[str, list[int]]) -> Round:
+        return self._rounds[round_idx]
+
+    def arrival_step(self, round_idx: int) -> int | None:
+        return round_idx
+
+
 # Sizes: "full" is issue 4's definition; "reduced" fits model M on a 2-core CPU in minutes;
 # "tiny" is for CI with a tiny model (hit rates do not depend on the model's size).
 _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
@@ -227,15 +293,21 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
         "reduced": lambda s: TreeOfThought(3, 3, 128, 12, 16, num_trees=1, seed=s),
         "tiny": lambda s: TreeOfThought(3, 3, 24, 4, 4, num_trees=1, seed=s),
     },
+    "hotstream": {
+        "full": lambda s: HotPrefixStream(96, 4, 1024, 32, 768, 8, gap=2, seed=s),
+        "reduced": lambda s: HotPrefixStream(60, 4, 384, 16, 256, 4, gap=2, seed=s),
+        "tiny": lambda s: HotPrefixStream(36, 4, 96, 8, 64, 4, gap=2, seed=s),
+    },
 }
 
-WORKLOAD_NAMES = tuple(_FACTORIES)
+WORKLOAD_NAMES = tuple(name for name in _FACTORIES if name != "hotstream")  # the scheduling grid
+EVICTION_WORKLOADS = ("hotstream", "multiturn", "react")  # where LRU and reuse-weighted eviction differ
 
 
 def make_workload(name: str, size: str = "full", seed: int = 0) -> Workload:
     """A fresh workload (workloads keep per-run state: build a new one for every run)."""
     if name not in _FACTORIES:
-        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(_FACTORIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
     return _FACTORIES[name][size](seed)

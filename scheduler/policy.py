@@ -42,15 +42,20 @@ class PolicyConfig:
     # seen in whole blocks, so 1 means: any uncached shared block).
     dedup_min_tokens: int = 1
     # Anti-starvation (cache-aware only):
-    #   overtake: a request jumps ahead once `max_overtakes` requests that arrived after it were
-    #             admitted before it (fcfs never lets that happen; batch arrivals never trigger it);
+    #   overtake: a request jumps ahead once more requests that arrived after it were admitted
+    #             before it than max(1, overtake_ratio x the requests that were ahead of it when it
+    #             arrived): fcfs would admit it after those, so it waits at most about
+    #             (1 + overtake_ratio) times as many admissions. Requests arriving in the same step
+    #             never count as overtaking each other, so batch arrivals keep the cache-aware order;
     #   aging:    a request jumps ahead once it has waited `max_wait_steps` engine steps.
     starvation_rule: str = "overtake"
-    max_overtakes: int = 32
+    overtake_ratio: float = 0.5
     max_wait_steps: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("window", "block_size", "max_overtakes", "max_wait_steps"):
+        if not isinstance(self.overtake_ratio, (int, float)) or self.overtake_ratio < 0:
+            raise ValueError(f"overtake_ratio must be a non-negative number, got {self.overtake_ratio!r}")
+        for name in ("window", "block_size", "max_wait_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -154,6 +159,10 @@ class SchedulePolicy:
         earlier_or_peers = (ahead_then - ahead_now) + (cohort_then - cohort_now)
         return (self._num_admitted - admitted_then) - earlier_or_peers
 
+    def _overtake_limit(self, req: Req) -> float:
+        ahead_then = self._tracks[req.rid][2]
+        return max(1.0, self.config.overtake_ratio * ahead_then)
+
     def _urgent(self, fresh: list[Req], step: int) -> list[Req]:
         cfg = self.config
         if cfg.starvation_rule == "none":
@@ -161,7 +170,7 @@ class SchedulePolicy:
         if cfg.starvation_rule == "aging":
             urgent = [r for r in fresh if step - r.arrival_step >= cfg.max_wait_steps]
         else:
-            urgent = [r for r in fresh if self._overtakes(r) >= cfg.max_overtakes]
+            urgent = [r for r in fresh if self._overtakes(r) >= self._overtake_limit(r)]
         self.num_urgent += len(urgent)
         return urgent
 

@@ -117,27 +117,42 @@ def test_salts_never_group(kv):
 def test_overtake_rule_promotes_a_starving_request(kv):
     hot = list(range(300, 364))
     cache(kv, hot)
-    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(max_overtakes=5))
-    miss = make_req(list(range(1000, 1064)))
-    waiting = [miss]
+    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(overtake_ratio=1.0))
+    waiting = [make_req(hot + [900 + i], step=0) for i in range(5)]  # ahead of the miss
+    miss = make_req(list(range(1000, 1064)), step=1)
+    waiting.append(miss)
     admitted_at = None
-    for step in range(40):
+    for step in range(1, 40):
         waiting.append(make_req(hot + [step], step=step))
         out = pol.order(waiting, step)
         if out[0] is miss:
             admitted_at = step
             break
         waiting.remove(out[0])  # the planner admits one request per step here
-    # Step 0's hot request arrived with the miss (a peer, not an overtake); from step 1 on a later
-    # hot arrival overtakes it each step, and after the 5th it is promoted.
-    assert admitted_at == 6
+    # Steps 1-5 admit the 5 requests that were ahead (fcfs would admit the miss at step 6), step 6
+    # the hot request that arrived with it (a peer, not an overtake), steps 7-11 five later
+    # arrivals overtaking it; then it goes first.
+    assert admitted_at == 12
     assert pol.num_urgent >= 1
+
+
+def test_without_a_starvation_rule_the_miss_waits_for_the_stream(kv):
+    hot = list(range(300, 364))
+    cache(kv, hot)
+    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(starvation_rule="none"))
+    miss = make_req(list(range(1000, 1064)), step=0)
+    waiting = [miss]
+    for step in range(1, 40):
+        waiting.append(make_req(hot + [step], step=step))
+        out = pol.order(waiting, step)
+        assert out[0] is not miss
+        waiting.remove(out[0])
 
 
 def test_batch_arrivals_never_trigger_the_overtake_rule(kv):
     rng = random.Random(4)
     reqs, _, _ = gsp_queue(rng, num_groups=4, per_group=8)
-    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(max_overtakes=1, dedup_min_tokens=10**6))
+    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(overtake_ratio=0.0, dedup_min_tokens=10**6))
     waiting = list(reqs)
     for step in range(len(reqs)):
         out = pol.order(waiting, step)
