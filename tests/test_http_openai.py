@@ -175,3 +175,21 @@ def test_async_client_concurrent_streams(server):
     results = asyncio.run(run())
     assert results[:4] == results[4:]  # greedy: the same question gives the same answer under batching
     assert server.wait_idle()["stats"]["locked_slots"] == 0
+
+
+def test_extensions_cache_salt_and_stop_token_ids(client):
+    prompt = _unique("Salted prompt")
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    first = client.completions.create(extra_body={"cache_salt": "tenant-a", "return_token_ids": True,
+                                                  "ignore_eos": True}, **kwargs)
+    other = client.completions.create(extra_body={"cache_salt": "tenant-b"}, **kwargs)
+    same = client.completions.create(extra_body={"cache_salt": "tenant-a"}, **kwargs)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # salts never share cache entries
+    assert same.usage.prompt_tokens_details.cached_tokens == same.usage.prompt_tokens - 1
+    ids = first.choices[0].model_extra["token_ids"]
+    stop_id = ids[2]
+    cut = client.completions.create(extra_body={"stop_token_ids": [stop_id], "return_token_ids": True,
+                                                "ignore_eos": True}, **kwargs)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["token_ids"] == ids[:ids.index(stop_id) + 1]
+    assert cut.choices[0].model_extra["matched_stop"] == stop_id

@@ -123,3 +123,12 @@ def test_64_streaming_clients_with_early_disconnects(server):
     assert stats["locked_slots"] == 0 and info["num_in_flight"] == 0
     assert stats["num_requests_aborted"] - before["num_requests_aborted"] == 16
     assert stats["num_cached_tokens"] > before["num_cached_tokens"]  # the shared system prompts were reused
+
+
+def test_min_tokens_holds_eos_back(client):
+    plain = client.completions.create(model=MODEL, prompt="Write a poem", max_tokens=64, temperature=0)
+    longer = client.completions.create(model=MODEL, prompt="Write a poem", max_tokens=64, temperature=0,
+                                       extra_body={"min_tokens": plain.usage.completion_tokens + 5})
+    assert plain.choices[0].finish_reason == "stop"
+    assert longer.usage.completion_tokens >= plain.usage.completion_tokens + 5
+    assert longer.choices[0].text.startswith(plain.choices[0].text)
