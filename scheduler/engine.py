@@ -41,7 +41,7 @@ class Engine:
             model_path = demo_model_path()
         self.model_path = model_path
         self.tokenizer = Tokenizer(model_path)
-        num_slots = self._num_slots()
+        num_slots = self._num_slots(model_path)
         self.runner = ModelRunner(model_path, num_slots=num_slots, dtype=self.config.dtype,
                                   attention_backend=self.config.attention_backend,
                                   device=self.config.device, context_length=self.config.context_length)
@@ -317,9 +317,25 @@ class Engine:
             raise ValueError(f"request needs {total} KV slots but the KV pool has only {self.kv.total_slots} "
                              f"(raise kv_cache_tokens)")
 
-    def _num_slots(self) -> int:
-        tokens = self.config.kv_cache_tokens or DEFAULT_CPU_KV_TOKENS
+    def _num_slots(self, model_path: str) -> int:
+        tokens = self.config.kv_cache_tokens or _default_kv_tokens(model_path, self.config.device)
         return max(tokens // self.config.page_size, 1) * self.config.page_size
+
+
+def _default_kv_tokens(model_path: str, device: str | None) -> int:
+    """Small on the CPU (test servers share one machine); on CUDA, a third of the free memory
+    before loading (the weights and activations need the rest), in bf16 slots."""
+    import torch
+
+    from radixserve.kernels.model_config import load_model_config
+
+    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if not use_cuda:
+        return DEFAULT_CPU_KV_TOKENS
+    cfg = load_model_config(model_path)
+    free_bytes, _ = torch.cuda.mem_get_info(torch.device(device or "cuda"))
+    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes / 3 / bytes_per_token))
 
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:
