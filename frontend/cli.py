@@ -70,7 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     from radixserve.frontend.launch import run_server  # torch and the engine load only to serve
 
-    return run_server(config)
+    try:
+        return run_server(config)
+    except ValueError as exc:  # a bad model directory or engine setting: say so without a traceback
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _add_flag(parser: argparse.ArgumentParser, name: str, hint: Any, default: Any) -> None:

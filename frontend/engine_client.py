@@ -56,21 +56,23 @@ class EngineClient:
         bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
-        if len(prompt_ids) >= self.context_length:
-            raise bad_request(f"the prompt has {len(prompt_ids)} tokens, which leaves no room to generate in "
-                              f"the context length {self.context_length}", param, code="context_length_exceeded")
 
-    def room_for(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of this length can get (context and KV pool)."""
+    def default_max_tokens(self, prompt_len: int, cap: int, param: str) -> int:
+        """Until the end of the context (and KV pool), capped by `cap`; 400 if there is no room at all."""
         pool_room = (self.total_slots // self.page_size) * self.page_size - prompt_len
-        return max(0, min(self.context_length - prompt_len, pool_room))
+        room = min(self.context_length - prompt_len, pool_room)
+        if room < 1:
+            raise bad_request(f"the prompt has {prompt_len} tokens, which leaves no room to generate in the context "
+                              f"length {self.context_length} and KV cache of {self.total_slots} slots", param,
+                              code="context_length_exceeded")
+        return min(cap, room)
 
     def check_max_tokens(self, prompt_len: int, max_tokens: int, param: str) -> None:
         total = prompt_len + max_tokens
         if total > self.context_length:
             raise bad_request(f"the prompt has {prompt_len} tokens and {param} is {max_tokens}: {total} exceeds "
                               f"the context length {self.context_length}", param, code="context_length_exceeded")
-        if total > self.total_slots:
+        if -(-total // self.page_size) * self.page_size > self.total_slots:  # whole pages
             raise bad_request(f"the prompt has {prompt_len} tokens and {param} is {max_tokens}: {total} tokens "
                               f"exceed the KV cache of {self.total_slots} slots", param)
 

@@ -103,7 +103,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
 def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:
     if max_tokens is None:
         # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag.
-        return max(1, min(state.config.max_tokens_default, state.client.room_for(prompt_len)))
+        return state.client.default_max_tokens(prompt_len, state.config.max_tokens_default, "messages")
     state.client.check_max_tokens(prompt_len, max_tokens, "max_tokens")
     return max_tokens
 

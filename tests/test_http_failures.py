@@ -111,7 +111,7 @@ def test_cached_tokens_with_pages(limited):
 
 
 def test_queue_full_is_429_and_admitted_requests_complete(limited):
-    body = {"prompt": "overload", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = {"prompt": "overload", "max_tokens": 400, "ignore_eos": True, "stream": True}
     results: dict[int, list] = {}
 
     def stream(i: int) -> None:
@@ -161,7 +161,7 @@ def test_client_disconnect_aborts_and_frees_kv(server, http):
 
 def test_sigterm_drains_running_streams_then_exits_zero(limited):
     """Runs last in this module: it stops the shared `limited` server (a later user would restart it)."""
-    body = {"prompt": "drain me", "max_tokens": 60, "ignore_eos": True, "stream": True,
+    body = {"prompt": "drain me", "max_tokens": 400, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     lines: list[str] = []
     with limited.client(headers=AUTH) as http, http.stream("POST", "/v1/completions", json=body) as response:
@@ -171,12 +171,14 @@ def test_sigterm_drains_running_streams_then_exits_zero(limited):
             lines.append(line)
             if len(lines) == 2:
                 limited.proc.send_signal(signal.SIGTERM)
-                time.sleep(0.2)
                 with limited.client(headers=AUTH) as late:
+                    deadline = time.monotonic() + 10
+                    while late.get("/health").status_code != 503:  # the signal is handled asynchronously
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
                     _error(late.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}), 503)
-                    assert late.get("/health").status_code == 503
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(x[6:]) for x in lines[:-1]]
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]] == ["length"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 60  # the stream ran to the end after SIGTERM
+    assert chunks[-1]["usage"]["completion_tokens"] == 400  # the stream ran to the end after SIGTERM
     assert limited.proc.wait(60) == 0, limited.log()
