@@ -74,40 +74,39 @@ class SchedulePolicy:
         self.kv = kv
         self.config = config or PolicyConfig()
         self._keys: dict[str, tuple] = {}  # rid -> prompt block key (computed once)
-        # rid -> (admissions, requests from earlier steps waiting, same-step requests waiting) at first sight
-        self._tracks: dict[str, tuple[Req, int, int, int]] = {}
-        self._left: list[Req] = []  # requests that left the queue and may still be prefilling
-        self._cohorts: dict[int, tuple[int, int]] = {}
-        self._num_admitted = 0  # fresh requests that left the queue (admitted or aborted)
-        self._claim_ids: set[str] = set()
+        self._ahead: dict[str, int] = {}  # rid -> requests from earlier steps waiting at its arrival
+        self._admitted_by_step: dict[int, int] = {}  # arrival step -> fresh requests admitted since
+        self._last_order: list[Req] = []
+        self._left: list[Req] = []  # admitted fresh requests that may still be prefilling (claims)
         self.num_urgent = 0  # requests promoted by the starvation rule (for tests and stats)
 
     def order(self, waiting: list[Req], step: int, running: list[Req] | None = None) -> list[Req]:
         """Waiting requests in admission order; may omit requests deferred for prefix dedup.
 
+        `waiting` is in arrival order apart from retracted requests (the planner appends new
+        arrivals). The planner admits a prefix of the returned order and marks those RUNNING.
         running: the running requests, if the caller has them; otherwise the policy follows the
-        requests that left its queue. A prefill in progress defers waiting requests that share
-        its uncached prefix (cache-aware only).
+        requests it saw admitted. A prefill in progress defers waiting requests that share its
+        uncached prefix (cache-aware only).
         """
         retracted = [r for r in waiting if r.num_retractions > 0]
         fresh = [r for r in waiting if r.num_retractions == 0]
-        fresh.sort(key=lambda r: (r.arrival_step, r.arrival_time))  # already sorted in practice: O(n)
-        self._update_tracks(fresh)
         if self.name == "fcfs" or self.kv.tree.disable:
             return retracted + fresh
-        urgent = self._urgent(fresh, step) if self.name == "cache-aware" else []
+        self._observe(fresh)
+        head, tail = fresh[:self.config.window], fresh[self.config.window:]
+        urgent = self._urgent(head, step) if self.name == "cache-aware" else []
         if urgent:
             urgent_ids = {id(r) for r in urgent}
-            fresh = [r for r in fresh if id(r) not in urgent_ids]
-        window, tail = fresh[:self.config.window], fresh[self.config.window:]
+            head = [r for r in head if id(r) not in urgent_ids]
         if self.name == "lpm":
-            ordered = self._lpm(window)
+            ordered = self._lpm(head)
         else:
             source = self._left if running is None else running
             claims = [r for r in source if _is_prefilling(r)] if self.name == "cache-aware" else []
-            self._claim_ids = {r.rid for r in claims}
-            ordered = self._tree_order(window, claims)
-        return retracted + urgent + ordered + tail
+            ordered = self._tree_order(head, claims)
+        self._last_order = retracted + urgent + ordered + tail
+        return self._last_order
 
     # -- policies -----------------------------------------------------------------------
 
@@ -130,47 +129,59 @@ class SchedulePolicy:
 
     # -- anti-starvation ----------------------------------------------------------------
 
-    def _update_tracks(self, fresh: list[Req]) -> None:
-        """Count fresh requests that left the queue and note where new arrivals stand.
+    def _observe(self, fresh: list[Req]) -> None:
+        """Book the admissions since the previous call and the new arrivals; O(admitted + new).
 
-        Under fcfs a request is admitted after exactly the requests that arrived at earlier steps
-        and were still waiting; every other admission, except of requests that arrived in the same
-        step (whose relative order is arbitrary), is a later arrival overtaking it.
+        The planner admits a prefix of the returned order, so the admitted requests are the
+        leading entries of the previous order that no longer wait. New arrivals are a suffix of
+        `fresh` (the planner appends them).
         """
-        current = {r.rid for r in fresh}
-        gone = [rid for rid in self._tracks if rid not in current]
-        for rid in gone:
-            self._left.append(self._tracks.pop(rid)[0])
-        self._num_admitted += len(gone)
-        # Requests that left the queue and are still prefilling are the dedup claims.
+        for req in self._last_order:
+            if req.status is ReqStatus.WAITING:
+                break
+            if req.rid in self._ahead:  # was fresh: counts towards overtaking older requests
+                del self._ahead[req.rid]
+                self._admitted_by_step[req.arrival_step] = self._admitted_by_step.get(req.arrival_step, 0) + 1
+                self._left.append(req)
+        self._last_order = []
         self._left = [r for r in self._left if r.status is ReqStatus.RUNNING and _is_prefilling(r)]
-        if len(self._keys) > 2 * len(fresh) + 512:
-            # Admitted requests keep their key while they prefill (claims); drop the rest in bulk.
-            self._keys = {rid: k for rid, k in self._keys.items() if rid in current or rid in self._claim_ids}
-        self._cohorts = _cohorts(fresh)
-        for req in fresh:
-            if req.rid not in self._tracks:
-                ahead, size = self._cohorts[req.arrival_step]
-                self._tracks[req.rid] = (req, self._num_admitted, ahead, size)
+        first_new = len(fresh)
+        while first_new > 0 and fresh[first_new - 1].rid not in self._ahead:
+            first_new -= 1
+        cohort_start = first_new
+        for pos in range(first_new, len(fresh)):
+            if pos == first_new or fresh[pos].arrival_step != fresh[pos - 1].arrival_step:
+                cohort_start = pos
+            self._ahead[fresh[pos].rid] = cohort_start
+        if len(self._ahead) > 2 * len(fresh) + 256:  # aborted requests linger: drop them in bulk
+            live = {r.rid for r in fresh}
+            self._ahead = {rid: n for rid, n in self._ahead.items() if rid in live}
+            self._keys = {rid: k for rid, k in self._keys.items() if rid in live}
+        if fresh:  # counts for steps no waiting request predates cannot matter any more
+            oldest = fresh[0].arrival_step
+            self._admitted_by_step = {s: n for s, n in self._admitted_by_step.items() if s > oldest}
 
-    def _overtakes(self, req: Req) -> int:
-        _, admitted_then, ahead_then, cohort_then = self._tracks[req.rid]
-        ahead_now, cohort_now = self._cohorts[req.arrival_step]
-        earlier_or_peers = (ahead_then - ahead_now) + (cohort_then - cohort_now)
-        return (self._num_admitted - admitted_then) - earlier_or_peers
-
-    def _overtake_limit(self, req: Req) -> float:
-        ahead_then = self._tracks[req.rid][2]
-        return max(1.0, self.config.overtake_ratio * ahead_then)
-
-    def _urgent(self, fresh: list[Req], step: int) -> list[Req]:
+    def _urgent(self, head: list[Req], step: int) -> list[Req]:
+        """Requests promoted by the starvation rule, in arrival order. Only the head (the oldest
+        `window` fresh requests) can be overtaken: everything admitted comes from it or is older."""
         cfg = self.config
         if cfg.starvation_rule == "none":
             return []
         if cfg.starvation_rule == "aging":
-            urgent = [r for r in fresh if step - r.arrival_step >= cfg.max_wait_steps]
+            urgent = [r for r in head if step - r.arrival_step >= cfg.max_wait_steps]
         else:
-            urgent = [r for r in fresh if self._overtakes(r) >= self._overtake_limit(r)]
+            # Overtakes of r = fresh requests admitted that arrived in a later step than r. The
+            # head is in arrival order, so one pass over the per-step counts serves all of it.
+            counts = sorted(self._admitted_by_step.items())
+            remaining = sum(n for _, n in counts)
+            idx = 0
+            urgent = []
+            for req in head:
+                while idx < len(counts) and counts[idx][0] <= req.arrival_step:
+                    remaining -= counts[idx][1]
+                    idx += 1
+                if remaining >= max(1.0, cfg.overtake_ratio * self._ahead.get(req.rid, 0)):
+                    urgent.append(req)
         self.num_urgent += len(urgent)
         return urgent
 
@@ -187,16 +198,6 @@ class SchedulePolicy:
         """Cached prefix admission would reuse now; read-only (no split, no access stamp)."""
         cap = self.kv.match_cap(req)
         return len(self.kv.tree.peek_prefix(req.all_ids[:cap], salt=req.params.cache_salt))
-
-
-def _cohorts(fresh: list[Req]) -> dict[int, tuple[int, int]]:
-    """arrival_step -> (requests from earlier steps still waiting, requests of that step waiting);
-    fresh is in arrival order."""
-    out: dict[int, tuple[int, int]] = {}
-    for pos, req in enumerate(fresh):
-        ahead, size = out.get(req.arrival_step, (pos, 0))
-        out[req.arrival_step] = (ahead, size + 1)
-    return out
 
 
 def _is_prefilling(req: Req) -> bool:

@@ -1,0 +1,40 @@
+"""Plots for the cache bench: hit rate (as a fraction of the optimal) vs KV budget, per policy."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """One panel per workload; x = KV budget (fraction of distinct tokens), y = hit rate, one line
+    per policy and a dashed line at the workload's optimal hit rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    num_cols = min(3, len(workloads))
+    num_rows = -(-len(workloads) // num_cols)
+    fig, axes = plt.subplots(num_rows, num_cols, figsize=(4.2 * num_cols, 3.3 * num_rows), squeeze=False)
+    for ax, workload in zip(axes.flat, workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        for policy in policies:
+            pts = sorted((r["budget"], r["hit_rate"]) for r in mine if r["policy"] == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        optimal = max(r["optimal_hit_rate"] for r in mine)
+        ax.axhline(optimal, linestyle="--", color="gray", linewidth=1, label="optimal")
+        ax.set_title(workload)
+        ax.set_xlabel("KV budget (fraction of distinct tokens)")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(0, 1.0)
+        ax.set_xticks(sorted({r["budget"] for r in mine}))
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(workloads):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
