@@ -193,3 +193,16 @@ def test_extensions_cache_salt_and_stop_token_ids(client):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].model_extra["token_ids"] == ids[:ids.index(stop_id) + 1]
     assert cut.choices[0].model_extra["matched_stop"] == stop_id
+
+
+def test_chat_n2_stream_has_one_finish_per_choice(client):
+    messages = _chat(_unique("Two answers"))
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.8, seed=9,
+                                          n=2, extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.8,
+                                                 seed=9, n=2, stream=True, extra_body={"ignore_eos": True}))
+    for choice in full.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+    assert full.usage.completion_tokens == 12
