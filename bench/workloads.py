@@ -276,7 +276,7 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
     "fewshot": {
         "full": lambda s: FewShot(1500, 64, 50, 8, seed=s),
         "reduced": lambda s: FewShot(400, 24, 24, 8, seed=s),
-        "tiny": lambda s: FewShot(80, 10, 8, 4, seed=s),
+        "tiny": lambda s: FewShot(96, 16, 8, 4, seed=s),
     },
     "multiturn": {
         "full": lambda s: MultiTurn(8, 4, 128, 32, seed=s),
@@ -286,7 +286,7 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
     "react": {
         "full": lambda s: ReAct(8, 6, 512, 64, (32, 192), 32, seed=s),
         "reduced": lambda s: ReAct(6, 5, 160, 24, (16, 64), 16, seed=s),
-        "tiny": lambda s: ReAct(4, 4, 32, 8, (4, 12), 4, seed=s),
+        "tiny": lambda s: ReAct(6, 4, 32, 8, (4, 12), 4, seed=s),
     },
     "tot": {
         "full": lambda s: TreeOfThought(3, 3, 256, 16, 32, num_trees=1, seed=s),

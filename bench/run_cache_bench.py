@@ -1,0 +1,214 @@
+"""Cache-aware scheduling and eviction benchmark (issue 4): one command for the whole grid.
+
+    python -m radixserve.bench.run_cache_bench                  # as recorded in bench/results
+    python -m radixserve.bench.run_cache_bench --quick          # reduced sizes, no model M
+
+Sections (bench/results/cache_bench.{json,md,png}):
+  grid      workloads x policies x KV budgets (25/50/100% of the workload's distinct tokens plus
+            the running requests' decode room): hit rate vs the optimal, TTFT in engine steps.
+            Hit rates depend on token ids only, so the grid runs on --hit-model (tiny by default).
+  speed     per workload on --speed-model (M): default policy vs cache off at the 100% budget,
+            requests/s and tokens/s (median of --runs after a warm-up), ratio, TTFT in seconds.
+  eviction  lru vs lru-reuse under the default policy where they differ.
+  starve    a hot stream with occasional cache misses: when each miss gets its first token,
+            per policy, against fcfs.
+  overhead  policy ordering time with thousands waiting; radix + scheduling time per step on
+            --speed-model at batch 32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import time
+from typing import Any, Callable
+
+from tqdm import tqdm
+
+from radixserve.bench.harness import bench_model_path, budget_tokens, repeated_runs, run_workload
+from radixserve.bench.report_cache import write_report
+from radixserve.bench.workloads import EVICTION_WORKLOADS, WORKLOAD_NAMES, MissStream, make_workload
+
+logger = logging.getLogger(__name__)
+
+POLICY_NAMES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
+BUDGETS = (0.25, 0.5, 1.0)
+MAX_RUNNING = 64
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    started = time.time()
+    report: dict[str, Any] = {
+        "bench": "cache_bench", "command": "python -m radixserve.bench.run_cache_bench " + " ".join(args.argv),
+        "config": {k: v for k, v in vars(args).items() if k != "argv"},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
+    }
+    hit_model = bench_model_path(args.hit_model)
+    report["grid"] = grid(hit_model, args.workloads, args.policies, args.budgets, args.size)
+    if "eviction" not in args.skip:
+        report["eviction"] = eviction(hit_model, args.size)
+    if "starve" not in args.skip:
+        report["starve"] = starvation(hit_model)
+    from radixserve.bench.sched_overhead import ordering_cost, step_overhead
+
+    if "overhead" not in args.skip:
+        report["ordering_cost"] = ordering_cost(list(args.policies), [100, 1000, 5000])
+    if "speed" not in args.skip:
+        speed_model = bench_model_path(args.speed_model)
+        report["speed"] = speed(speed_model, args.workloads, args.speed_size, args.runs)
+        report["step_overhead"] = step_overhead(speed_model, batch=32)
+    report["elapsed_s"] = time.time() - started
+    write_report(report, args.out)
+    return report
+
+
+def grid(model_path: str, workloads: list[str], policies: list[str], budgets: list[float],
+         size: str) -> list[dict[str, Any]]:
+    from radixserve.scheduler import Engine
+
+    rows = []
+    cells = [(w, b, p) for w in workloads for b in budgets for p in policies]
+    for workload, budget, policy in tqdm(cells, desc="grid", unit="run"):
+        make = _maker(workload, size)
+        kv_tokens = budget_tokens(make, budget, MAX_RUNNING)
+        engine = Engine(model_path, kv_cache_tokens=kv_tokens, schedule_policy=policy,
+                        max_running_requests=MAX_RUNNING)
+        result = run_workload(engine, make())
+        stats = engine.stats()
+        engine.shutdown()
+        summary = result.summary()
+        rows.append({
+            "workload": workload, "policy": policy, "budget": budget, "kv_cache_tokens": kv_tokens,
+            **{k: summary[k] for k in ("num_requests", "prompt_tokens", "computed_tokens", "hit_rate",
+                                       "optimal_hit_rate", "hit_rate_vs_optimal", "num_steps",
+                                       "ttft_steps_p50", "ttft_steps_p99")},
+            "num_evicted_tokens": stats["num_evicted_tokens"], "num_retractions": stats["num_retractions"],
+        })
+    return rows
+
+
+def speed(model_path: str, workloads: list[str], size: str, num_runs: int) -> list[dict[str, Any]]:
+    from radixserve.scheduler import Engine
+
+    rows = []
+    for workload in tqdm(workloads, desc="speed", unit="workload"):
+        make = _maker(workload, size)
+        kv_tokens = budget_tokens(make, 1.0, MAX_RUNNING)
+        row: dict[str, Any] = {"workload": workload, "size": size, "kv_cache_tokens": kv_tokens}
+        for mode, disable in (("on", False), ("off", True)):
+            engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
+                            disable_radix_cache=disable)
+            summary, _ = repeated_runs(engine, make, {}, num_runs=num_runs)
+            engine.shutdown()
+            for key in ("hit_rate", "optimal_hit_rate", "req_per_s", "tok_per_s", "ttft_s_p50",
+                        "ttft_s_p99", "wall_s_runs"):
+                row[f"{key}_{mode}"] = summary[key]
+        row["speedup"] = row["req_per_s_on"] / row["req_per_s_off"]
+        rows.append(row)
+    return rows
+
+
+def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
+    """lru vs lru-reuse under the default policy. Grid workloads use the §8 budgets; the hot-prefix
+    stream uses pools of the hot prefix plus m one-off prompts (its distinct tokens are mostly
+    one-offs, so fractions of them say little)."""
+    from radixserve.scheduler import Engine
+
+    rows = []
+    for workload in EVICTION_WORKLOADS:
+        make = _maker(workload, size)
+        if workload == "hotstream":
+            p = make().params
+            pools = [(f"hot+{m}x one-off", p["prefix_len"] + p["question_len"] + int(m * (p["oneoff_len"] + p["output_len"])))
+                     for m in (2, 3, 4, 5)]
+        else:
+            pools = [(f"{b:.0%}", budget_tokens(make, b, MAX_RUNNING)) for b in (0.25, 0.5)]
+        for label, kv_tokens in pools:
+            row: dict[str, Any] = {"workload": workload, "budget": label, "kv_cache_tokens": kv_tokens}
+            for policy in ("lru", "lru-reuse"):
+                engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
+                                eviction_policy=policy)
+                summary = run_workload(engine, make()).summary()
+                engine.shutdown()
+                row[f"hit_rate_{policy}"] = summary["hit_rate"]
+                row["optimal_hit_rate"] = summary["optimal_hit_rate"]
+            rows.append(row)
+    return rows
+
+
+def starvation(model_path: str) -> dict[str, Any]:
+    """First-token step of every cache miss in a saturated hot stream, per policy, vs fcfs."""
+    from radixserve.scheduler import Engine
+    from radixserve.scheduler.policy import PolicyConfig
+
+    variants = [("fcfs", "fcfs", {}), ("lpm", "lpm", {}), ("cache-aware", "cache-aware", {}),
+                ("cache-aware, no starvation rule", "cache-aware", {"starvation_rule": "none"}),
+                ("cache-aware, aging 32 steps", "cache-aware", {"starvation_rule": "aging", "max_wait_steps": 32}),
+                ("cache-aware, overtake ratio 1.0", "cache-aware", {"overtake_ratio": 1.0})]
+    shape = dict(num_steps=120, hot_per_step=1, miss_every=10)
+    first: dict[str, dict[str, int]] = {}
+    summaries: dict[str, dict] = {}
+    for label, policy, cfg in variants:
+        engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4)
+        engine.policy.config = PolicyConfig(**cfg)
+        result = run_workload(engine, MissStream(**shape))
+        engine.shutdown()
+        first[label] = {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}
+        summaries[label] = result.summary()
+    base = first["fcfs"]
+    rows = []
+    for label, _, _ in variants:
+        mine = first[label]
+        # Admission step = first-token step - 1 (a miss prefills in one step).
+        rows.append({"variant": label,
+                     "worst_admit_step_ratio": max((mine[k] - 1) / max(base[k] - 1, 1) for k in base),
+                     "worst_wait_ratio": max((mine[k] - _arrival(k)) / max(base[k] - _arrival(k), 1) for k in base),
+                     "hit_rate": summaries[label]["hit_rate"],
+                     "ttft_steps_p50": summaries[label]["ttft_steps_p50"],
+                     "ttft_steps_p99": summaries[label]["ttft_steps_p99"]})
+    return {"workload": shape, "max_running_requests": 4, "rows": rows,
+            "miss_first_token_steps": {label: dict(sorted(v.items(), key=lambda kv: _arrival(kv[0])))
+                                       for label, v in first.items()}}
+
+
+def _arrival(key: str) -> int:
+    return int(key[1:])  # "m<step>"
+
+
+def _maker(workload: str, size: str) -> Callable[[], Any]:
+    return lambda: make_workload(workload, size)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="full", help="workload size for grid/eviction: full, reduced, tiny")
+    p.add_argument("--speed-size", default="reduced", help="workload size for the model-M speed runs")
+    p.add_argument("--hit-model", default="tiny")
+    p.add_argument("--speed-model", default="M")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOAD_NAMES))
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICY_NAMES))
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 by default: on a shared 2-core machine more threads oversubscribe)")
+    p.add_argument("--skip", type=lambda s: s.split(","), default=[],
+                   help="sections to leave out: eviction, starve, overhead, speed (speed = every model-M run)")
+    p.add_argument("--quick", action="store_true", help="reduced sizes, no model-M runs (a few minutes)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args(argv)
+    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    if args.quick:
+        args.size = "reduced"
+        args.skip = sorted(set(args.skip) | {"speed"})
+    return args
+
+
+if __name__ == "__main__":
+    main()
