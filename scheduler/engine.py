@@ -133,6 +133,19 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Run one scheduling decision and (at most) one forward; return the deltas."""
         deltas = self._drain_inbox()
+        try:
+            deltas.extend(self._plan_and_run())
+        except Exception:  # a failed step must not strand a stream: its requests end as aborted
+            logger.exception("engine step failed; aborting in-flight requests")
+            deltas.extend(self._abort_all("internal error in the engine step"))
+        for d in deltas:
+            if d.finished:
+                self._reqs.pop(d.rid, None)
+        self._step_idx += 1
+        self._stats = self._compute_stats()
+        return deltas
+
+    def _plan_and_run(self) -> list[StreamDelta]:
         t0 = time.perf_counter()
         batch, admitted = self.planner.schedule(self._step_idx)
         for req in admitted:
@@ -146,13 +159,7 @@ class Engine:
             self._after_item(item)
         self.metrics.schedule_time_s += (t1 - t0) + (time.perf_counter() - t2)
         self.metrics.forward_time_s += t2 - t1
-        deltas.extend(d for d in (self.outputs.take_delta(it.req) for it in batch.items) if d is not None)
-        for d in deltas:
-            if d.finished:
-                self._reqs.pop(d.rid, None)
-        self._step_idx += 1
-        self._stats = self._compute_stats()
-        return deltas
+        return [d for d in (self.outputs.take_delta(it.req) for it in batch.items) if d is not None]
 
     def _run_batch(self, batch: Batch) -> None:
         self.metrics.num_steps += 1
@@ -236,7 +243,9 @@ class Engine:
 
     def _abort_all(self, reason: str) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []
-        for req in list(self.planner.running) + list(self.planner.waiting):
+        # Requests a failed step already finished still owe their final delta.
+        stranded = [r for r in self._reqs.values() if r.status is ReqStatus.FINISHED]
+        for req in list(self.planner.running) + list(self.planner.waiting) + stranded:
             self.outputs.finish(req, "abort", error=reason)
             self._finish(req)
             delta = self.outputs.take_delta(req)

@@ -157,3 +157,33 @@ def test_stream_abort_frees_kv(ckpt):
 
 async def _collect(engine, prompt):
     return [d async for d in engine.generate_stream(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))]
+
+
+def test_failed_step_still_ends_every_request(ckpt):
+    """A step that raises must hand out a final delta for every request it touched: one that
+    finished earlier in that step, and one aborted by the caller before it (else a stream hangs)."""
+    engine = Engine(ckpt, kv_cache_tokens=1024)
+    prompts = shared_prefix_prompts(3, prefix_len=12)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    aborted = engine.add_request(prompts[2], dict(greedy, max_new_tokens=50))
+    engine.step()
+    engine.abort(aborted)
+    short = engine.add_request(prompts[0], dict(greedy, max_new_tokens=1))
+    long = engine.add_request(prompts[1], dict(greedy, max_new_tokens=20))
+    original = engine._after_item
+
+    def fail_after_a_finish(item):
+        original(item)
+        if item.req.finished:
+            raise RuntimeError("injected failure")
+
+    engine._after_item = fail_after_a_finish
+    finals = {d.rid: d.result for d in engine.step() if d.finished}
+    engine._after_item = original
+    assert set(finals) == {aborted, short, long}
+    assert finals[short].finish_reason == "length" and len(finals[short].output_ids) == 1
+    assert finals[long].finish_reason == "abort" and "internal error" in finals[long].error
+    assert finals[aborted].finish_reason == "abort"
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+    assert engine.generate([prompts[0]], dict(greedy, max_new_tokens=1))[0].output_ids == finals[short].output_ids
