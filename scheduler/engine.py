@@ -108,6 +108,11 @@ class Engine:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompt_list)
+        # Check every prompt before queueing any, so a bad one leaves nothing behind.
+        prompt_list = [self._prompt_ids(p) for p in prompt_list]
+        params_list = [SamplingParams.from_any(sp) for sp in params_list]
+        for ids, params in zip(prompt_list, params_list):
+            self._validate(ids, params)
         if self._loop.running:
             return self._loop.generate_blocking(prompt_list, params_list)
         rids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]

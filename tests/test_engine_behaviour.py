@@ -187,3 +187,11 @@ def test_failed_step_still_ends_every_request(ckpt):
     assert not engine.has_unfinished()
     engine.check_integrity()
     assert engine.generate([prompts[0]], dict(greedy, max_new_tokens=1))[0].output_ids == finals[short].output_ids
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
+    engine = Engine(ckpt, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[5, 6, 7], [1, 10**6]], dict(max_new_tokens=2))
+    assert not engine.has_unfinished()
+    assert engine.step() == []
