@@ -123,11 +123,11 @@ class Engine:
                     results[delta.rid] = delta.result
         return [results[r] for r in rids]
 
-    async def generate_stream(self, prompt: Prompt, sampling_params: ParamsLike = None,
-                              rid: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Yield deltas from the background loop; cancelling the iteration aborts the request."""
-        async for delta in self._loop.stream(prompt, sampling_params, rid):
-            yield delta
+    def generate_stream(self, prompt: Prompt, sampling_params: ParamsLike = None,
+                        rid: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Deltas from the background loop (``async for``); closing or cancelling the iteration
+        before the final delta aborts the request."""
+        return self._loop.stream(prompt, sampling_params, rid)
 
     def start(self) -> None:
         """Run the step loop in a background thread (idempotent)."""
