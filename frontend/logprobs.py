@@ -102,3 +102,45 @@ def native_logprobs(ids: list[int], entries: list[TokenLogprob | None], texts: T
 
 def _maybe_text(texts: TokenTexts | None, token_id: int) -> str | None:
     return texts.text(token_id) if texts is not None else None
+
+
+def token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes | None] | None:
+    """Exact bytes of a token (a token may hold part of a character): byte-level BPE pieces map back
+    through GPT-2's byte alphabet, SentencePiece byte-fallback pieces are <0xNN>; otherwise None."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is None:
+        return None
+    try:
+        byte_level = "\u0120" in "".join(convert(tokenizer.encode(" a b", add_special_tokens=False)))
+    except Exception:  # an unusual tokenizer: fall back to the decoded text's bytes
+        return None
+    byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+
+    def token_bytes(token_id: int) -> bytes | None:
+        piece = convert([token_id])[0]
+        if not isinstance(piece, str) or not piece:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        if byte_level and all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
+        return None
+
+    return token_bytes
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte <-> printable-character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping

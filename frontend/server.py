@@ -18,7 +18,7 @@ from radixserve.frontend import native_api, openai_api
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_client import EngineClient
 from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.logprobs import TokenTexts
+from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
 from radixserve.frontend.metrics import ServerMetrics
 from radixserve.frontend.state import ServerState
 from radixserve.scheduler.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
 def build_state(engine: Any, config: ServerConfig) -> ServerState:
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
-    texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), _token_bytes_fn(tokenizer))
+    texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(engine.model_path), texts=texts,
                        created=int(time.time()))
@@ -185,45 +185,3 @@ async def _health_generate(state: ServerState, request: Request, body: Any) -> R
         logger.warning("health_generate failed: %r", exc)
         raise APIError(503, f"the engine did not generate: {exc!r}", code="unhealthy") from exc
     return Response(status_code=200)
-
-
-def _token_bytes_fn(tokenizer: Any) -> Callable[[int], bytes | None] | None:
-    """Exact bytes of a token (a token may hold part of a character): byte-level BPE pieces map back
-    through GPT-2's byte alphabet, SentencePiece byte-fallback pieces are <0xNN>; otherwise None."""
-    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
-    if convert is None:
-        return None
-    try:
-        byte_level = "\u0120" in "".join(convert(tokenizer.encode(" a b", add_special_tokens=False)))
-    except Exception:  # an unusual tokenizer: fall back to the decoded text's bytes
-        return None
-    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
-
-    def token_bytes(token_id: int) -> bytes | None:
-        piece = convert([token_id])[0]
-        if not isinstance(piece, str) or not piece:
-            return None
-        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            try:
-                return bytes([int(piece[3:5], 16)])
-            except ValueError:
-                return None
-        if byte_level and all(ch in byte_of for ch in piece):
-            return bytes(byte_of[ch] for ch in piece)
-        return None
-
-    return token_bytes
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte <-> printable-character map used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping

@@ -67,23 +67,12 @@ def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
     """One demo-tokenizer id per UTF-8 byte of text (byte-level BPE keeps all 256 byte tokens)."""
     from tokenizers import Tokenizer
 
+    from radixserve.frontend.logprobs import bytes_to_unicode
     from radixserve.kernels.demo_tokenizer import tokenizer_json
 
     tok = Tokenizer.from_str(tokenizer_json(vocab_size))
-    alphabet = _bytes_to_unicode()
+    alphabet = bytes_to_unicode()
     return [tok.token_to_id(alphabet[b]) for b in text.encode("utf-8")]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[b] = chr(b)
-        else:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
 
 
 def scripted_model_path() -> str:
