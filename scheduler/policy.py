@@ -51,7 +51,6 @@ class PolicyConfig:
     starvation_rule: str = "overtake"
     overtake_ratio: float = 0.5
     max_wait_steps: int = 256
-    child_order: str = "saved"
 
     def __post_init__(self) -> None:
         if not isinstance(self.overtake_ratio, (int, float)) or self.overtake_ratio < 0:
@@ -123,7 +122,7 @@ class SchedulePolicy:
             claim_keys=[self._key(r) for r in claims], claim_lengths=[len(r.prompt_ids) for r in claims],
             block_size=self.config.block_size)
         cached = groups.cached_per_node(lambda i: self._cached_len(window[i])) if cache_aware else None
-        picked = groups.dfs_order(cached=cached, child_order=self.config.child_order,
+        picked = groups.dfs_order(cached=cached,
                                   dedup_min_tokens=self.config.dedup_min_tokens if cache_aware else None)
         return [window[i] for i in picked]
 

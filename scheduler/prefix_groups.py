@@ -78,8 +78,7 @@ class PrefixGroups:
                 out[id(node)] = min(cached_of(node.first), self.shared_tokens(node))
         return out
 
-    def dfs_order(self, cached: dict[int, int] | None, dedup_min_tokens: int | None,
-                  child_order: str = "saved") -> list[int]:
+    def dfs_order(self, cached: dict[int, int] | None, dedup_min_tokens: int | None) -> list[int]:
         """Window indices in walk order.
 
         cached None: dfs-weight (children by waiting count, then arrival). Otherwise children by
@@ -87,7 +86,6 @@ class PrefixGroups:
         subtree whose shared prefix has at least that many uncached tokens and two or more
         requests (or a claim) yields only its first request (none if a claim computes it).
         """
-        self._child_order = child_order
         out: list[int] = []
         stack = [self.root]
         while stack:
@@ -99,17 +97,15 @@ class PrefixGroups:
                         out.append(self._leader(node, cached))
                     continue
             out.extend(node.members)
-            stack.extend(reversed(self._ranked_children(node, cached, child_order)))
+            stack.extend(reversed(self._ranked_children(node, cached)))
         return out
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _ranked_children(self, node: _Node, cached: dict[int, int] | None, child_order: str = "saved") -> list[_Node]:
+    def _ranked_children(self, node: _Node, cached: dict[int, int] | None) -> list[_Node]:
         live = [c for c in node.children if c.weight > 0]
         if cached is None:
             live.sort(key=lambda c: (-c.weight, c.first))
-        elif child_order == "finish":
-            live.sort(key=lambda c: (-cached.get(id(c), 0), c.weight, c.first))
         else:
             live.sort(key=lambda c: (-cached.get(id(c), 0) * c.weight, -c.weight, c.first))
         return live
@@ -117,7 +113,7 @@ class PrefixGroups:
     def _leader(self, node: _Node, cached: dict[int, int]) -> int:
         """The first request the walk would reach below node."""
         while not node.members:
-            node = self._ranked_children(node, cached, self._child_order)[0]
+            node = self._ranked_children(node, cached)[0]
         return node.members[0]
 
     def _build(self, order: list[int], keys: list[tuple], lengths: list[int]) -> None:
