@@ -144,7 +144,13 @@ class SchedulePolicy:
                 self._admitted_by_step[req.arrival_step] = self._admitted_by_step.get(req.arrival_step, 0) + 1
                 self._left.append(req)
         self._last_order = []
-        self._left = [r for r in self._left if r.status is ReqStatus.RUNNING and _is_prefilling(r)]
+        still = []
+        for req in self._left:
+            if req.status is ReqStatus.RUNNING and _is_prefilling(req):
+                still.append(req)
+            else:
+                self._keys.pop(req.rid, None)  # no longer a claim: its key is not needed again
+        self._left = still
         first_new = len(fresh)
         while first_new > 0 and fresh[first_new - 1].rid not in self._ahead:
             first_new -= 1
@@ -153,9 +159,11 @@ class SchedulePolicy:
             if pos == first_new or fresh[pos].arrival_step != fresh[pos - 1].arrival_step:
                 cohort_start = pos
             self._ahead[fresh[pos].rid] = cohort_start
-        if len(self._ahead) > 2 * len(fresh) + 256:  # aborted requests linger: drop them in bulk
+        bound = 2 * (len(fresh) + len(self._left)) + 256
+        if len(self._ahead) > bound or len(self._keys) > bound:  # aborted requests linger: drop in bulk
             live = {r.rid for r in fresh}
             self._ahead = {rid: n for rid, n in self._ahead.items() if rid in live}
+            live.update(r.rid for r in self._left)
             self._keys = {rid: k for rid, k in self._keys.items() if rid in live}
         if fresh:  # counts for steps no waiting request predates cannot matter any more
             oldest = fresh[0].arrival_step
