@@ -79,6 +79,15 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1)
 
 
+def check_greedy_against_hf(model, prompts: list[list[int]], out: DriveResult, num_new: int) -> None:
+    """Every request of a drive ran to its length, and each matches HF (one near-tie allowed overall)."""
+    ties = 1
+    for rid, prompt in zip(out.rids, prompts):
+        result = out.results[rid]
+        assert result.completion_tokens == num_new and result.finish_reason == "length"
+        ties = compare_with_hf(model, prompt, result, ties)
+
+
 def compare_with_hf(model, prompt: list[int], result, ties_left: int) -> int:
     """Assert our greedy tokens and logprobs match HF teacher-forced; returns ties left.
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from _engine_helpers import (compare_with_hf, drive_staggered, hf_greedy, hf_model, make_checkpoint,
+from _engine_helpers import (check_greedy_against_hf, drive_staggered, hf_greedy, hf_model, make_checkpoint,
                              shared_prefix_prompts)
 from kernels_fixtures import restart_positions, zero_cached_kv
 from radixserve.scheduler import Engine
@@ -33,11 +33,7 @@ def _run(ckpt: str, prompts, **engine_kwargs):
 
 def _check(ckpt: str, prompts, out, expect_hits: bool = True) -> None:
     model = hf_model(ckpt)
-    ties = 1
-    for rid, prompt in zip(out.rids, prompts):
-        result = out.results[rid]
-        assert result.completion_tokens == NUM_NEW and result.finish_reason == "length"
-        ties = compare_with_hf(model, prompt, result, ties)
+    check_greedy_against_hf(model, prompts, out, NUM_NEW)
     # HF generate itself, on one prompt, as the token-level reference too.
     assert out.results[out.rids[0]].output_ids[:8] == hf_greedy(model, prompts[0], 8)
     # The scenario really happened: cache hits and steps mixing prefill with decode.

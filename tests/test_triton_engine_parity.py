@@ -6,7 +6,7 @@ Triton store / extend / decode kernels all run inside the real engine loop.
 """
 from __future__ import annotations
 
-from _engine_helpers import compare_with_hf, drive_staggered, hf_model, make_checkpoint, shared_prefix_prompts
+from _engine_helpers import check_greedy_against_hf, drive_staggered, hf_model, make_checkpoint, shared_prefix_prompts
 from radixserve.scheduler import Engine
 
 NUM_NEW = 8
@@ -27,8 +27,4 @@ def test_engine_greedy_parity_with_triton_backend(tmp_path_factory):
     assert out.num_mixed_steps > 0
     assert any(out.results[rid].cached_tokens for rid in out.rids), "later prompts should hit the cache"
     model = hf_model(ckpt)
-    ties = 1
-    for rid, prompt in zip(out.rids, prompts):
-        result = out.results[rid]
-        assert result.completion_tokens == NUM_NEW and result.finish_reason == "length"
-        ties = compare_with_hf(model, prompt, result, ties)
+    check_greedy_against_hf(model, prompts, out, NUM_NEW)
