@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixserve.lang import Backend, assistant, function, gen, select, user
+from radixserve.lang import function, gen, select, user
 from radixserve.lang.examples.common import add_backend_args, make_backend
 
 QUESTION = "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left?"
