@@ -73,9 +73,9 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
         jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed,
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
-    lease = state.client.reserve(len(jobs))
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     echo_texts = [_echo_text(state, p, ids) for p, ids in zip(req.prompts, prompts_ids)] if req.echo else None
+    lease = state.client.reserve(len(jobs))  # nothing below may raise before the lease is handed on
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
         return SSEResponse(_sse_events(state, jobs, lease, handler), on_close=lease.close)
