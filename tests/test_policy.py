@@ -221,3 +221,22 @@ def test_tree_walk_keeps_every_shared_prefix_contiguous(prompts):
                 if current is not None:
                     seen_done.add(current)
                 current = head
+
+
+def test_per_request_state_stays_bounded_over_a_long_stream(kv):
+    pol = SchedulePolicy("cache-aware", kv)
+    prefix = list(range(400, 464))
+    cache(kv, prefix)
+    waiting = []
+    for step in range(1500):
+        waiting.append(make_req(prefix + [step % 3000 + 10, step // 3000 + 10], step=step))
+        if step % 5 == 4:  # a client gives up: aborted while waiting
+            gone = waiting.pop(0)
+            gone.status = ReqStatus.FINISHED
+        out = pol.order(waiting, step)
+        if out:
+            admit(waiting, out[0])
+            out[0].kv_len = len(out[0].prompt_ids)  # prefill done: no longer a dedup claim
+    assert len(waiting) < 5
+    assert len(pol._ahead) <= 2 * len(waiting) + 256
+    assert len(pol._keys) <= 2 * len(waiting) + 256
