@@ -74,7 +74,9 @@ class Engine:
         self._validate(prompt_ids, params)
         with self._cv:
             rid = rid if rid is not None else uuid.uuid4().hex
-            if rid in self._reqs:
+            # A finished request's listener lives until its final delta is dispatched; reusing
+            # the rid before then would hand that delta to the new request's listener.
+            if rid in self._reqs or self._loop.is_listening(rid):
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,

@@ -34,6 +34,9 @@ class EngineLoop:
         """Register before the request is queued (called under the engine's lock)."""
         self._listeners[rid] = callback
 
+    def is_listening(self, rid: str) -> bool:
+        return rid in self._listeners
+
     def start(self) -> None:
         with self.engine._cv:
             if self.running:

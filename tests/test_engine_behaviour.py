@@ -195,3 +195,19 @@ def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
         engine.generate([[5, 6, 7], [1, 10**6]], dict(max_new_tokens=2))
     assert not engine.has_unfinished()
     assert engine.step() == []
+
+
+def test_rid_stays_taken_until_its_final_delta_is_dispatched(ckpt):
+    """Between a step finishing a request and the loop dispatching its final delta, the rid must
+    not be reusable: the old final delta would end the new request's stream."""
+    engine = Engine(ckpt, kv_cache_tokens=256)
+    got = []
+    engine.add_request([5, 6, 7], dict(max_new_tokens=1), rid="r", on_delta=got.append)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()  # finishes "r"; nothing dispatches, as in the window before the loop does
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6, 7], dict(max_new_tokens=1), rid="r")
+    engine._loop._dispatch(deltas)
+    assert got and got[-1].finished
+    engine.add_request([5, 6, 7], dict(max_new_tokens=1), rid="r")  # free once dispatched
