@@ -28,7 +28,7 @@ class EngineLoop:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     def listen(self, rid: str, callback: Callable[[StreamDelta], None]) -> None:
         """Register before the request is queued (called under the engine's lock)."""
@@ -124,7 +124,10 @@ class EngineLoop:
                 deltas = engine._abort_all("internal error in the engine step")
             self._dispatch(deltas)
         # Requests still queued or running when the loop stops end as aborted, never silently.
-        self._dispatch(engine._drain_inbox() + engine._abort_all("engine shut down"))
+        # Under the lock, so no request slips in between the drain and the thread's exit.
+        with engine._cv:
+            deltas = engine._drain_inbox() + engine._abort_all("engine shut down")
+        self._dispatch(deltas)
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         for delta in deltas:
