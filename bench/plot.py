@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Any
 
+_MARKERS = ("o", "s", "^", "D", "v")
+_STYLES = ("-", "--", ":", "-.")
+
 
 def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     """One panel per workload; x = KV budget (fraction of distinct tokens), y = hit rate, one line
@@ -19,9 +22,12 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> No
     fig, axes = plt.subplots(num_rows, num_cols, figsize=(4.2 * num_cols, 3.3 * num_rows), squeeze=False)
     for ax, workload in zip(axes.flat, workloads):
         mine = [r for r in rows if r["workload"] == workload]
-        for policy in policies:
+        for num, policy in enumerate(policies):
             pts = sorted((r["budget"], r["hit_rate"]) for r in mine if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+            # Policies often coincide: distinct markers, dashes and a small x shift keep all visible.
+            shift = 0.008 * (num - (len(policies) - 1) / 2)
+            ax.plot([p[0] + shift for p in pts], [p[1] for p in pts], marker=_MARKERS[num % len(_MARKERS)],
+                    linestyle=_STYLES[num % len(_STYLES)], markersize=6 - num, label=policy)
         optimal = max(r["optimal_hit_rate"] for r in mine)
         ax.axhline(optimal, linestyle="--", color="gray", linewidth=1, label="optimal")
         ax.set_title(workload)
