@@ -94,27 +94,29 @@ class RadixCache:
         self._roots: dict[str | None, TreeNode] = {}
         # Unlocked leaves ordered by eviction priority, kept up to date on every change (never rebuilt).
         self._evictable_leaves: SortedDict = SortedDict()
-        self._clock = 0  # logical time: one tick per match_prefix / insert, so runs are reproducible
+        self._clock = 0  # logical time: one tick per recorded match / insert, so runs are reproducible
         self._num_nodes_created = 0
         self._evictable_size = 0
         self._locked_size = 0
 
     # ------------------------------------------------------------------ public API
 
-    def match_prefix(self, tokens: Sequence[int], salt: str | None = None) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, tokens: Sequence[int], salt: str | None = None, *,
+                     record_hit: bool = True) -> tuple[list[int], TreeNode]:
         """Slot ids of the longest cached prefix of `tokens` (whole pages only) and its last node.
 
         Splits an edge when the match ends inside it, so the returned node covers exactly the match
-        and can be locked. Stamps access time and hit counts on the matched path. Returns the
-        namespace root when nothing matches (locking a root is a no-op).
+        and can be locked. Stamps access time and hit counts on the matched path unless
+        `record_hit` is False (bookkeeping matches that are not a request's use of the prefix).
+        Returns the namespace root when nothing matches (locking a root is a no-op).
         """
         root = self._root(salt, create=False)
         if self.disable:
             return [], root
-        self._clock += 1
         key = self._whole_pages(tokens)
         slot_ids, node, _ = self._walk(root, key, split=True)
-        if not node.is_root:
+        if record_hit and not node.is_root:
+            self._clock += 1
             self._touch(node, hit=True)
         return slot_ids, node
 

@@ -90,7 +90,7 @@ class PrefixKV:
         num_cached = self.tree.insert(tokens, req.kv_slots[:aligned], salt=salt)
         if num_cached > req.tree_len:
             self.allocator.free(req.kv_slots[req.tree_len:num_cached])
-        slots, node = self.tree.match_prefix(tokens, salt=salt)
+        slots, node = self.tree.match_prefix(tokens, salt=salt, record_hit=False)  # insert stamped it
         assert len(slots) == aligned, f"inserted {aligned} tokens but matched {len(slots)}"
         req.kv_slots[:aligned] = slots
         self.tree.lock(node)

@@ -144,7 +144,8 @@ class Planner:
         need = 0
         limit = max(self.config.max_running_requests - len(self.running), 0)
         for num, req in enumerate(order[:limit]):
-            slots, node = tree.match_prefix(req.all_ids[:self.kv.match_cap(req)], salt=req.params.cache_salt)
+            slots, node = tree.match_prefix(req.all_ids[:self.kv.match_cap(req)], salt=req.params.cache_salt,
+                                            record_hit=False)  # admission records the hit
             tree.lock(node)
             need += req.seq_len - len(slots) + self._estimate(req)
             if num > 0 and need > self.kv.available_slots() - self._decode_room_estimate():

@@ -241,3 +241,15 @@ def test_check_integrity_catches_broken_accounting():
     cache.allocator.free(cache.all_slot_ids())  # the tree's slots freed behind its back
     with pytest.raises(AssertionError, match="free"):
         cache.check_integrity(in_flight_slots=2)
+
+
+def test_match_without_recording_a_hit_leaves_eviction_order_alone():
+    alloc = KVAllocator(64)
+    cache = RadixCache(alloc, eviction_policy="lru-reuse")
+    cache.insert([1, 2, 3, 4], alloc.alloc(4))
+    cache.insert([7, 8, 9], alloc.alloc(3))
+    before = {n.node_id: (n.hit_count, n.last_access) for n in cache._iter_nodes()}
+    slots, node = cache.match_prefix([1, 2, 3, 9], record_hit=False)  # splits, but records nothing
+    assert len(slots) == 3 and node.hit_count == before.get(node.node_id, (0, 0))[0]
+    cache.evict(3)  # [7, 8, 9] was inserted last, so the older [1, 2, 3, 4] goes first
+    assert cache.peek_prefix([1, 2, 3]) == [] and len(cache.peek_prefix([7, 8, 9])) == 3
