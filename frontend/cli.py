@@ -23,7 +23,7 @@ _HELP = {
     "host": "address to listen on",
     "port": "port to listen on (0: any free port, printed in the ready line)",
     "api_key": "require 'Authorization: Bearer KEY' (health endpoints stay open)",
-    "served_model_name": "the model name clients send (None: the model path)",
+    "served_model_name": "the model name clients send (None: the model path, or radixserve-demo for the demo model)",
     "dtype": "weights and activations dtype",
     "context_length": "cap the model's context length (None: the model's)",
     "kv_cache_tokens": "KV cache size in token slots (None: the engine's device default)",

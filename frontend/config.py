@@ -26,13 +26,17 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+# What /v1/models lists for the built-in demo model (its cache path is no name to type).
+DEMO_MODEL_NAME = "radixserve-demo"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     model: str | None = None  # checkpoint directory; None = the built-in demo model
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    served_model_name: str | None = None  # None = the model path
+    served_model_name: str | None = None  # None = the model path (DEMO_MODEL_NAME for the demo)
     # Engine settings (EngineConfig validates them).
     dtype: str = _ENGINE_DEFAULTS["dtype"]
     context_length: int | None = _ENGINE_DEFAULTS["context_length"]  # None = the model's
@@ -72,9 +76,9 @@ class ServerConfig:
         """The keyword arguments for Engine(model, **kwargs)."""
         return {name: getattr(self, name) for name in ENGINE_FIELDS}
 
-    def model_name(self, model_path: str) -> str:
+    def model_name(self) -> str:
         """The name clients pass as `model` (and /v1/models lists)."""
-        return self.served_model_name or self.model or model_path
+        return self.served_model_name or self.model or DEMO_MODEL_NAME
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as a dict for /get_server_info, with the API key masked."""

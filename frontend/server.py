@@ -34,7 +34,7 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     tokenizer = engine.tokenizer
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
-                       metrics=metrics, model_name=config.model_name(engine.model_path), texts=texts,
+                       metrics=metrics, model_name=config.model_name(), texts=texts,
                        created=int(time.time()))
 
 

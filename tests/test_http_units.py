@@ -239,3 +239,9 @@ def test_error_body_shape():
     assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
     assert orjson.loads(resp.body) == {"error": {"message": "busy", "type": "rate_limit_error", "param": None,
                                                  "code": "queue_full"}}
+
+
+def test_served_model_name_defaults():
+    assert ServerConfig().model_name() == "radixserve-demo"  # the demo's cache path is no name to type
+    assert ServerConfig(model="/ckpt/qwen").model_name() == "/ckpt/qwen"
+    assert ServerConfig(model="/ckpt/qwen", served_model_name="qwen").model_name() == "qwen"
