@@ -13,6 +13,7 @@ where tokenizers keep their special tokens.
 """
 from __future__ import annotations
 
+import abc
 import random
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -34,7 +35,7 @@ class Round:
     requests: list[WorkRequest]
 
 
-class Workload:
+class Workload(abc.ABC):
     """Base class: subclasses set `name`, `num_rounds` and implement `make_round`.
 
     A round is built only when it arrives, so it can use the outputs of every request that has
@@ -44,8 +45,9 @@ class Workload:
     name: str = "workload"
     num_rounds: int = 1
 
+    @abc.abstractmethod
     def make_round(self, round_idx: int, outputs: Mapping[str, list[int]]) -> Round:
-        raise NotImplementedError
+        """The requests of round `round_idx`, built from the outputs seen so far."""
 
     def arrival_step(self, round_idx: int) -> int | None:
         """Engine step at which round `round_idx` arrives; None = once every earlier request
