@@ -115,7 +115,7 @@ class Planner:
         admitted: list[Req] = []
         if not self.waiting:
             return admitted
-        order = self.policy.order(self.waiting, step)
+        order = self.policy.order(self.waiting, step, running=self.running)
         shields = self._shield_prefixes(order)
         try:
             for req in order:
