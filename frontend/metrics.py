@@ -1,14 +1,15 @@
 """Prometheus text exposition for /metrics: engine gauges and counters, latency histograms.
 
-Latency histograms are kept here, fed by each finished request's GenerateResult, so /metrics
-does not depend on how the engine stores its own latency lists.
+Latency histograms (the engine's Histogram type, HTTP-side buckets) are fed by each finished
+request's GenerateResult as the server sees it.
 """
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import Counter
 from typing import Any
+
+from radixserve.scheduler.metrics import Histogram
 
 PREFIX = "radixserve_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -32,42 +33,14 @@ _ENGINE_METRICS = (
 )
 
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
-        self.name = name
-        self.help_text = help_text
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last = above every bucket
-        self.total = 0.0
-        self.num = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.num += 1
-
-    def render(self) -> list[str]:
-        name = PREFIX + self.name
-        lines = [f"# HELP {name} {self.help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-        lines.append(f'{name}_bucket{{le="+Inf"}} {self.num}')
-        lines.append(f"{name}_sum {_fmt(self.total)}")
-        lines.append(f"{name}_count {self.num}")
-        return lines
-
-
 class ServerMetrics:
     """Thread-safe: results arrive on the event loop, renders may come from anywhere."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.tpot = Histogram("time_per_output_token_seconds", "Time per output token after the first.",
-                              TPOT_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.ttft = Histogram(LATENCY_BUCKETS, max_samples=0)
+        self.tpot = Histogram(TPOT_BUCKETS, max_samples=0)
+        self.e2e = Histogram(LATENCY_BUCKETS, max_samples=0)
         self.finish_reasons: Counter[str] = Counter()
         self.http_responses: Counter[int] = Counter()
 
@@ -97,8 +70,9 @@ class ServerMetrics:
         _scalar(lines, "http_requests_in_flight", "gauge",
                 "Engine requests admitted by the HTTP server and not yet finished.", num_in_flight)
         with self._lock:
-            for hist in (self.ttft, self.tpot, self.e2e):
-                lines.extend(hist.render())
+            _histogram(lines, "time_to_first_token_seconds", "Time to first token.", self.ttft)
+            _histogram(lines, "time_per_output_token_seconds", "Time per output token after the first.", self.tpot)
+            _histogram(lines, "e2e_request_latency_seconds", "End-to-end request latency.", self.e2e)
             _labelled(lines, "requests_total", "Finished requests by finish reason.", "finish_reason",
                       dict(self.finish_reasons))
             _labelled(lines, "http_responses_total", "HTTP responses by status code.", "code",
@@ -109,6 +83,18 @@ class ServerMetrics:
 def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
     full = PREFIX + name
     lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {_fmt(value)}"]
+
+
+def _histogram(lines: list[str], name: str, help_text: str, hist: Histogram) -> None:
+    full = PREFIX + name
+    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} histogram"]
+    cumulative = 0
+    for bound, count in zip(hist.buckets, hist.counts):
+        cumulative += count
+        lines.append(f'{full}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
+    lines.append(f'{full}_bucket{{le="+Inf"}} {hist.count}')
+    lines.append(f"{full}_sum {_fmt(hist.total)}")
+    lines.append(f"{full}_count {hist.count}")
 
 
 def _labelled(lines: list[str], name: str, help_text: str, label: str, values: dict[str, int]) -> None:

@@ -11,11 +11,15 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 @dataclass
 class Histogram:
     buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    counts: list[int] = field(default_factory=list)  # per bucket, last = above every bucket
     total: float = 0.0
     count: int = 0
     samples: list[float] = field(default_factory=list)  # kept for percentiles in benches
     max_samples: int = 100_000
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
