@@ -103,7 +103,7 @@ class Planner:
         for req in self.running:
             if budget <= 0:
                 break
-            if req.is_decoding or any(it.req is req for it in batch.items):
+            if req.is_decoding:  # already in the batch as a decode
                 continue
             num = self._fit_chunk(req, min(req.num_pending, budget))
             if num > 0:
