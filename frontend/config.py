@@ -20,6 +20,9 @@ ENGINE_FIELDS = (
     "eviction_policy",
     "seed",
     "device",
+    "num_threads",
+    "disable_shared_prefix_attention",
+    "shared_prefix_min_tokens",
 )
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
@@ -50,6 +53,9 @@ class ServerConfig:
     eviction_policy: str = _ENGINE_DEFAULTS["eviction_policy"]
     seed: int = _ENGINE_DEFAULTS["seed"]
     device: str | None = _ENGINE_DEFAULTS["device"]
+    num_threads: int | None = _ENGINE_DEFAULTS["num_threads"]  # None = the cores this process may use
+    disable_shared_prefix_attention: bool = _ENGINE_DEFAULTS["disable_shared_prefix_attention"]
+    shared_prefix_min_tokens: int = _ENGINE_DEFAULTS["shared_prefix_min_tokens"]
     # Server-only settings.
     max_queued_requests: int = 256  # admitted beyond max_running_requests before 429
     max_tokens_default: int = 2048  # chat: generate until EOS/context end, capped by this

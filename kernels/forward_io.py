@@ -16,12 +16,19 @@ class SeqInput:
 
     input_ids: list[int]  # tokens computed this step
     prefix_len: int  # tokens of this sequence already in the KV pool
-    slot_ids: list[int]  # KV slot of every position 0 .. prefix_len + len(input_ids) - 1
+    row: int  # this request's row of the runner's request->slot table (unique among running requests)
+    # Table writes before the step: row[slot_offset : slot_offset + len(new_slots)] = new_slots.
+    # After them the row must hold the slot of every position 0 .. prefix_len + len(input_ids) - 1;
+    # a step sends only slots the row does not hold yet (or that changed), never the whole list.
+    new_slots: list[int]
+    slot_offset: int
     sample: bool  # sample a next token after the last input token
+    new_row: bool = False  # first step of this request on this row (per-row state starts afresh)
     sampling: Any = None  # SamplingParams-like object (duck-typed; see scheduler/sampling_params.py)
     sampling_seed: int = 0  # effective seed; token randomness = f(sampling_seed, len(output_ids))
-    prompt_ids: list[int] = field(default_factory=list)  # for repetition penalty
-    output_ids: list[int] = field(default_factory=list)  # for penalties and the seed position
+    # References to the request's lists (never copied): penalties, the seed position, prompt logprobs.
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
     eos_ids: tuple[int, ...] = ()  # masked (with stop_token_ids) while min_new_tokens is unmet
     # Prompt logprobs: logprob of each input token at absolute position >= this, given the
     # tokens before it (needs the logits of the previous position). None = not requested.

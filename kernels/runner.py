@@ -2,9 +2,16 @@
 
 How a step's ``SeqInput`` list is read (the contract with the scheduler):
 
-- ``input_ids`` are computed at absolute positions ``prefix_len + j``; ``slot_ids`` lists the KV
-  slot of every position ``0 .. prefix_len + len(input_ids) - 1``; the new K/V go to
-  ``slot_ids[prefix_len:]``, the cached prefix is read from ``slot_ids[:prefix_len]``.
+- ``input_ids`` are computed at absolute positions ``prefix_len + j``. The runner owns the
+  request->slot table (``slot_table``, ``[max_running_requests, context_length]`` int64, on the
+  model's device): row ``row`` holds the KV slot of every position of that request. A step first
+  writes ``new_slots`` at ``row[slot_offset:]`` (only what the row lacks or what changed), then
+  the new K/V go to ``row[prefix_len : prefix_len + len(input_ids)]`` and the cached prefix is
+  read from ``row[:prefix_len]``. So host work per step is O(batch + new tokens), never
+  O(context): ``counters`` (``HostCounters``) records it.
+- ``shared`` (optional, from the scheduler): key ranges that several sequences of the step
+  hold in the same slots (radix nodes they all locked); attention reads each once
+  (ARCHITECTURE §3b).
 - ``sample``: a next token is drawn from the logits of the last input token (see sampling.py;
   its randomness depends only on ``sampling_seed`` and ``len(output_ids)``). Output logprobs
   are returned when ``sampling.logprobs`` is not None or ``num_top_logprobs > 0``.
@@ -29,12 +36,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
+from radixserve.kernels.attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
 from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
 from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve_dtype
 from radixserve.kernels.model import CausalLM
@@ -44,6 +53,8 @@ from radixserve.kernels.sampling import sample_next_tokens, token_logprobs
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_TOKENS = 16384  # small on the CPU: several test servers share one machine
+CUDA_KV_MEMORY_FRACTION = 1 / 3  # of the free memory before loading; weights and activations need the rest
 
 
 @dataclass
@@ -68,11 +79,16 @@ class ForwardInput:
 class ModelRunner:
     """Loads a checkpoint and runs mixed prefill/decode steps over a paged KV pool."""
 
-    def __init__(self, model_path: str, *, num_slots: int, dtype: str = "auto",
+    def __init__(self, model_path: str, *, num_slots: int | None, page_size: int = 1, dtype: str = "auto",
                  attention_backend: str = "auto", device: str | None = None,
-                 context_length: int | None = None) -> None:
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
-            raise ValueError(f"num_slots must be a positive integer, got {num_slots!r}")
+                 context_length: int | None = None, max_running_requests: int = 64,
+                 num_threads: int | None = None) -> None:
+        for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
+                            ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {attention_backend!r}")
@@ -80,7 +96,10 @@ class ModelRunner:
         config = load_model_config(model_path)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(model_path, config), self.device)
         self.config: ModelConfig = replace(config, dtype=str(self.dtype).removeprefix("torch."))
-        self.num_slots = num_slots
+        if num_slots is None:
+            num_slots = default_kv_slots(config, self.dtype, self.device)
+        # Whole pages only (the allocator hands out pages).
+        self.num_slots = num_slots = max(num_slots // page_size, 1) * page_size
         self.context_length = min(config.max_position_embeddings, context_length or config.max_position_embeddings)
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
@@ -90,18 +109,32 @@ class ModelRunner:
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        # The request->slot table; _row_len[r] = leading entries of row r that are valid.
+        self.slot_table = torch.zeros((max_running_requests, self.context_length), dtype=torch.int64,
+                                      device=self.device)
+        self._row_len = [0] * max_running_requests
+        self.counters = HostCounters()  # host work of the latest step
+        self.last_profile: dict[str, float] = {}  # seconds of the latest step: build / forward / sample
         self.forward_input_hook: Callable[[ForwardInput], ForwardInput] | None = None
         logger.info("model %s (%s) on %s, %s, %d KV slots, attention=%s", model_path, config.architecture,
                     self.device, self.config.dtype, num_slots, self.backend.name)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SeqInput]) -> list[SeqOutput]:
+    def forward(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix] = ()) -> list[SeqOutput]:
         """One mixed step (prefill chunks + decodes): writes KV, samples, scores prompt tokens."""
         if not seqs:
             return []
-        fi = self._prepare(seqs)
+        t0 = time.perf_counter()
+        fi = self._prepare(seqs, shared)
+        t1 = time.perf_counter()
         hidden = self._run_model(fi)
         logits = self.model.compute_logits(hidden[fi.logits_idx])  # [num_rows, vocab] float32
+        t2 = time.perf_counter()
+        outputs = self._sample(logits, fi, seqs)
+        self.last_profile = {"build_s": t1 - t0, "forward_s": t2 - t1, "sample_s": time.perf_counter() - t2}
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, fi: ForwardInput, seqs: list[SeqInput]) -> list[SeqOutput]:
         outputs = [SeqOutput(next_token_id=None, next_logprob=None) for _ in seqs]
         num_sampled = len(fi.sample_seq_idx)
         if num_sampled:
@@ -114,26 +147,24 @@ class ModelRunner:
         return outputs
 
     @torch.inference_mode()
-    def forward_logits(self, seqs: list[SeqInput]) -> list[torch.Tensor]:
+    def forward_logits(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix] = ()) -> list[torch.Tensor]:
         """Like ``forward`` (KV is written the same way) but returns, per sequence, the float32
         logits of every input position [len(input_ids), vocab], and samples nothing."""
         if not seqs:
             return []
-        fi = self._prepare(seqs)
+        fi = self._prepare(seqs, shared)
         logits = self.model.compute_logits(self._run_model(fi))  # [num_tokens, vocab]
         return list(logits.split(fi.meta.q_lens_list))
 
-    def build_forward_input(self, seqs: list[SeqInput]) -> ForwardInput:
-        """Turns the step's SeqInputs into tensors: ids, positions, attention metadata, logit rows.
-
-        Everything is gathered into Python lists first and crosses to the device as one packed
-        int64 tensor (one host-to-device copy per step), then split into views.
-        """
-        _validate(seqs, self.num_slots, self.context_length)
+    def build_forward_input(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix] = ()) -> ForwardInput:
+        """Turns the step's SeqInputs into tensors: table writes, ids, positions, attention
+        metadata, logit rows. Per-token host data is only this step's new tokens and slots; it
+        crosses to the device as one packed int64 tensor, then splits into views."""
+        counters = self.counters = HostCounters()
+        self._validate(seqs)
         chain = itertools.chain.from_iterable
         q_lens = [len(s.input_ids) for s in seqs]
-        prefix_lens = [s.prefix_len for s in seqs]
-        kv_lens = [p + q for p, q in zip(prefix_lens, q_lens)]
+        kv_lens = [s.prefix_len + q for s, q in zip(seqs, q_lens)]
         qo_indptr = list(itertools.accumulate(q_lens, initial=0))
         sample_seq_idx = [i for i, s in enumerate(seqs) if s.sample]
         rows = [qo_indptr[i + 1] - 1 for i in sample_seq_idx]
@@ -144,37 +175,72 @@ class ModelRunner:
                 prompt_plans.append(PromptLogprobPlan(i, len(rows), target_ids))
                 first_row = qo_indptr[i] + first_pos - 1 - seq.prefix_len
                 rows.extend(range(first_row, first_row + len(target_ids)))
+        writes = [s for s in seqs if s.new_slots]
         parts = [
             list(chain(s.input_ids for s in seqs)),  # input_ids
             list(chain(range(s.prefix_len, s.prefix_len + len(s.input_ids)) for s in seqs)),  # positions
-            list(chain(s.slot_ids for s in seqs)),  # kv_indices
-            list(chain(s.slot_ids[s.prefix_len:] for s in seqs)),  # out_slot_ids
             rows,  # logits_idx
-            qo_indptr,
-            list(itertools.accumulate(kv_lens, initial=0)),  # kv_indptr
-            prefix_lens,
-            kv_lens,
+            list(chain([s.row] * len(s.new_slots) for s in writes)),  # table write rows
+            list(chain(range(s.slot_offset, s.slot_offset + len(s.new_slots)) for s in writes)),  # columns
+            list(chain(s.new_slots for s in writes)),  # slot ids
         ]
-        packed = torch.tensor(list(chain(parts)), dtype=torch.int64).to(self.device)
-        (input_ids, positions, kv_indices, out_slots, logits_idx, qo_t, kv_t, prefix_t, kv_lens_t) = \
-            packed.split([len(part) for part in parts])
-        meta = AttentionMetadata(
-            qo_indptr=qo_t.int(), kv_indptr=kv_t.int(), kv_indices=kv_indices, prefix_lens=prefix_t.int(),
-            kv_lens=kv_lens_t.int(), out_slot_ids=out_slots, max_q_len=max(q_lens), max_kv_len=max(kv_lens),
-            q_lens_list=q_lens, kv_lens_list=kv_lens)
+        counters.list_elems += sum(len(p) for p in parts)
+        packed = host_tensor(list(chain(parts)), self.device, counters)
+        input_ids, positions, logits_idx, w_rows, w_cols, w_slots = packed.split([len(p) for p in parts])
+        self.slot_table[w_rows, w_cols] = w_slots
+        seq_rows = [s.row for s in seqs]
+        meta = build_metadata(q_lens=q_lens, kv_lens=kv_lens, rows=seq_rows, slot_table=self.slot_table,
+                              out_slot_ids=torch.empty(0, dtype=torch.int64, device=self.device),
+                              shared=list(shared), needs_kv_indices=self.backend.needs_kv_indices,
+                              counters=counters)
+        meta.out_slot_ids = gather_rows(self.slot_table, meta.rows, meta.kv_lens - meta.qo_indptr.diff(),
+                                        meta.kv_lens, qo_indptr[-1])
         return ForwardInput(input_ids=input_ids, positions=positions, meta=meta, logits_idx=logits_idx,
                             sample_seq_idx=sample_seq_idx, prompt_plans=prompt_plans)
 
     # -----------------------------------------------------------------------------------------
 
-    def _prepare(self, seqs: list[SeqInput]) -> ForwardInput:
-        fi = self.build_forward_input(seqs)
+    def _prepare(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix]) -> ForwardInput:
+        fi = self.build_forward_input(seqs, shared)
         if self.forward_input_hook is not None:
             fi = self.forward_input_hook(fi)
         return fi
 
     def _run_model(self, fi: ForwardInput) -> torch.Tensor:  # [num_tokens, hidden]
         return self.model.forward(fi.input_ids, fi.positions, fi.meta, self.k_cache, self.v_cache, self.backend)
+
+    def _validate(self, seqs: list[SeqInput]) -> None:
+        """Checks a step against the table; updates each row's valid length (O(batch + new slots))."""
+        seen_rows: set[int] = set()
+        for i, seq in enumerate(seqs):
+            q_len, row = len(seq.input_ids), seq.row
+            if q_len == 0:
+                raise ValueError(f"seq {i}: input_ids is empty")
+            if seq.prefix_len < 0:
+                raise ValueError(f"seq {i}: prefix_len must be >= 0, got {seq.prefix_len}")
+            if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < len(self._row_len):
+                raise ValueError(f"seq {i}: row must be in [0, {len(self._row_len)}), got {row!r}")
+            if row in seen_rows:
+                raise ValueError(f"seq {i}: row {row} appears twice in one step")
+            seen_rows.add(row)
+            if seq.prefix_len + q_len > self.context_length:
+                raise ValueError(f"seq {i}: {seq.prefix_len + q_len} tokens exceed the context length "
+                                 f"{self.context_length}")
+            known = 0 if seq.new_row else self._row_len[row]
+            if seq.new_slots and not 0 <= seq.slot_offset <= known:
+                raise ValueError(f"seq {i}: slot_offset {seq.slot_offset} would leave a gap in row {row} "
+                                 f"(it holds {known} slots)")
+            end = seq.slot_offset + len(seq.new_slots) if seq.new_slots else known
+            if end > self.context_length:
+                raise ValueError(f"seq {i}: slots past the context length {self.context_length}")
+            if end < seq.prefix_len + q_len:
+                raise ValueError(f"seq {i}: row {row} holds {end} slots but the step needs "
+                                 f"prefix_len + len(input_ids) = {seq.prefix_len + q_len}")
+            if seq.new_slots and (min(seq.new_slots) < 0 or max(seq.new_slots) >= self.num_slots):
+                raise ValueError(f"seq {i}: slot ids must be in [0, {self.num_slots})")
+        for seq in seqs:
+            if seq.new_slots or seq.new_row:
+                self._row_len[seq.row] = seq.slot_offset + len(seq.new_slots) if seq.new_slots else 0
 
     def _score_prompts(self, logits: torch.Tensor, fi: ForwardInput,
                        seqs: list[SeqInput]) -> list[list[TokenLogprob]]:
@@ -191,11 +257,22 @@ class ModelRunner:
         return out
 
 
+def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """KV pool size when none is given: DEFAULT_CPU_KV_TOKENS on the CPU; on CUDA a fraction of
+    the free memory (measured before the weights load) divided by one slot's real bytes."""
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_TOKENS
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    bytes_per_slot = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
+    return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
+
+
 def _make_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from radixserve.kernels.attention.torch_ref import TorchAttentionBackend
+        from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend()
     try:
         from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
@@ -218,20 +295,3 @@ def _prompt_targets(seq: SeqInput) -> tuple[int, list[int]]:
     return first, targets
 
 
-def _validate(seqs: list[SeqInput], num_slots: int, context_length: int) -> None:
-    for i, seq in enumerate(seqs):
-        q_len = len(seq.input_ids)
-        if q_len == 0:
-            raise ValueError(f"seq {i}: input_ids is empty")
-        if len(seq.slot_ids) != seq.prefix_len + q_len:
-            raise ValueError(f"seq {i}: len(slot_ids)={len(seq.slot_ids)} must equal prefix_len + "
-                             f"len(input_ids) = {seq.prefix_len} + {q_len}")
-        if seq.prefix_len + q_len > context_length:
-            raise ValueError(f"seq {i}: {seq.prefix_len + q_len} tokens exceed the context length "
-                             f"{context_length}")
-        if seq.prefix_len < 0:
-            raise ValueError(f"seq {i}: prefix_len must be >= 0, got {seq.prefix_len}")
-    lo = min(min(s.slot_ids) for s in seqs)
-    hi = max(max(s.slot_ids) for s in seqs)
-    if lo < 0 or hi >= num_slots:
-        raise ValueError(f"slot ids must be in [0, {num_slots}), got range [{lo}, {hi}]")

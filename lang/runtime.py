@@ -17,7 +17,11 @@ logger = logging.getLogger(__name__)
 
 class Runtime(Backend):
     """`Runtime(model_path=None, **engine_config)` starts an Engine (None = the built-in demo
-    model); `Runtime(engine=existing)` shares one. `shutdown()` stops only an engine it started."""
+    model); `Runtime(engine=existing)` shares one. `shutdown()` stops only an engine it started.
+
+    ``engine_config`` are EngineConfig fields: ``Runtime(num_threads=1)`` sets the engine's torch
+    intra-op threads, unlike ``prog.run_batch(num_threads=)``, which is how many programs run at
+    once."""
 
     name = "Runtime"
 

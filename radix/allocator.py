@@ -3,12 +3,19 @@
 The pool is counted in token slots. Page `p` covers slots `[p * page_size, (p + 1) * page_size)`,
 so a page is always aligned and contiguous; the allocator only tracks pages. Pure Python: slot ids
 are plain ints that the runner in kernels/ turns into tensor indices.
+
+Free pages are kept as maximal runs of consecutive pages, and an allocation takes the
+lowest-addressed run that holds it whole (first fit), so one request's chunk of new tokens
+gets consecutive slots whenever any run is long enough: a cached prefix is then a plain range
+of the KV pool, which attention reads as a view instead of gathering it
+(ARCHITECTURE §3b). Only when no run is long enough is the allocation split across runs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+
+from sortedcontainers import SortedDict
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +33,14 @@ class KVAllocator:
         self.total_slots = num_slots
         self.page_size = page_size
         self.num_pages = num_slots // page_size
-        # FIFO order: a freed page is reused as late as possible, and handing out is deterministic.
-        self._free_pages: deque[int] = deque()
+        self._runs: SortedDict = SortedDict()  # first free page of a run -> one past its last
+        self._num_free_pages = 0
         self._page_is_free = bytearray(self.num_pages)
         self.reset()
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_pages) * self.page_size
+        return self._num_free_pages * self.page_size
 
     @property
     def num_used_slots(self) -> int:
@@ -50,13 +57,15 @@ class KVAllocator:
                 f"alloc needs a non-negative multiple of page_size ({page_size}) slots, got {num_slots}"
             )
         num_pages = num_slots // page_size
-        if num_pages > len(self._free_pages):
+        if num_pages > self._num_free_pages:
             return None
-        pop = self._free_pages.popleft
-        pages = [pop() for _ in range(num_pages)]
+        if num_pages == 0:
+            return []
+        pages = self._take_pages(num_pages)
         is_free = self._page_is_free
         for page in pages:
             is_free[page] = 0
+        self._num_free_pages -= num_pages
         if page_size == 1:
             return pages
         offsets = range(page_size)
@@ -85,22 +94,72 @@ class KVAllocator:
                 )
         for page in pages:
             is_free[page] = 1
-        self._free_pages.extend(sorted(pages))
+        self._num_free_pages += len(pages)
+        self._add_runs(sorted(pages))
 
     def is_free(self, slot_id: int) -> bool:
         return bool(self._page_is_free[slot_id // self.page_size])
 
     def reset(self) -> None:
         """Make every slot free again (callers must drop all slot ids they hold)."""
-        self._free_pages = deque(range(self.num_pages))
+        self._runs = SortedDict({0: self.num_pages} if self.num_pages else {})
+        self._num_free_pages = self.num_pages
         self._page_is_free = bytearray(b"\x01" * self.num_pages)
 
     def check_integrity(self) -> None:
-        """Free list and free flags agree; no page is listed twice."""
-        free_pages = list(self._free_pages)
-        assert len(set(free_pages)) == len(free_pages), "allocator: a page is on the free list twice"
+        """Free runs and free flags agree; runs are disjoint, non-empty and maximal."""
+        free_pages: list[int] = []
+        prev_end = -1
+        for start, end in self._runs.items():
+            assert start < end, "allocator: an empty free run"
+            assert start > prev_end, "allocator: free runs overlap or touch (not coalesced)"
+            free_pages.extend(range(start, end))
+            prev_end = end
+        assert len(free_pages) == self._num_free_pages, "allocator: free count disagrees with the runs"
         flagged = {page for page, flag in enumerate(self._page_is_free) if flag}
-        assert flagged == set(free_pages), "allocator: free list and free flags disagree"
+        assert flagged == set(free_pages), "allocator: free runs and free flags disagree"
+
+    @property
+    def num_free_runs(self) -> int:
+        return len(self._runs)
+
+    # -- free runs ------------------------------------------------------------------------
+
+    def _take_pages(self, num_pages: int) -> list[int]:
+        """Pages from the first run that holds num_pages whole, else from the lowest runs."""
+        runs = self._runs
+        for start, end in runs.items():
+            if end - start >= num_pages:
+                del runs[start]
+                if end - start > num_pages:
+                    runs[start + num_pages] = end
+                return list(range(start, start + num_pages))
+        pages: list[int] = []
+        while len(pages) < num_pages:
+            start, end = runs.popitem(0)
+            take = min(end - start, num_pages - len(pages))
+            pages.extend(range(start, start + take))
+            if start + take < end:
+                runs[start + take] = end
+        return pages
+
+    def _add_runs(self, pages: list[int]) -> None:
+        """Return sorted pages as runs, merged with the free runs they touch."""
+        runs = self._runs
+        i = 0
+        while i < len(pages):
+            start = end = pages[i]
+            while i < len(pages) and pages[i] == end:
+                end += 1
+                i += 1
+            if end in runs:  # the next free run starts where this one ends
+                end = runs.pop(end)
+            pos = runs.bisect_left(start)
+            if pos > 0:
+                prev_start = runs.keys()[pos - 1]
+                if runs[prev_start] == start:
+                    start = prev_start
+            runs[start] = end
 
     def __repr__(self) -> str:
         return (

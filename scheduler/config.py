@@ -1,6 +1,7 @@
 """EngineConfig: one frozen dataclass for every engine setting (server flags map onto its fields)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -9,7 +10,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lru-reuse")
 # Kept in sync with scheduler/policy.py (imported there lazily to avoid a cycle).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
-DEFAULT_CPU_KV_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,13 @@ class EngineConfig:
     eviction_policy: str = "lru-reuse"
     seed: int = 0
     device: str | None = None
+    # torch intra-op threads of the process that runs the model; None = the cores this process
+    # may use (os.sched_getaffinity). Test servers pass 1.
+    num_threads: int | None = None
+    # Shared-prefix (cascade) attention: a radix node locked by several requests of a step is
+    # read once for all their queries when its unshared span is at least this long (0 forces it).
+    disable_shared_prefix_attention: bool = False
+    shared_prefix_min_tokens: int = 32
 
     def __post_init__(self) -> None:
         _positive(self, "page_size")
@@ -36,12 +43,25 @@ class EngineConfig:
             _positive(self, "context_length")
         if self.kv_cache_tokens is not None:
             _positive(self, "kv_cache_tokens")
+        if self.num_threads is not None:
+            _positive(self, "num_threads")
+        if isinstance(self.shared_prefix_min_tokens, bool) or not isinstance(self.shared_prefix_min_tokens, int) \
+                or self.shared_prefix_min_tokens < 0:
+            raise ValueError(f"shared_prefix_min_tokens must be an integer >= 0, got {self.shared_prefix_min_tokens!r}")
         _choice(self, "dtype", DTYPES)
         _choice(self, "attention_backend", ATTENTION_BACKENDS)
         _choice(self, "eviction_policy", EVICTION_POLICIES)
         _choice(self, "schedule_policy", SCHEDULE_POLICIES)
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    def resolved_num_threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
 
     @classmethod
     def from_kwargs(cls, model_path: str | None, **kwargs: Any) -> "EngineConfig":

@@ -10,7 +10,8 @@ from collections import deque
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from radixserve.kernels.forward_io import SeqInput
-from radixserve.scheduler.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from radixserve.kernels.attention.base import SharedPrefix
+from radixserve.scheduler.config import EngineConfig
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.metrics import EngineMetrics
@@ -20,6 +21,7 @@ from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import GenerateResult, Req, ReqStatus, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
 from radixserve.scheduler.serving import EngineLoop
+from radixserve.scheduler.shared_prefix import order_by_prefix, shared_prefixes
 from radixserve.scheduler.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,15 +43,17 @@ class Engine:
             model_path = demo_model_path()
         self.model_path = model_path
         self.tokenizer = Tokenizer(model_path)
-        num_slots = self._num_slots(model_path)
-        self.runner = ModelRunner(model_path, num_slots=num_slots, dtype=self.config.dtype,
-                                  attention_backend=self.config.attention_backend,
-                                  device=self.config.device, context_length=self.config.context_length)
+        cfg = self.config
+        self.runner = ModelRunner(model_path, num_slots=cfg.kv_cache_tokens, page_size=cfg.page_size,
+                                  dtype=cfg.dtype, attention_backend=cfg.attention_backend, device=cfg.device,
+                                  context_length=cfg.context_length, max_running_requests=cfg.max_running_requests,
+                                  num_threads=cfg.resolved_num_threads())
+        num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = self.runner.context_length
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.kv = PrefixKV(num_slots, self.config.page_size, self.config.disable_radix_cache,
-                           self.config.eviction_policy)
+        self.kv = PrefixKV(num_slots, cfg.page_size, cfg.disable_radix_cache, cfg.eviction_policy,
+                           num_rows=cfg.max_running_requests)
         self.policy = SchedulePolicy(self.config.schedule_policy, self.kv)
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
@@ -139,9 +143,11 @@ class Engine:
 
     def step(self) -> list[StreamDelta]:
         """Run one scheduling decision and (at most) one forward; return the deltas."""
+        t0 = time.perf_counter()
+        self._parts = dict.fromkeys(self.metrics.step_parts_s, 0.0)
         deltas = self._drain_inbox()
         try:
-            deltas.extend(self._plan_and_run())
+            deltas.extend(self._plan_and_run(t0))
         except Exception:  # a failed step must not strand a stream: its requests end as aborted
             logger.exception("engine step failed; aborting in-flight requests")
             deltas.extend(self._abort_all("internal error in the engine step"))
@@ -150,37 +156,53 @@ class Engine:
                 self._reqs.pop(d.rid, None)
         self._step_idx += 1
         self._stats = self._compute_stats()
+        self._record_profile(t0)
         return deltas
 
-    def _plan_and_run(self) -> list[StreamDelta]:
-        t0 = time.perf_counter()
+    def _plan_and_run(self, t0: float) -> list[StreamDelta]:
         batch, admitted = self.planner.schedule(self._step_idx)
         for req in admitted:
             self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
                                          prefix_only=req.params.max_new_tokens == 0)
         t1 = time.perf_counter()
+        self._parts["plan"] += t1 - t0
         if batch.items:
             self._run_batch(batch)
-        t2 = time.perf_counter()
         for item in batch.items:
             self._after_item(item)
-        self.metrics.schedule_time_s += (t1 - t0) + (time.perf_counter() - t2)
-        self.metrics.forward_time_s += t2 - t1
         return [d for d in (self.outputs.take_delta(it.req) for it in batch.items) if d is not None]
 
+    def _record_profile(self, t0: float) -> None:
+        """Books the step's wall time: outputs is what the other parts did not cover."""
+        m = self.metrics
+        wall = time.perf_counter() - t0
+        parts = self._parts
+        parts["outputs"] += wall - sum(parts.values())
+        m.step_time_s += wall
+        for name, value in parts.items():
+            m.step_parts_s[name] += value
+
     def _run_batch(self, batch: Batch) -> None:
-        self.metrics.num_steps += 1
-        self.metrics.max_batch_size = max(self.metrics.max_batch_size, len(batch.items))
-        self.metrics.num_mixed_steps += int(batch.is_mixed)
+        t0 = time.perf_counter()
+        m = self.metrics
+        m.num_steps += 1
+        m.max_batch_size = max(m.max_batch_size, len(batch.items))
+        m.num_mixed_steps += int(batch.is_mixed)
+        shared = self._order_and_share(batch)
         seqs = [self._seq_input(item) for item in batch.items]
-        self.metrics.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
+        m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
+        t1 = time.perf_counter()
         try:
-            outs = self.runner.forward(seqs)
+            outs = self.runner.forward(seqs, shared)
         except Exception as exc:  # a failed forward must not take other requests or the loop down
             logger.exception("forward failed; aborting the %d requests of this batch", len(seqs))
             for item in batch.items:
                 self.outputs.finish(item.req, "abort", error=f"forward failed: {exc}")
             return
+        prof = self.runner.last_profile
+        self._parts["build"] += (t1 - t0) + prof["build_s"]
+        self._parts["sample"] += prof["sample_s"]
+        self._parts["forward"] += time.perf_counter() - t1 - prof["build_s"] - prof["sample_s"]
         for item, seq, out in zip(batch.items, seqs, outs):
             req = item.req
             req.kv_len += item.num_tokens
@@ -197,12 +219,33 @@ class Engine:
         elif not item.is_decode:
             self.kv.cache_prefix(req)  # a prefilled prefix becomes shareable at once
 
+    def _order_and_share(self, batch: Batch) -> list[SharedPrefix]:
+        """Orders the batch so requests below one radix node sit together, and returns the key
+        ranges they share (ARCHITECTURE §3b)."""
+        if self.config.disable_shared_prefix_attention or self.kv.tree.disable or len(batch.items) < 2:
+            return []
+        order = order_by_prefix([it.req.last_node for it in batch.items])
+        batch.items[:] = [batch.items[i] for i in order]
+        shared = shared_prefixes([it.req.last_node for it in batch.items], self.config.shared_prefix_min_tokens)
+        if shared:
+            m = self.metrics
+            m.num_shared_prefix_steps += 1
+            m.num_shared_prefix_tokens += sum(p.num_tokens for p in shared)
+            m.num_shared_prefix_reads_saved += sum(p.num_tokens * (len(p.seq_idx) - 1) for p in shared)
+        return shared
+
     def _seq_input(self, item: BatchItem) -> SeqInput:
+        """The step's share of one request: its new tokens and only the slots its table row lacks."""
         req = item.req
         start, end = req.kv_len, req.kv_len + item.num_tokens
         p = req.params
+        hi = min(len(req.kv_slots), self.context_length)  # the page tail past the context is never read
+        new_slots, offset = req.kv_slots[req.synced_len:hi], req.synced_len
+        req.synced_len = hi
+        new_row, req.row_is_new = req.row_is_new, False
         return SeqInput(
-            input_ids=_token_slice(req, start, end), prefix_len=start, slot_ids=req.kv_slots[:end],
+            input_ids=_token_slice(req, start, end), prefix_len=start, row=req.row, new_slots=new_slots,
+            slot_offset=offset, new_row=new_row,
             sample=item.sample, sampling=p, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
             output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
             num_top_logprobs=p.logprobs or 0)
@@ -294,8 +337,11 @@ class Engine:
             "num_evicted_tokens": tree.num_evicted_tokens, "num_requests_finished": m.num_requests_finished,
             "num_requests_aborted": m.num_requests_aborted, "num_retractions": self.planner.num_retractions,
             "num_steps": m.num_steps, "num_mixed_steps": m.num_mixed_steps, "max_batch_size": m.max_batch_size,
-            "num_forward_tokens": m.num_forward_tokens, "schedule_time_s": m.schedule_time_s,
-            "forward_time_s": m.forward_time_s,
+            "num_forward_tokens": m.num_forward_tokens,
+            "num_shared_prefix_steps": m.num_shared_prefix_steps,
+            "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
+            "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
+            "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
         }
 
     def shutdown(self) -> None:
@@ -332,26 +378,6 @@ class Engine:
         if self.kv.pages_for(total) * self.config.page_size > self.kv.total_slots:
             raise ValueError(f"request needs {total} KV slots but the KV pool has only {self.kv.total_slots} "
                              f"(raise kv_cache_tokens)")
-
-    def _num_slots(self, model_path: str) -> int:
-        tokens = self.config.kv_cache_tokens or _default_kv_tokens(model_path, self.config.device)
-        return max(tokens // self.config.page_size, 1) * self.config.page_size
-
-
-def _default_kv_tokens(model_path: str, device: str | None) -> int:
-    """Small on the CPU (test servers share one machine); on CUDA, a third of the free memory
-    before loading (the weights and activations need the rest), in bf16 slots."""
-    import torch
-
-    from radixserve.kernels.model_config import load_model_config
-
-    use_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if not use_cuda:
-        return DEFAULT_CPU_KV_TOKENS
-    cfg = load_model_config(model_path)
-    free_bytes, _ = torch.cuda.mem_get_info(torch.device(device or "cuda"))
-    bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes / 3 / bytes_per_token))
 
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:

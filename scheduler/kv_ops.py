@@ -8,6 +8,12 @@ Every slot is in exactly one of four states, and the counts always add up:
 A request's slots ``kv_slots[:tree_len]`` belong to the tree and are locked through
 ``req.last_node``; ``kv_slots[tree_len:]`` are its own (whole pages, incl. the unused tail
 of its last page).
+
+A request that holds KV also holds a row of the runner's request->slot table (rows are
+numbered 0 .. max_running_requests - 1; the runner owns the tensor). ``req.synced_len`` counts
+the leading ``kv_slots`` the row already holds: appending slots leaves it alone, replacing
+slots (``cache_prefix`` adopting the tree's copies) lowers it to the first changed position,
+so a step sends only the changed or new slots.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 class PrefixKV:
-    def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str):
+    def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
+                 num_rows: int = 64):
         self.page_size = page_size
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # a stack: row 0 is handed out first
         self.allocator = KVAllocator(num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
                                eviction_policy=eviction_policy)
@@ -58,6 +66,10 @@ class PrefixKV:
         req.last_node = node
         req.kv_slots = list(slots)
         req.kv_len = req.tree_len = len(slots)
+        if not self._free_rows:
+            raise RuntimeError("no free row in the request->slot table (more running requests than "
+                               "max_running_requests)")
+        req.row, req.synced_len, req.row_is_new = self._free_rows.pop(), 0, True
         return len(slots)
 
     def slots_needed(self, req: Req, num_new_tokens: int) -> int:
@@ -90,6 +102,7 @@ class PrefixKV:
         num_cached = self.tree.insert(tokens, req.kv_slots[:aligned], salt=salt)
         if num_cached > req.tree_len:
             self.allocator.free(req.kv_slots[req.tree_len:num_cached])
+            req.synced_len = min(req.synced_len, req.tree_len)  # those positions get the tree's slots
         slots, node = self.tree.match_prefix(tokens, salt=salt, record_hit=False)  # insert stamped it
         assert len(slots) == aligned, f"inserted {aligned} tokens but matched {len(slots)}"
         req.kv_slots[:aligned] = slots
@@ -109,6 +122,8 @@ class PrefixKV:
         req.last_node = None
         req.kv_slots = []
         req.kv_len = req.tree_len = 0
+        self._free_rows.append(req.row)
+        req.row, req.synced_len = None, 0
 
     def flush(self) -> None:
         self.tree.reset()

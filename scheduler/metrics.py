@@ -35,6 +35,9 @@ class Histogram:
         return ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))]
 
 
+STEP_PARTS = ("plan", "build", "forward", "sample", "outputs")
+
+
 @dataclass
 class EngineMetrics:
     num_prompt_tokens: int = 0  # first admissions only (§8)
@@ -49,8 +52,14 @@ class EngineMetrics:
     ttft: Histogram = field(default_factory=Histogram)
     tpot: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=Histogram)
-    schedule_time_s: float = 0.0  # planner + radix work
-    forward_time_s: float = 0.0  # runner (model + sampling)
+    # The step profile: every step's wall time split into its parts (seconds, cumulative).
+    # plan: inbox + planner + radix; build: step inputs (engine + runner); forward: the model;
+    # sample: sampling and logprobs; outputs: tokens appended, detokenize, stops, deltas, caching.
+    step_time_s: float = 0.0
+    step_parts_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_PARTS, 0.0))
+    num_shared_prefix_steps: int = 0  # steps whose attention read shared prefixes once
+    num_shared_prefix_tokens: int = 0  # KV tokens of those prefixes (each counted once per step)
+    num_shared_prefix_reads_saved: int = 0  # per-request reads of them that were not needed
 
     num_prefix_only_tokens: int = 0  # prompts of max_new_tokens=0 requests, reported apart (§8)
     num_prefix_only_cached: int = 0

@@ -67,6 +67,11 @@ class Req:
     kv_len: int = 0
     tree_len: int = 0  # leading slots that belong to the radix tree (locked through last_node)
     last_node: Any = None  # locked TreeNode, or None
+    # The runner's request->slot table: this request's row while it holds KV, and how many
+    # leading kv_slots that row already holds (a step sends only kv_slots[synced_len:]).
+    row: int | None = None
+    synced_len: int = 0
+    row_is_new: bool = False  # no step has used the row since it was assigned
 
     # Reporting.
     cached_tokens: int | None = None  # from the first admission only (§8)

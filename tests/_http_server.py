@@ -29,7 +29,8 @@ EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token
 class ServerProcess(_SpawnedServer):
     def __init__(self, args: list[str]) -> None:
         # One intra-op thread: test processes share two cores, and oversubscribed threads stall tiny matmuls.
-        super().__init__(args, start_timeout_s=START_TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+        super().__init__([*args, "--num-threads", "1"], start_timeout_s=START_TIMEOUT_S,
+                         env={"OMP_NUM_THREADS": "1"})
 
 
 _SERVERS: dict[str, ServerProcess] = {}

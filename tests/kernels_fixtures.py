@@ -15,6 +15,8 @@ import transformers
 from transformers import GenerationConfig
 
 from radixserve.kernels import ForwardInput, ModelRunner, SeqInput
+from radixserve.kernels.attention.base import SharedPrefix
+from radixserve.kernels.attention.metadata import gather_rows
 from radixserve.scheduler.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,7 @@ class _Req:
     share_from: int | None = None
     share_len: int = 0
     slots: list[int] = field(default_factory=list)
+    synced: int = 0  # leading slots already written to the runner's table row
     computed: int = 0
     output: list[int] = field(default_factory=list)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> logits
@@ -119,12 +122,13 @@ class DriveStats:
     num_steps: int = 0
     mixed_steps: int = 0  # steps with a prefill chunk and a decode together
     reused_tokens: int = 0  # prefix tokens read from another request's slots
+    shared_steps: int = 0  # steps that passed shared prefixes to the runner
 
 
 def drive(runner: ModelRunner, sequences: list[list[int]], prompt_lens: list[int], num_new: int, *,
           forced: bool, chunk: int = 7, share: dict[int, tuple[int, int]] | None = None,
           sampling: list[SamplingParams] | None = None, seeds: list[int] | None = None,
-          slot_seed: int = 0) -> tuple[list[_Req], DriveStats]:
+          slot_seed: int = 0, cascade: bool = False) -> tuple[list[_Req], DriveStats]:
     """Runs requests through the runner step by step.
 
     forced=False: generate `num_new` tokens per request with `runner.forward` (sampling).
@@ -132,6 +136,8 @@ def drive(runner: ModelRunner, sequences: list[list[int]], prompt_lens: list[int
     `runner.forward_logits` and record the logits of every computed position.
     share: {req: (earlier_req, num_tokens)}: the request starts from that many prefix slots
     of the earlier request (which must have computed them by then).
+    cascade: pass those shared slots to the runner as shared prefixes (cascade attention)
+    whenever the donor and its sharers are in one step.
     """
     share = share or {}
     pool = PagedSlots(runner.num_slots, seed=slot_seed)
@@ -146,7 +152,7 @@ def drive(runner: ModelRunner, sequences: list[list[int]], prompt_lens: list[int
                 continue
             if not req.slots and not _admit(req, reqs, pool, stats):
                 continue
-            batch.append(_seq_input(req, idx, chunk, forced, sampling, seeds))
+            batch.append(_seq_input(req, idx, chunk, forced, sampling, seeds, runner.context_length))
             owners.append(req)
         step += 1
         if not batch:
@@ -155,13 +161,15 @@ def drive(runner: ModelRunner, sequences: list[list[int]], prompt_lens: list[int
         lens = [len(s.input_ids) for s in batch]
         stats.mixed_steps += int(any(n == 1 and s.prefix_len >= r.prompt_len for n, s, r in zip(lens, batch, owners))
                                  and any(s.prefix_len < r.prompt_len for s, r in zip(batch, owners)))
+        shared = _shared_prefixes(reqs, owners, batch) if cascade else []
+        stats.shared_steps += int(bool(shared))
         if forced:
-            for req, seq, logits in zip(owners, batch, runner.forward_logits(batch)):
+            for req, seq, logits in zip(owners, batch, runner.forward_logits(batch, shared)):
                 for j in range(len(seq.input_ids)):
                     req.logits[seq.prefix_len + j] = logits[j]
                 req.computed += len(seq.input_ids)
         else:
-            for req, seq, out in zip(owners, batch, runner.forward(batch)):
+            for req, seq, out in zip(owners, batch, runner.forward(batch, shared)):
                 req.computed += len(seq.input_ids)
                 if out.next_token_id is not None:
                     req.output.append(out.next_token_id)
@@ -188,14 +196,35 @@ def _admit(req: _Req, reqs: list[_Req], pool: PagedSlots, stats: DriveStats) -> 
     return True
 
 
-def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds) -> SeqInput:
+def _shared_prefixes(reqs: list[_Req], owners: list[_Req], batch: list[SeqInput]) -> list[SharedPrefix]:
+    """Per donor in the step, the largest set of its sharers (same share_len) also in the step."""
+    pos = {id(r): i for i, r in enumerate(owners)}
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, req in enumerate(owners):
+        donor = reqs[req.share_from] if req.share_from is not None else None
+        if donor is None or id(donor) not in pos:
+            continue
+        j = pos[id(donor)]
+        if min(batch[i].prefix_len, batch[j].prefix_len) >= req.share_len:
+            groups.setdefault((j, req.share_len), []).append(i)
+    best: dict[int, tuple[int, list[int]]] = {}
+    for (j, length), members in groups.items():
+        if j not in best or len(members) > len(best[j][1]):
+            best[j] = (length, members)
+    return [SharedPrefix(0, length, sorted([j, *members])) for j, (length, members) in best.items()]
+
+
+def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds, context_length: int) -> SeqInput:
     if req.computed < req.prompt_len:
         end = min(req.prompt_len, req.computed + chunk)
     else:
         end = req.computed + 1
     params = sampling[idx] if sampling else SamplingParams(temperature=0.0)
+    hi = min(len(req.slots), context_length)
+    new_slots, offset, req.synced = req.slots[req.synced:hi], req.synced, hi
     return SeqInput(
-        input_ids=req.tokens[req.computed:end], prefix_len=req.computed, slot_ids=req.slots[:end],
+        input_ids=req.tokens[req.computed:end], prefix_len=req.computed, row=idx, new_slots=new_slots,
+        slot_offset=offset, new_row=offset == 0 and bool(new_slots),
         sample=not forced and end >= len(req.tokens), sampling=params,
         sampling_seed=seeds[idx] if seeds else 0, prompt_ids=req.tokens[:req.prompt_len],
         output_ids=list(req.output), eos_ids=(2, 3))
@@ -205,15 +234,18 @@ def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds) -
 
 def restart_positions(fi: ForwardInput) -> ForwardInput:
     # Positions counted from 0 again after the cached prefix (the classic chunking bug).
-    prefix = torch.repeat_interleave(fi.meta.prefix_lens.long(), torch.tensor(fi.meta.q_lens_list))
+    prefix_lens = fi.meta.kv_lens.long() - fi.meta.qo_indptr.diff().long()
+    prefix = torch.repeat_interleave(prefix_lens, torch.tensor(fi.meta.q_lens_list))
     fi.positions = fi.positions - prefix
     return fi
 
 
 def zero_cached_kv(runner: ModelRunner):
     def hook(fi: ForwardInput) -> ForwardInput:
-        written = set(fi.meta.out_slot_ids.tolist())
-        cached = [s for s in fi.meta.kv_indices.tolist() if s not in written]
+        m = fi.meta
+        written = set(m.out_slot_ids.tolist())
+        every = gather_rows(m.slot_table, m.rows, torch.zeros_like(m.rows), m.kv_lens, sum(m.kv_lens_list))
+        cached = [s for s in every.tolist() if s not in written]
         runner.k_cache[:, cached] = 0
         runner.v_cache[:, cached] = 0
         return fi

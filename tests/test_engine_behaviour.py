@@ -17,7 +17,7 @@ def ckpt(tmp_path_factory):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("prompt_len", [1, 15, 16, 17, 40])
 def test_repeat_reports_cached_tokens(ckpt, page_size, prompt_len):
-    engine = Engine(ckpt, kv_cache_tokens=1024, page_size=page_size)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, page_size=page_size)
     prompt = shared_prefix_prompts(1, prefix_len=prompt_len)[0][:prompt_len]
     params = dict(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     first, = engine.generate([prompt], params)
@@ -31,10 +31,10 @@ def test_repeat_reports_cached_tokens(ckpt, page_size, prompt_len):
 def test_retraction_keeps_outputs(ckpt):
     prompts = shared_prefix_prompts(8, prefix_len=24, seed=3)
     params = dict(max_new_tokens=40, temperature=0.0, ignore_eos=True)
-    big = Engine(ckpt, kv_cache_tokens=4096)
+    big = Engine(ckpt, num_threads=1, kv_cache_tokens=4096)
     expected = [r.output_ids for r in big.generate(prompts, params)]
 
-    small = Engine(ckpt, kv_cache_tokens=160, page_size=4)  # a few requests' worth
+    small = Engine(ckpt, num_threads=1, kv_cache_tokens=160, page_size=4)  # a few requests' worth
     rids = [small.add_request(p, params) for p in prompts]
     results, streamed = {}, {r: [] for r in rids}
     while small.has_unfinished():
@@ -56,26 +56,26 @@ def test_retraction_keeps_outputs(ckpt):
 def test_seed_independent_of_batch_mates(ckpt):
     prompt = shared_prefix_prompts(1, prefix_len=12)[0]
     params = dict(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    alone = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], params)[0].output_ids
+    alone = Engine(ckpt, num_threads=1, kv_cache_tokens=1024).generate([prompt], params)[0].output_ids
     mates = shared_prefix_prompts(5, prefix_len=20, seed=9)
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     batch = engine.generate(mates + [prompt], [dict(max_new_tokens=12, temperature=1.0, ignore_eos=True)] * 5 + [params])
     assert batch[-1].output_ids == alone
     # A different seed gives different tokens (the test can fail).
-    other = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], dict(params, seed=99))[0].output_ids
+    other = Engine(ckpt, num_threads=1, kv_cache_tokens=1024).generate([prompt], dict(params, seed=99))[0].output_ids
     assert other != alone
 
 
 def test_temperature_zero_and_top_k_one_are_greedy(ckpt):
     prompt = shared_prefix_prompts(1, prefix_len=10)[0]
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     greedy = engine.generate([prompt], dict(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0].output_ids
     topk1 = engine.generate([prompt], dict(max_new_tokens=10, temperature=1.5, top_k=1, ignore_eos=True))[0].output_ids
     assert greedy == topk1
 
 
 def test_stop_token_ids_and_strings(ckpt):
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     prompt = shared_prefix_prompts(1, prefix_len=10)[0]
     free = engine.generate([prompt], dict(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
     stop_id = free.output_ids[5]
@@ -93,7 +93,7 @@ def test_stop_token_ids_and_strings(ckpt):
 
 
 def test_prefix_only_request_caches_prompt(ckpt):
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     prompt = shared_prefix_prompts(1, prefix_len=30)[0]
     res = engine.generate([prompt], dict(max_new_tokens=0))[0]
     assert res.completion_tokens == 0 and res.finish_reason == "length"
@@ -104,8 +104,8 @@ def test_prefix_only_request_caches_prompt(ckpt):
 def test_prompt_logprobs_match_across_chunks(ckpt):
     prompt = shared_prefix_prompts(1, prefix_len=30)[0]
     params = dict(max_new_tokens=1, temperature=0.0, logprob_start_len=3, logprobs=2)
-    whole = Engine(ckpt, kv_cache_tokens=1024).generate([prompt], params)[0]
-    chunked_engine = Engine(ckpt, kv_cache_tokens=1024, chunked_prefill_size=7)
+    whole = Engine(ckpt, num_threads=1, kv_cache_tokens=1024).generate([prompt], params)[0]
+    chunked_engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, chunked_prefill_size=7)
     chunked_engine.generate([prompt[:20]], dict(max_new_tokens=1))  # a cached prefix past the start
     chunked = chunked_engine.generate([prompt], params)[0]
     assert len(whole.prompt_logprobs) == len(prompt) - 3
@@ -115,7 +115,7 @@ def test_prompt_logprobs_match_across_chunks(ckpt):
 
 
 def test_bad_input_is_a_clear_error(ckpt):
-    engine = Engine(ckpt, kv_cache_tokens=256, context_length=128)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256, context_length=128)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([1, 2, 10**6])
     with pytest.raises(ValueError, match="empty"):
@@ -125,12 +125,12 @@ def test_bad_input_is_a_clear_error(ckpt):
     with pytest.raises(ValueError, match="temperature"):
         engine.add_request([5], dict(temperature=-1))
     with pytest.raises(ValueError, match="unknown engine option"):
-        Engine(ckpt, kv_cache_token=5)
+        Engine(ckpt, num_threads=1, kv_cache_token=5)
     assert not engine.has_unfinished()
 
 
 def test_stream_abort_frees_kv(ckpt):
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     prompt = shared_prefix_prompts(1, prefix_len=20)[0]
 
     async def consume(n_deltas: int):
@@ -162,7 +162,7 @@ async def _collect(engine, prompt):
 def test_failed_step_still_ends_every_request(ckpt):
     """A step that raises must hand out a final delta for every request it touched: one that
     finished earlier in that step, and one aborted by the caller before it (else a stream hangs)."""
-    engine = Engine(ckpt, kv_cache_tokens=1024)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
     prompts = shared_prefix_prompts(3, prefix_len=12)
     greedy = dict(temperature=0.0, ignore_eos=True)
     aborted = engine.add_request(prompts[2], dict(greedy, max_new_tokens=50))
@@ -190,7 +190,7 @@ def test_failed_step_still_ends_every_request(ckpt):
 
 
 def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
-    engine = Engine(ckpt, kv_cache_tokens=256)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[5, 6, 7], [1, 10**6]], dict(max_new_tokens=2))
     assert not engine.has_unfinished()
@@ -200,7 +200,7 @@ def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
 def test_rid_stays_taken_until_its_final_delta_is_dispatched(ckpt):
     """Between a step finishing a request and the loop dispatching its final delta, the rid must
     not be reusable: the old final delta would end the new request's stream."""
-    engine = Engine(ckpt, kv_cache_tokens=256)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
     got = []
     engine.add_request([5, 6, 7], dict(max_new_tokens=1), rid="r", on_delta=got.append)
     deltas = []

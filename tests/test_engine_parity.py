@@ -23,7 +23,7 @@ ARCH_CASES = {
 
 
 def _run(ckpt: str, prompts, **engine_kwargs):
-    engine = Engine(ckpt, kv_cache_tokens=4096, **engine_kwargs)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, **engine_kwargs)
     out = drive_staggered(engine, prompts, GREEDY)
     engine.check_integrity()
     stats = engine.stats()
@@ -68,7 +68,7 @@ def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk):
 def test_engine_parity_catches_mutations(llama_ckpt, mutation):
     """The same parity check fails when the engine's cached-prefix handling is broken."""
     prompts = shared_prefix_prompts(prefix_len=40)
-    engine = Engine(llama_ckpt, kv_cache_tokens=4096, chunked_prefill_size=12)
+    engine = Engine(llama_ckpt, num_threads=1, kv_cache_tokens=4096, chunked_prefill_size=12)
     hook = restart_positions if mutation == "restart_positions" else zero_cached_kv(engine.runner)
     engine.runner.forward_input_hook = hook
     out = drive_staggered(engine, prompts, GREEDY)

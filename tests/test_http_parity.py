@@ -52,7 +52,7 @@ def test_chat_prompt_ids_equal_transformers(http_outputs):
 def test_greedy_http_output_equals_engine_generate(http_outputs):
     from radixserve.scheduler import Engine
 
-    engine = Engine(tiny_model_path(), context_length=512, kv_cache_tokens=2048)
+    engine = Engine(tiny_model_path(), num_threads=1, context_length=512, kv_cache_tokens=2048)
     try:
         results = engine.generate([out["prompt_token_ids"] for out in http_outputs],
                                   {"max_new_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True})

@@ -35,7 +35,8 @@ def _copy_with_config(src: str, dst, edit) -> str:
 
 
 def _prompt_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
-    seq = SeqInput(input_ids=prompt, prefix_len=0, slot_ids=list(range(len(prompt))), sample=False)
+    seq = SeqInput(input_ids=prompt, prefix_len=0, row=0, new_slots=list(range(len(prompt))), slot_offset=0,
+                   new_row=True, sample=False)
     return runner.forward_logits([seq])[0]
 
 
@@ -145,9 +146,18 @@ def test_bad_runner_arguments_and_inputs(llama_path):
     with pytest.raises(ValueError, match="dtype"):
         ModelRunner(llama_path, num_slots=8, dtype="int8", device="cpu")
     runner = ModelRunner(llama_path, num_slots=8, device="cpu", context_length=6)
-    with pytest.raises(ValueError, match="slot_ids"):
-        runner.forward([SeqInput(input_ids=[5, 6], prefix_len=0, slot_ids=[0], sample=True)])
+    def seq(ids, slots, row=0, offset=0):
+        return SeqInput(input_ids=ids, prefix_len=0, row=row, new_slots=slots, slot_offset=offset,
+                        new_row=offset == 0, sample=True)
+    with pytest.raises(ValueError, match="holds 1 slots"):
+        runner.forward([seq([5, 6], [0])])
     with pytest.raises(ValueError, match="slot ids"):
-        runner.forward([SeqInput(input_ids=[5], prefix_len=0, slot_ids=[8], sample=True)])
+        runner.forward([seq([5], [8])])
     with pytest.raises(ValueError, match="context length"):
-        runner.forward([SeqInput(input_ids=[5] * 7, prefix_len=0, slot_ids=list(range(7)), sample=True)])
+        runner.forward([seq([5] * 7, list(range(7)))])
+    with pytest.raises(ValueError, match="row must be"):
+        runner.forward([seq([5], [0], row=64)])
+    with pytest.raises(ValueError, match="twice"):
+        runner.forward([seq([5], [0]), seq([6], [1])])
+    with pytest.raises(ValueError, match="gap"):
+        runner.forward([seq([5], [3], row=1, offset=2)])

@@ -15,7 +15,7 @@ VOCAB = 50
 
 
 def _seq(params: SamplingParams | None, seed: int = 0, output_ids=(), prompt_ids=(), eos_ids=(), top=0):
-    return SeqInput(input_ids=[1], prefix_len=0, slot_ids=[0], sample=True, sampling=params,
+    return SeqInput(input_ids=[1], prefix_len=0, row=0, new_slots=[0], slot_offset=0, new_row=True, sample=True, sampling=params,
                     sampling_seed=seed, prompt_ids=list(prompt_ids), output_ids=list(output_ids),
                     eos_ids=tuple(eos_ids), num_top_logprobs=top)
 
@@ -167,7 +167,8 @@ def test_runner_prompt_logprobs_cover_chunks_without_gaps(llama_path):
     chunks = [(0, prompt[:cut]), (cut, prompt[cut:])]
     got = []
     for prefix, ids in chunks:
-        seq = SeqInput(input_ids=ids, prefix_len=prefix, slot_ids=slots[:prefix + len(ids)],
+        seq = SeqInput(input_ids=ids, prefix_len=prefix, row=0, new_slots=slots[prefix:prefix + len(ids)],
+                       slot_offset=prefix, new_row=prefix == 0,
                        sample=prefix + len(ids) == len(prompt), sampling=SamplingParams(temperature=0.0),
                        prompt_ids=prompt, prompt_logprob_start=start, num_top_logprobs=2)
         got.extend(runner.forward([seq])[0].prompt_logprobs)

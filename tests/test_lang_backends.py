@@ -30,7 +30,7 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def runtime(ckpt):
-    backend = Runtime(ckpt, kv_cache_tokens=KV_TOKENS, context_length=CONTEXT)
+    backend = Runtime(ckpt, num_threads=1, kv_cache_tokens=KV_TOKENS, context_length=CONTEXT)
     yield backend
     backend.shutdown()
 
@@ -177,7 +177,7 @@ def test_react_example_hit_rate_is_near_optimal(runtime):
 
 
 def test_run_batch_runs_programs_concurrently_in_one_engine_step(ckpt, capsys):
-    backend = Runtime(ckpt, kv_cache_tokens=KV_TOKENS, context_length=CONTEXT)
+    backend = Runtime(ckpt, num_threads=1, kv_cache_tokens=KV_TOKENS, context_length=CONTEXT)
     try:
         assert backend.engine.stats()["max_batch_size"] == 0
         states = plain_program.run_batch([{"topic": f"topic {i}"} for i in range(32)], backend=backend,

@@ -28,7 +28,7 @@ def one_thread():
 def run(model_path, name, policy, fraction, size="reduced", **engine_kwargs):
     make = lambda: make_workload(name, size)  # noqa: E731
     kv_tokens = budget_tokens(make, fraction, MAX_RUNNING)
-    engine = Engine(model_path, kv_cache_tokens=kv_tokens, schedule_policy=policy,
+    engine = Engine(model_path, num_threads=1, kv_cache_tokens=kv_tokens, schedule_policy=policy,
                     max_running_requests=MAX_RUNNING, **engine_kwargs)
     result = run_workload(engine, make())
     engine.check_integrity()
@@ -47,7 +47,7 @@ def test_default_policy_is_near_optimal_with_a_full_budget_and_beats_fcfs_at_hal
 
 
 def miss_first_tokens(model_path, policy, **policy_config):
-    engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4)
+    engine = Engine(model_path, num_threads=1, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4)
     engine.policy.config = PolicyConfig(**policy_config)
     result = run_workload(engine, MissStream(num_steps=100, hot_per_step=1, miss_every=10))
     return {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}
@@ -66,7 +66,7 @@ def test_cache_misses_do_not_starve_behind_a_hot_stream(model_path):
 
 
 def test_cache_salt_isolates_tenants_in_the_engine(model_path):
-    engine = Engine(model_path, kv_cache_tokens=4096)
+    engine = Engine(model_path, num_threads=1, kv_cache_tokens=4096)
     prompt = list(range(500, 600))
     params = dict(max_new_tokens=2, temperature=0.0, ignore_eos=True)
     first = engine.generate([prompt], SamplingParams(cache_salt="a", **params))[0]
@@ -81,7 +81,7 @@ def test_cache_salt_isolates_tenants_in_the_engine(model_path):
 
 
 def test_salted_requests_are_never_deduped_across_tenants(model_path):
-    engine = Engine(model_path, kv_cache_tokens=8192)
+    engine = Engine(model_path, num_threads=1, kv_cache_tokens=8192)
     prompt = list(range(700, 900))
     params = [SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, cache_salt=s)
               for s in ("a", "b", "a")]

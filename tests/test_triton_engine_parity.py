@@ -17,7 +17,7 @@ def test_engine_greedy_parity_with_triton_backend(tmp_path_factory):
     ckpt = make_checkpoint(tmp_path_factory, "triton_llama64", arch="llama", hidden_size=128, num_heads=4,
                            num_kv_heads=2, head_dim=64)
     prompts = shared_prefix_prompts(num_prompts=4, prefix_len=20, seed=2)
-    engine = Engine(ckpt, kv_cache_tokens=1024, attention_backend="triton", page_size=16, chunked_prefill_size=16)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, attention_backend="triton", page_size=16, chunked_prefill_size=16)
     assert engine.runner.backend.name == "triton"
     try:
         out = drive_staggered(engine, prompts, GREEDY)

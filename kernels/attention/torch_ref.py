@@ -105,9 +105,12 @@ def _padded_attention(
 
 
 class TorchAttentionBackend:
-    """Reference backend: store, then gather-and-attend in plain torch."""
+    """Reference backend: store, then gather-and-attend in plain torch (every key of every
+    sequence through ``kv_indices``; shared prefixes ignored). Tests judge the fast backends
+    against it; the runner uses ``torch_backend.TorchAttentionBackend``."""
 
-    name = "torch"
+    name = "torch-reference"
+    needs_kv_indices = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:

@@ -1,0 +1,232 @@
+"""The CPU attention backend: batched own-part attention plus shared-prefix (cascade) attention.
+
+Per step (built once, on the first layer, cached in ``meta.step_cache``): sequences are packed
+into a few padded buckets (all decodes together; prefill chunks together when padding wastes
+little, else one by one), with their K/V gather indices and additive masks read out of the
+slot table by device-side ops. Per layer: one gather + one attention call per bucket over each
+sequence's own keys ``[own_start, kv_len)``, then one call per shared prefix over *all* queries
+below it, reading the prefix's K/V once (a view of the pool when its slots are contiguous), and
+a log-sum-exp merge. Sliding-window layers take the plain path (own keys = all keys).
+
+The attention op is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the
+log-sum-exp the merge needs; it is private to torch, so ``_attend`` falls back to plain matmuls
+when the op is missing or refuses the inputs. GQA without copying K/V: the ``group`` q heads of
+one kv head are stacked along the query axis (row r = token r // group, head r % group), so
+K/V keep their kv-head layout.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
+from radixserve.kernels.attention.torch_ref import store_kv
+
+logger = logging.getLogger(__name__)
+
+_FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+PAD_WASTE = 2.0  # a bucket may hold at most this many padded (q, k) pairs per real one
+
+
+@dataclass
+class _Bucket:
+    """Sequences attended in one padded call: [num, max_q] queries over [num, max_k] own keys."""
+
+    num: int
+    max_q: int
+    max_k: int
+    q_idx: torch.Tensor  # [num * max_q] int64 token rows of q (padding repeats a valid row)
+    out_rows: torch.Tensor  # [num_valid] int64 token rows the valid queries write
+    valid: torch.Tensor | None  # [num * max_q] bool, None when no query is padding
+    kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = one contiguous run (a view)
+    kv_start: int  # first slot of that run
+    mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
+
+
+class TorchAttentionBackend:
+    """Store, then bucketed own-part attention + shared prefixes, merged by log-sum-exp."""
+
+    name = "torch"
+    needs_kv_indices = False
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
+                sliding_window: int | None) -> torch.Tensor:
+        store_kv(k_cache, v_cache, k, v, meta.out_slot_ids)
+        return cascade_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window)
+
+
+def cascade_attention(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention of each sequence's new tokens over its KV (same result as
+    ``torch_ref.extend_attention``), reading every shared prefix of ``meta.shared`` once."""
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    group = q.shape[1] // k_cache.shape[1]
+    use_shared = bool(meta.shared) and window is None
+    buckets = _step_buckets(meta, window, group, use_shared)
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = q.new_empty((num_tokens, num_q_heads, head_dim))
+    lse = q.new_empty((num_tokens, num_q_heads), dtype=torch.float32) if use_shared else None
+    for b in buckets:
+        b_out, b_lse = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group)
+        rows_out = b_out if b.valid is None else b_out[b.valid]
+        out.index_copy_(0, b.out_rows, rows_out.to(out.dtype))
+        if lse is not None:
+            lse.index_copy_(0, b.out_rows, b_lse if b.valid is None else b_lse[b.valid])
+    if use_shared:
+        for plan in meta.shared:
+            _merge_shared(q, k_cache, v_cache, plan, sm_scale, group, out, lse)
+    return out
+
+
+# -- per layer ---------------------------------------------------------------------------------
+
+def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: int):
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    qb = q.index_select(0, b.q_idx).view(b.num, b.max_q, num_kv_heads, group, head_dim)
+    qb = qb.permute(0, 2, 1, 3, 4).reshape(b.num, num_kv_heads, b.max_q * group, head_dim)
+    if b.kv_idx is None:  # one sequence whose own keys are a contiguous run: a view
+        keys = k_cache[b.kv_start:b.kv_start + b.max_k].unsqueeze(0)
+        values = v_cache[b.kv_start:b.kv_start + b.max_k].unsqueeze(0)
+    else:
+        keys = k_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
+    o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
+    # [num, kv_heads, max_q * group, d] -> [num * max_q, q_heads, d]
+    o = o.view(b.num, num_kv_heads, b.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    lse = lse.view(b.num, num_kv_heads, b.max_q, group).permute(0, 2, 1, 3)
+    return o.reshape(b.num * b.max_q, num_kv_heads * group, head_dim), lse.reshape(b.num * b.max_q, -1)
+
+
+def _merge_shared(q, k_cache, v_cache, plan: SharedPrefixPlan, sm_scale: float, group: int,
+                  out: torch.Tensor, lse: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    span = plan.q_row_range
+    rows = slice(*span) if span is not None else plan.q_rows
+    qs = q[rows]  # [n, q_heads, d]
+    n = qs.shape[0]
+    qs = qs.view(1, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(
+        1, num_kv_heads, n * group, head_dim)
+    if plan.contiguous_start is not None:
+        a = plan.contiguous_start
+        keys, values = k_cache[a:a + plan.prefix.num_tokens], v_cache[a:a + plan.prefix.num_tokens]
+    else:
+        keys, values = k_cache.index_select(0, plan.slots), v_cache.index_select(0, plan.slots)
+    o, l2 = _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
+    o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_kv_heads * group, head_dim)
+    l2 = l2.view(num_kv_heads, n, group).transpose(0, 1).reshape(n, num_kv_heads * group)
+    l1 = lse[rows]
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)  # [n, q_heads]
+    total = w1 + w2
+    merged = (out[rows].float() * (w1 / total)[..., None] + o.float() * (w2 / total)[..., None])
+    out[rows] = merged.to(out.dtype)
+    lse[rows] = m + torch.log(total)
+
+
+def _attend(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, h, lq, d], k/v [b, h, lk, d] (any strides), mask additive [b, 1, lq, lk] or None.
+    Returns out [b, h, lq, d] and the natural-log LSE [b, h, lq] in float32."""
+    if _FLASH_OP is not None:
+        try:
+            o, lse = _FLASH_OP(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+            return o, lse.float()
+        except RuntimeError as exc:  # unsupported dtype / layout on this build
+            logger.debug("flash attention op refused the inputs (%s); using matmuls", exc)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s + mask
+    m = s.amax(-1, keepdim=True).clamp(min=-1e30)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    o = torch.matmul(p, v.float()) / den
+    return o.to(q.dtype), (m + torch.log(den)).squeeze(-1)
+
+
+# -- per step ----------------------------------------------------------------------------------
+
+def _step_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
+    key = ("torch_buckets", window, group, use_shared)
+    if key not in meta.step_cache:
+        meta.step_cache[key] = _make_buckets(meta, window, group, use_shared)
+    return meta.step_cache[key]
+
+
+def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
+    own = meta.own_starts() if use_shared else [0] * meta.num_seqs
+    q_lens, kv_lens = meta.q_lens_list, meta.kv_lens_list
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    groups: list[list[int]] = []
+    for members in (decodes, prefills):
+        groups.extend(_pack(members, q_lens, [kv_lens[i] - own[i] for i in range(meta.num_seqs)]))
+    return [_bucket(meta, g, own, window, group) for g in groups]
+
+
+def _pack(members: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
+    """Greedy buckets, longest first, while padded area <= PAD_WASTE x real area."""
+    order = sorted(members, key=lambda i: (q_lens[i] * k_lens[i], i), reverse=True)
+    out: list[list[int]] = []
+    for i in order:
+        if out:
+            cur = out[-1]
+            mq, mk = max(q_lens[j] for j in cur), max(k_lens[j] for j in cur)
+            real = sum(q_lens[j] * k_lens[j] for j in cur) + q_lens[i] * k_lens[i]
+            if (len(cur) + 1) * max(mq, q_lens[i]) * max(mk, k_lens[i]) <= PAD_WASTE * real:
+                cur.append(i)
+                continue
+        out.append([i])
+    return [sorted(g) for g in out]
+
+
+def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: int | None,
+            group: int) -> _Bucket:
+    table, device = meta.slot_table, meta.slot_table.device
+    qo = meta.qo_indptr
+    num = len(seqs)
+    q_lens = [meta.q_lens_list[i] for i in seqs]
+    starts = [own[i] for i in seqs]
+    k_lens = [meta.kv_lens_list[i] - own[i] for i in seqs]
+    max_q, max_k = max(q_lens), max(k_lens)
+    sel = torch.tensor(seqs, dtype=torch.int64, device=device)
+    q_len_t = torch.tensor(q_lens, dtype=torch.int64, device=device)[:, None]
+    k_len_t = torch.tensor(k_lens, dtype=torch.int64, device=device)[:, None]
+    start_t = torch.tensor(starts, dtype=torch.int64, device=device)[:, None]
+    qj = torch.arange(max_q, device=device)[None, :]  # [1, max_q]
+    kc = torch.arange(max_k, device=device)[None, :]  # [1, max_k]
+    q_valid = qj < q_len_t  # [num, max_q]
+    q_idx = (qo.long()[sel][:, None] + torch.minimum(qj, q_len_t - 1)).reshape(-1)
+    valid = None if all(n == max_q for n in q_lens) else q_valid.reshape(-1)
+    out_rows = q_idx if valid is None else q_idx[valid]
+    kv_idx, kv_start = _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t)
+    # Absolute positions: query j of seq s at kv_len - q_len + j; own key c at start + c.
+    q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
+    k_pos = start_t + kc  # [num, max_k]
+    seen = (kc[:, None, :] < k_len_t[:, :, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window is not None:
+        seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
+    seen |= ~q_valid[:, :, None] & (kc[:, None, :] == 0)  # padded queries see one key (no NaN)
+    mask = None
+    if not (num == 1 and max_q == 1 and window is None):
+        mask = torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
+        mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [num, 1, max_q * group, max_k]
+    return _Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
+                   kv_idx=kv_idx, kv_start=kv_start, mask=mask)
+
+
+def _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t) -> tuple[torch.Tensor | None, int]:
+    rows = meta.rows[torch.tensor(seqs, dtype=torch.int64, device=table.device)]
+    if len(seqs) == 1 and table.device.type == "cpu":
+        run = table[int(rows[0]), starts[0]:starts[0] + k_lens[0]]
+        first = int(run[0])
+        if int(run[-1]) - first == k_lens[0] - 1 and bool((run.diff() == 1).all()):
+            return None, first
+    col = torch.minimum(start_t + kc, start_t + k_len_t - 1)  # padding repeats a valid slot
+    return table[rows[:, None], col].reshape(-1), 0
