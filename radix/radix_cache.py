@@ -95,6 +95,9 @@ class RadixCache:
         # Unlocked leaves ordered by eviction priority, kept up to date on every change (never rebuilt).
         self._evictable_leaves: SortedDict = SortedDict()
         self._clock = 0  # logical time: one tick per recorded match / insert, so runs are reproducible
+        # Bumped whenever the set of cached prefixes changes (insert of new tokens, evict, reset), so
+        # a match length computed at one epoch holds until the next (policies memoise on it).
+        self.epoch = 0
         self._num_nodes_created = 0
         self._evictable_size = 0
         self._locked_size = 0
@@ -127,6 +130,27 @@ class RadixCache:
         slot_ids, _, _ = self._walk(self._roots[salt], self._whole_pages(tokens), split=False)
         return slot_ids
 
+    def match_length(self, tokens: Sequence[int], salt: str | None = None, limit: int | None = None) -> int:
+        """len(peek_prefix(tokens[:limit], salt)), building no slot list and copying only the tokens
+        compared. Read-only (no split, no access stamp); constant while `epoch` stays."""
+        root = self._roots.get(salt)
+        if self.disable or root is None:
+            return 0
+        end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
+        end -= end % self.page_size
+        node, pos = root, 0
+        while pos < end:
+            first = tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
+            child = node.children.get(first)
+            if child is None:
+                break
+            num = self._common_len(child.key, tuple(tokens[pos:pos + min(len(child.key), end - pos)]), 0)
+            pos += num
+            if num < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, tokens: Sequence[int], slot_ids: Sequence[int], salt: str | None = None) -> int:
         """Cache `tokens` backed by `slot_ids`; returns how many leading tokens were already cached.
 
@@ -147,6 +171,7 @@ class RadixCache:
         _, node, num_cached = self._walk(self._root(salt, create=True), key, split=True)
         if num_cached < len(key):
             node = self._add_leaf(node, key[num_cached:], list(slot_ids[num_cached:]))
+            self.epoch += 1
         self._touch(node, hit=False)
         return num_cached
 
@@ -199,6 +224,7 @@ class RadixCache:
             elif not parent.children:
                 del self._roots[parent.namespace]  # an empty namespace costs nothing to recreate
         if freed_slot_ids:
+            self.epoch += 1
             self.allocator.free(freed_slot_ids)
             self.num_evicted_tokens += len(freed_slot_ids)
             logger.debug("evicted %d slots (asked for %d)", len(freed_slot_ids), num_tokens)
@@ -226,6 +252,7 @@ class RadixCache:
             node.parent = None
             node.evict_key = None
         self._roots.clear()
+        self.epoch += 1
         self._evictable_leaves.clear()
         self._evictable_size = 0
         if slot_ids:
@@ -299,15 +326,15 @@ class RadixCache:
         num_cmp = min(len(edge), len(key) - pos)
         if edge[:num_cmp] == key[pos:pos + num_cmp]:  # C-speed fast path: the usual full match
             return num_cmp
-        idx = 0
-        page_size = self.page_size
-        if page_size == 1:
-            while edge[idx] == key[pos + idx]:
-                idx += 1
-            return idx
-        while edge[idx:idx + page_size] == key[pos + idx:pos + idx + page_size]:
-            idx += page_size
-        return idx
+        page = self.page_size
+        lo, hi = page, num_cmp  # edge[:lo] matches, edge[:hi] does not: bisect in whole pages
+        while hi - lo > page:
+            mid = lo + (hi - lo) // (2 * page) * page
+            if edge[lo:mid] == key[pos + lo:pos + mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, node: TreeNode, split_len: int) -> TreeNode:
         """Cut node's edge after split_len tokens; returns the new upper node. The lower part keeps

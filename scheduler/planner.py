@@ -116,14 +116,18 @@ class Planner:
         if not self.waiting:
             return admitted
         order = self.policy.order(self.waiting, step, running=self.running)
-        shields = self._shield_prefixes(order)
+        # The running requests' decode room, kept up to date as requests join them (nothing
+        # else changes it within _admit: outputs, the ratio and the others stay as they are).
+        decode_room = self._decode_room_estimate()
+        shields = self._shield_prefixes(order, decode_room)
         try:
             for req in order:
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
                 first_admission = req.cached_tokens is None
-                if not self._try_admit(req, batch, budget):
+                if not self._try_admit(req, batch, budget, decode_room):
                     break  # head-of-line: smaller requests must not starve a big one
+                decode_room += self._estimate(req)
                 budget -= batch.items[-1].num_tokens
                 if first_admission:
                     admitted.append(req)
@@ -132,7 +136,7 @@ class Planner:
                 self.kv.tree.unlock(node)
         return admitted
 
-    def _shield_prefixes(self, order: list[Req]) -> list:
+    def _shield_prefixes(self, order: list[Req], decode_room: int) -> list:
         """Lock the cached prefixes of the leading candidates that fit together, before any of
         them allocates: the evictor picks leaves by priority, not by who waits, so admitting one
         candidate could otherwise evict the prefix the next one was ordered to reuse. Measured
@@ -144,21 +148,21 @@ class Planner:
         need = 0
         limit = max(self.config.max_running_requests - len(self.running), 0)
         for num, req in enumerate(order[:limit]):
-            slots, node = tree.match_prefix(req.all_ids[:self.kv.match_cap(req)], salt=req.params.cache_salt,
+            slots, node = tree.match_prefix(_prefix_ids(req, self.kv.match_cap(req)), salt=req.params.cache_salt,
                                             record_hit=False)  # admission records the hit
             tree.lock(node)
             need += req.seq_len - len(slots) + self._estimate(req)
-            if num > 0 and need > self.kv.available_slots() - self._decode_room_estimate():
+            if num > 0 and need > self.kv.available_slots() - decode_room:
                 tree.unlock(node)  # this one and the rest would not fit this step anyway
                 break
             nodes.append(node)
         return nodes
 
-    def _try_admit(self, req: Req, batch: Batch, budget: int) -> bool:
+    def _try_admit(self, req: Req, batch: Batch, budget: int, decode_room: int) -> bool:
         cached = self.kv.admit(req)
         num = min(req.num_pending, budget)
         need = self.kv.slots_needed(req, num)
-        room = self.kv.available_slots() - self._decode_room_estimate()
+        room = self.kv.available_slots() - decode_room
         if self.running and need + self._estimate(req) > room:
             self.kv.release(req)
             return False
@@ -210,6 +214,11 @@ class Planner:
         self.waiting.insert(0, req)
         self.num_retractions += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+
+def _prefix_ids(req: Req, num: int) -> list[int]:
+    # req.all_ids[:num] without concatenating prompt and output when the prompt covers it.
+    return req.prompt_ids[:num] if num <= len(req.prompt_ids) else req.all_ids[:num]
 
 
 def _progress(req: Req) -> tuple[int, int]:

@@ -14,8 +14,11 @@ Common to all: retracted requests go first (they already streamed tokens and hol
 prefixes); with the radix cache disabled every policy is fcfs.
 
 Cost: only the oldest `window` fresh requests are ordered; the rest follow in arrival order (the
-planner admits at most max_running_requests per step anyway). Per step that is O(window * prompt
-blocks) plus one O(n) pass over the queue. Prompt block keys are computed once per request.
+planner admits at most max_running_requests per step anyway), and above `fcfs_queue_len` waiting
+requests the whole queue is fcfs. Prompt block keys are computed once per request, cached
+lengths once per request and tree epoch (RadixCache.epoch moves only when the cached set
+changes), and the prefix-group tree only when the window or the claims change; a step where none
+of those moved reuses the previous order. What is left per step is a few O(n) list passes.
 """
 from __future__ import annotations
 
@@ -51,11 +54,14 @@ class PolicyConfig:
     starvation_rule: str = "overtake"
     overtake_ratio: float = 0.5
     max_wait_steps: int = 256
+    # With more requests waiting than this, order by arrival (SGLang falls back from lpm to fcfs
+    # above 128 waiting): 128 x the default window.
+    fcfs_queue_len: int = 128 * 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.overtake_ratio, (int, float)) or self.overtake_ratio < 0:
             raise ValueError(f"overtake_ratio must be a non-negative number, got {self.overtake_ratio!r}")
-        for name in ("window", "block_size", "max_wait_steps"):
+        for name in ("window", "block_size", "max_wait_steps", "fcfs_queue_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -78,6 +84,9 @@ class SchedulePolicy:
         self._admitted_by_step: dict[int, int] = {}  # arrival step -> fresh requests admitted since
         self._last_order: list[Req] = []
         self._left: list[Req] = []  # admitted fresh requests that may still be prefilling (claims)
+        self._matched: dict[str, tuple[Req, int, int, int]] = {}  # rid -> (req, epoch, cap, cached len)
+        self._groups: tuple | None = None  # (config, window, claims, PrefixGroups) of the last tree
+        self._ordered: tuple | None = None  # (groups, epoch, walk order) of the last tree walk
         self.num_urgent = 0  # requests promoted by the starvation rule (for tests and stats)
 
     def order(self, waiting: list[Req], step: int, running: list[Req] | None = None) -> list[Req]:
@@ -94,6 +103,9 @@ class SchedulePolicy:
         if self.name == "fcfs" or self.kv.tree.disable:
             return retracted + fresh
         self._observe(fresh)
+        if len(waiting) > self.config.fcfs_queue_len:
+            self._last_order = retracted + fresh
+            return self._last_order
         head, tail = fresh[:self.config.window], fresh[self.config.window:]
         urgent = self._urgent(head, step) if self.name == "cache-aware" else []
         if urgent:
@@ -117,15 +129,25 @@ class SchedulePolicy:
 
     def _tree_order(self, window: list[Req], claims: list[Req]) -> list[Req]:
         cache_aware = self.name == "cache-aware"
-        groups = PrefixGroups(
-            keys=[self._key(r) for r in window], lengths=[len(r.prompt_ids) for r in window],
-            claim_keys=[self._key(r) for r in claims], claim_lengths=[len(r.prompt_ids) for r in claims],
-            block_size=self.config.block_size)
-        cached = groups.cached_per_node(lambda i: self._cached_len(window[i])) if cache_aware else None
-        picked = groups.dfs_order(cached=cached,
-                                  dedup_min_tokens=self.config.dedup_min_tokens if cache_aware else None)
+        cfg = self.config
+        last = self._groups
+        if last is not None and last[0] is cfg and last[1] == window and last[2] == claims:
+            groups = last[3]  # same requests (compared by identity), same tree
+        else:
+            groups = PrefixGroups(
+                keys=[self._key(r) for r in window], lengths=[len(r.prompt_ids) for r in window],
+                claim_keys=[self._key(r) for r in claims], claim_lengths=[len(r.prompt_ids) for r in claims],
+                block_size=cfg.block_size)
+            self._groups = (cfg, window, claims, groups)
+        epoch = self.kv.tree.epoch if cache_aware else None
+        done = self._ordered
+        if done is not None and done[0] is groups and done[1] == epoch:
+            picked = done[2]  # nothing the walk reads has changed
+        else:
+            cached = groups.cached_per_node(lambda i: self._cached_len(window[i])) if cache_aware else None
+            picked = groups.dfs_order(cached=cached, dedup_min_tokens=cfg.dedup_min_tokens if cache_aware else None)
+            self._ordered = (groups, epoch, picked)
         return [window[i] for i in picked]
-
 
     # -- anti-starvation ----------------------------------------------------------------
 
@@ -141,6 +163,7 @@ class SchedulePolicy:
                 break
             if req.rid in self._ahead:  # was fresh: counts towards overtaking older requests
                 del self._ahead[req.rid]
+                self._matched.pop(req.rid, None)
                 self._admitted_by_step[req.arrival_step] = self._admitted_by_step.get(req.arrival_step, 0) + 1
                 self._left.append(req)
         self._last_order = []
@@ -160,9 +183,10 @@ class SchedulePolicy:
                 cohort_start = pos
             self._ahead[fresh[pos].rid] = cohort_start
         bound = 2 * (len(fresh) + len(self._left)) + 256
-        if len(self._ahead) > bound or len(self._keys) > bound:  # aborted requests linger: drop in bulk
+        if max(len(self._ahead), len(self._keys), len(self._matched)) > bound:  # aborted requests linger
             live = {r.rid for r in fresh}
             self._ahead = {rid: n for rid, n in self._ahead.items() if rid in live}
+            self._matched = {rid: m for rid, m in self._matched.items() if rid in live}
             live.update(r.rid for r in self._left)
             self._keys = {rid: k for rid, k in self._keys.items() if rid in live}
         if fresh:  # counts for steps no waiting request predates cannot matter any more
@@ -203,9 +227,17 @@ class SchedulePolicy:
         return key
 
     def _cached_len(self, req: Req) -> int:
-        """Cached prefix admission would reuse now; read-only (no split, no access stamp)."""
+        """Cached prefix admission would reuse now; read-only (no split, no access stamp).
+        Memoised per request until the tree's epoch moves."""
+        epoch = self.kv.tree.epoch
         cap = self.kv.match_cap(req)
-        return len(self.kv.tree.peek_prefix(req.all_ids[:cap], salt=req.params.cache_salt))
+        memo = self._matched.get(req.rid)
+        if memo is not None and memo[0] is req and memo[1] == epoch and memo[2] == cap:
+            return memo[3]
+        tokens = req.prompt_ids if cap <= len(req.prompt_ids) else req.all_ids
+        num = self.kv.tree.match_length(tokens, req.params.cache_salt, limit=cap)
+        self._matched[req.rid] = (req, epoch, cap, num)
+        return num
 
 
 def _is_prefilling(req: Req) -> bool:

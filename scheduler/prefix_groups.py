@@ -1,9 +1,9 @@
 """The tree of waiting prompts that the cache-aware policies walk (pure Python, no torch).
 
-Prompts are compared as tuples of block hashes (`block_size` tokens per block), so sorting them
-groups shared prefixes next to each other at C speed; the longest common prefix of neighbours
-in that order spells out the tree (the same construction that turns a suffix array and its LCP
-array into a suffix tree). Shared lengths are whole blocks: a shared prefix is seen to within
+Prompts are compared as tuples of chained block hashes (`block_size` tokens per block), so
+sorting them groups shared prefixes next to each other at C speed; the longest common prefix of
+neighbours in that order spells out the tree (the same construction that turns a suffix array and
+its LCP array into a suffix tree). Shared lengths are whole blocks: a shared prefix is seen to within
 block_size - 1 tokens, which is all a scheduling decision needs.
 
     sorted keys        lcp with previous      tree
@@ -21,10 +21,16 @@ from typing import Callable, Sequence
 
 
 def block_key(token_ids: Sequence[int], salt: str | None, block_size: int) -> tuple:
-    """Sort key of a prompt: its salt namespace, then one hash per block of tokens."""
+    """Sort key of a prompt: its salt namespace, then one chained hash per block of tokens (each
+    covers the header and every block before it, so two keys agree at a position iff they agree
+    up to it: the common prefix of two keys is found by a binary search on single elements)."""
     head: tuple = (0,) if salt is None else (1, salt)
-    blocks = tuple(hash(tuple(token_ids[i:i + block_size])) for i in range(0, len(token_ids), block_size))
-    return head + blocks
+    chain = hash(head)
+    blocks = []
+    for i in range(0, len(token_ids), block_size):
+        chain = hash((chain, tuple(token_ids[i:i + block_size])))
+        blocks.append(chain)
+    return head + tuple(blocks)
 
 
 class _Node:
@@ -171,14 +177,15 @@ class PrefixGroups:
 
 
 def _lcp(a: tuple, b: tuple) -> int:
+    """Common prefix length of two block keys: a[i] == b[i] holds exactly for i < the answer."""
     num = min(len(a), len(b))
-    if a[:num] == b[:num]:
+    if num == 0 or a[num - 1] == b[num - 1]:
         return num
-    lo, hi = 0, num  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
+    lo, hi = 0, num - 1  # a[:lo] == b[:lo]; a[hi] != b[hi]
+    while lo < hi:
         mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
+        if a[mid] == b[mid]:
+            lo = mid + 1
         else:
             hi = mid
     return lo
