@@ -8,6 +8,12 @@ temperature -> top-k -> top-p (over the top-k renormalised mass) -> min-p -> dra
 The draw is Gumbel-max with noise that is a pure hash of (sampling_seed, output position,
 token id): a seeded sequence gets the same tokens whatever its batch mates, after being
 recomputed, and on any device. Greedy rows (temperature 0 or top_k 1) never touch noise.
+
+Host work: every decision that depends on the parameters is taken on the host from the Python
+lists (no device sync but the final `.tolist()`), and everything a step sends to the device
+goes as one int64 and one float32 tensor (`_Upload`). Penalty statistics are either rebuilt
+from prompt_ids + output_ids per step (stateless, O(context)) or kept per row of the runner's
+request table in a `PenaltyState` and updated with the new tokens only.
 """
 from __future__ import annotations
 
@@ -38,25 +44,124 @@ class _RowParams:
     presence: list[float]
     masked_ids: list[list[int]]  # ids banned this step (min_new_tokens unmet)
 
+    def penalised_rows(self) -> tuple[list[int], list[int]]:
+        """(rows with a repetition penalty, rows with a frequency or presence penalty)."""
+        rep = [i for i, r in enumerate(self.repetition) if r != 1.0]
+        count = [i for i, (f, p) in enumerate(zip(self.frequency, self.presence)) if f != 0.0 or p != 0.0]
+        return rep, count
+
+
+class PenaltyState:
+    """Per-row penalty statistics kept on the logits' device between steps.
+
+    Rows are those of the runner's request table (SeqInput.row). Two [num_rows, vocab] tensors,
+    each allocated on first use: `seen` (bool, prompt + output tokens: repetition penalty) and
+    `counts` (float32, output-token counts: frequency / presence). Per row and tensor a record
+    says what the row holds: (the output_ids list object it was built from, its length then).
+    The row is rebuilt from prompt_ids + output_ids when the sequence is new on it (new_row),
+    when there is no record or it names another list (another request; so a first sampled step
+    with new_row False, after a prefill chunk that sampled nothing, is safe), or when output_ids
+    got shorter; otherwise only output_ids[recorded:] (normally one token) is added. A request
+    that does not use a tensor never writes its row, so the record stays true. Contract: the
+    SeqInput lists are the request's own (appended to, never edited in place without new_row);
+    copies are still correct but rebuild every step. Values equal the stateless rebuild exactly
+    (counts are small integers in float32); planning a step twice is harmless.
+    """
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows <= 0:
+            raise ValueError(f"num_rows must be positive, got {num_rows}")
+        self.num_rows = num_rows
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        # Per kind ("seen", "counts"): row -> (the request's output_ids list, output tokens recorded).
+        self._records: dict[str, dict[int, tuple[list[int], int]]] = {"seen": {}, "counts": {}}
+        self.num_rebuilt_rows = 0  # rows rebuilt from the whole context (for tests and stats)
+        self.num_updated_rows = 0  # rows updated incrementally
+
+    def reset(self) -> None:
+        """Forget every row (the tensors stay allocated)."""
+        for records in self._records.values():
+            records.clear()
+
+    def _plan(self, kind: str, seqs: list[SeqInput], rows: list[int], vocab: int,
+              up: _Upload) -> None:
+        """Book the host side of this step's update of `kind` for the given batch rows."""
+        records = self._records[kind]
+        rebuild: list[int] = []
+        pair_rows: list[int] = []
+        pair_toks: list[int] = []
+        for i in rows:
+            seq = seqs[i]
+            if not 0 <= seq.row < self.num_rows:
+                raise ValueError(f"row {seq.row} outside the penalty state's {self.num_rows} rows")
+            out = seq.output_ids
+            rec = records.get(seq.row)
+            if seq.new_row or rec is None or rec[0] is not out or rec[1] > len(out):
+                rebuild.append(seq.row)
+                new = (seq.prompt_ids + out) if kind == "seen" else out
+                self.num_rebuilt_rows += 1
+            else:
+                new = out[rec[1]:]
+                self.num_updated_rows += 1
+            for tok in new:
+                if 0 <= tok < vocab:
+                    pair_rows.append(seq.row)
+                    pair_toks.append(tok)
+            records[seq.row] = (out, len(out))
+        up.add_ints(f"{kind}_rebuild", rebuild)
+        up.add_ints(f"{kind}_rows", pair_rows)
+        up.add_ints(f"{kind}_toks", pair_toks)
+
+    def _apply(self, kind: str, up: _Upload, like: torch.Tensor) -> None:
+        """Device side of _plan: zero the rebuilt rows, then add the new tokens."""
+        if kind == "seen":
+            if self.seen is None:
+                self.seen = torch.zeros(self.num_rows, like.shape[-1], dtype=torch.bool, device=like.device)
+            table, value = self.seen, True
+        else:
+            if self.counts is None:
+                self.counts = torch.zeros(self.num_rows, like.shape[-1], dtype=torch.float32, device=like.device)
+            table, value = self.counts, 1.0
+        if up.num(f"{kind}_rebuild"):
+            table[up.ints(f"{kind}_rebuild")] = 0
+        num = up.num(f"{kind}_rows")
+        if num:
+            index = (up.ints(f"{kind}_rows"), up.ints(f"{kind}_toks"))
+            if kind == "seen":
+                table[index] = value
+            else:
+                table.index_put_(index, torch.ones(num, device=like.device), accumulate=True)
+
 
 def sample_next_tokens(
     logits: torch.Tensor,  # [num_rows, vocab] float32, one row per sampled sequence
     seqs: list[SeqInput],
+    penalties: PenaltyState | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Picks one token per row and, where `sampling.logprobs` is set, its logprob + top-k."""
+    """Picks one token per row and, where `sampling.logprobs` is set, its logprob + top-k.
+
+    penalties: the runner's per-row state (incremental penalties); None rebuilds them per step.
+    """
     params = _read_params(seqs)
-    adjusted = adjust_logits(logits, seqs, params)
-    tokens = adjusted.argmax(dim=-1)  # [num_rows]; final for greedy rows
     random_rows = [i for i, g in enumerate(params.greedy) if not g]
+    up = _Upload()
+    _plan_adjust(up, seqs, params, logits.shape[-1], penalties)
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        tokens[idx] = _sample_random(adjusted[idx], [seqs[i] for i in random_rows], params, random_rows)
-    token_list = tokens.tolist()
+        _plan_random(up, seqs, params, random_rows, logits.shape[-1])
     want = [i for i, s in enumerate(seqs) if _wants_logprobs(s)]
+    if want:
+        up.add_ints("logprob_rows", want)
+    up.send(logits.device)
+    adjusted = _adjust(logits, params, up, penalties)
+    tokens = adjusted.argmax(dim=-1)  # [num_rows]; final for greedy rows
+    if random_rows:
+        idx = up.ints("random_rows")
+        tokens[idx] = _sample_random(adjusted[idx], up)
+    token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if want:
-        rows = torch.tensor(want, device=logits.device)
-        found = token_logprobs(logits[rows], [token_list[i] for i in want],
+        found = token_logprobs(logits[up.ints("logprob_rows")], [token_list[i] for i in want],
                                [seqs[i].num_top_logprobs for i in want])
         for i, lp in zip(want, found):
             logprobs[i] = lp
@@ -87,52 +192,136 @@ def token_logprobs(
 def gumbel_noise(seeds: list[int], positions: list[int], vocab_size: int,
                  device: torch.device | str) -> torch.Tensor:  # [num_rows, vocab] float32
     """Standard Gumbel noise, a pure function of (seed, position, token id)."""
-    seeds_u64 = [s & 0xFFFFFFFFFFFFFFFF for s in seeds]
-    lo = torch.tensor([s & _M32 for s in seeds_u64], dtype=torch.int64, device=device)
-    hi = torch.tensor([s >> 32 for s in seeds_u64], dtype=torch.int64, device=device)
-    pos = torch.tensor(positions, dtype=torch.int64, device=device) & _M32
-    key = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ pos)[:, None]  # [num_rows, 1]
-    token = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]
-    bits = _mix32((_mix32(token ^ key) + key) & _M32)  # [num_rows, vocab] uniform 32-bit
-    # float64 so that u never rounds to 0 or 1 (float32 would, for ~1 token in 2**24).
-    u = (bits.double() + 0.5) / 2.0**32
-    return (-torch.log(-torch.log(u))).float()
+    lo, hi, pos = _seed_words(seeds, positions)
+    words = torch.tensor([lo, hi, pos], dtype=torch.int64, device=device)
+    return _gumbel(words[0], words[1], words[2], vocab_size)
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | None = None) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | None = None,
+                  penalties: PenaltyState | None = None) -> torch.Tensor:
     """Penalties and the min_new_tokens mask; returns `logits` itself when nothing applies."""
     p = _read_params(seqs) if p is None else p
-    rep_rows = [i for i, r in enumerate(p.repetition) if r != 1.0]
-    count_rows = [i for i in range(len(seqs)) if p.frequency[i] != 0.0 or p.presence[i] != 0.0]
-    mask_rows = [i for i, ids in enumerate(p.masked_ids) if ids]
-    if not (rep_rows or count_rows or mask_rows):
-        return logits  # common case: nothing to change, no copy
-    out = logits.clone()
-    vocab = out.shape[-1]
-    device = out.device
-    if rep_rows:
-        rows, toks = _flat_pairs(rep_rows, [seqs[i].prompt_ids + seqs[i].output_ids for i in rep_rows], vocab)
-        seen = torch.zeros_like(out, dtype=torch.bool)
-        seen[rows.to(device), toks.to(device)] = True
-        penalty = torch.tensor(p.repetition, device=device)[:, None]  # [num_rows, 1]
-        # HF / vLLM: divide positive logits, multiply negative ones.
-        out = torch.where(seen, torch.where(out < 0, out * penalty, out / penalty), out)
-    if count_rows:
-        rows, toks = _flat_pairs(count_rows, [seqs[i].output_ids for i in count_rows], vocab)
-        counts = torch.zeros_like(out)
-        counts.index_put_((rows.to(device), toks.to(device)), torch.ones(len(rows), device=device),
-                          accumulate=True)
-        freq = torch.tensor(p.frequency, device=device)[:, None]
-        pres = torch.tensor(p.presence, device=device)[:, None]
-        out = out - freq * counts - pres * (counts > 0).float()
-    if mask_rows:
-        rows, toks = _flat_pairs(mask_rows, [p.masked_ids[i] for i in mask_rows], vocab)
-        out[rows.to(device), toks.to(device)] = float("-inf")
-    return out
+    up = _Upload()
+    _plan_adjust(up, seqs, p, logits.shape[-1], penalties)
+    up.send(logits.device)
+    return _adjust(logits, p, up, penalties)
 
 
 # ---------------------------------------------------------------------------------------------
 # private helpers
+
+
+class _Upload:
+    """Host lists gathered before any device work and sent as one int64 and one float32 tensor;
+    named slices of them are views."""
+
+    def __init__(self) -> None:
+        self._lists: dict[bool, list[list]] = {True: [], False: []}
+        self._spans: dict[str, tuple[bool, int, int]] = {}
+        self._size = {True: 0, False: 0}
+        self._tensors: dict[bool, torch.Tensor] = {}
+
+    def add_ints(self, name: str, values: list[int]) -> None:
+        self._add(True, name, values)
+
+    def add_floats(self, name: str, values: list[float]) -> None:
+        self._add(False, name, values)
+
+    def _add(self, is_int: bool, name: str, values: list) -> None:
+        self._spans[name] = (is_int, self._size[is_int], len(values))
+        self._lists[is_int].append(values)
+        self._size[is_int] += len(values)
+
+    def send(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        for is_int, parts in self._lists.items():
+            dtype = torch.int64 if is_int else torch.float32
+            if self._size[is_int]:  # one host-to-device copy per dtype
+                host = torch.tensor([v for part in parts for v in part], dtype=dtype)
+                if device.type == "cuda":  # pinned: the copy queues behind the forward instead of waiting for it
+                    host = host.pin_memory()
+                self._tensors[is_int] = host.to(device, non_blocking=True)
+            else:
+                self._tensors[is_int] = torch.empty(0, dtype=dtype, device=device)
+
+    def has(self, name: str) -> bool:
+        return name in self._spans
+
+    def num(self, name: str) -> int:
+        return self._spans[name][2]
+
+    def ints(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def floats(self, name: str) -> torch.Tensor:
+        return self._get(name)
+
+    def _get(self, name: str) -> torch.Tensor:
+        is_int, start, num = self._spans[name]
+        return self._tensors[is_int][start:start + num]
+
+
+def _plan_adjust(up: _Upload, seqs: list[SeqInput], p: _RowParams, vocab: int,
+                 penalties: PenaltyState | None) -> None:
+    rep_rows, count_rows = p.penalised_rows()
+    if penalties is not None:  # also books rows without a penalty (they lose their record)
+        penalties._plan("seen", seqs, rep_rows, vocab, up)
+        penalties._plan("counts", seqs, count_rows, vocab, up)
+        if rep_rows or count_rows:
+            up.add_ints("state_rows", [s.row for s in seqs])
+    if rep_rows:
+        up.add_floats("repetition", p.repetition)
+        if penalties is None:
+            rows, toks = _flat_pairs(rep_rows, [seqs[i].prompt_ids + seqs[i].output_ids for i in rep_rows], vocab)
+            up.add_ints("rep_rows", rows)
+            up.add_ints("rep_toks", toks)
+    if count_rows:
+        up.add_floats("frequency", p.frequency)
+        up.add_floats("presence", p.presence)
+        if penalties is None:
+            rows, toks = _flat_pairs(count_rows, [seqs[i].output_ids for i in count_rows], vocab)
+            up.add_ints("count_rows", rows)
+            up.add_ints("count_toks", toks)
+    mask_rows = [i for i, ids in enumerate(p.masked_ids) if ids]
+    if mask_rows:
+        rows, toks = _flat_pairs(mask_rows, [p.masked_ids[i] for i in mask_rows], vocab)
+        up.add_ints("mask_rows", rows)
+        up.add_ints("mask_toks", toks)
+
+
+def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: PenaltyState | None) -> torch.Tensor:
+    has_rep, has_count, has_mask = up.has("repetition"), up.has("frequency"), up.has("mask_rows")
+    if penalties is not None:
+        if has_rep:
+            penalties._apply("seen", up, logits)
+        if has_count:
+            penalties._apply("counts", up, logits)
+    if not (has_rep or has_count or has_mask):
+        return logits  # common case: nothing to change, no copy
+    out = logits.clone()
+    if has_rep:
+        if penalties is not None:
+            seen = penalties.seen[up.ints("state_rows")]  # [num_rows, vocab]; rows without the penalty: / 1.0
+        else:
+            seen = torch.zeros_like(out, dtype=torch.bool)
+            seen[up.ints("rep_rows"), up.ints("rep_toks")] = True
+        penalty = up.floats("repetition")[:, None]  # [num_rows, 1]
+        # HF / vLLM: divide positive logits, multiply negative ones.
+        out = torch.where(seen, torch.where(out < 0, out * penalty, out / penalty), out)
+    if has_count:
+        if penalties is not None:
+            counts = penalties.counts[up.ints("state_rows")]  # rows without a penalty: x 0.0
+        else:
+            counts = torch.zeros_like(out)
+            num = up.num("count_rows")
+            counts.index_put_((up.ints("count_rows"), up.ints("count_toks")), torch.ones(num, device=out.device),
+                              accumulate=True)
+        freq = up.floats("frequency")[:, None]
+        pres = up.floats("presence")[:, None]
+        out = out - freq * counts - pres * (counts > 0).float()
+    if has_mask:
+        out[up.ints("mask_rows"), up.ints("mask_toks")] = float("-inf")
+    return out
 
 
 def _read_params(seqs: list[SeqInput]) -> _RowParams:
@@ -160,45 +349,68 @@ def _wants_logprobs(seq: SeqInput) -> bool:
     return getattr(seq.sampling, "logprobs", None) is not None or seq.num_top_logprobs > 0
 
 
-def _sample_random(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams,
-                   rows: list[int]) -> torch.Tensor:  # [num_sel] token ids
-    device = logits.device
-    num_sel, vocab = logits.shape
-    temperature = torch.tensor([p.temperature[i] for i in rows], device=device)[:, None]
-    x = logits / temperature  # [num_sel, vocab]
+def _plan_random(up: _Upload, seqs: list[SeqInput], p: _RowParams, rows: list[int], vocab: int) -> None:
+    """Book the sampled rows' settings; the filters that apply are decided here, on the host."""
     top_k = [p.top_k[i] if 0 < p.top_k[i] < vocab else vocab for i in rows]
     top_p = [p.top_p[i] for i in rows]
     min_p = [p.min_p[i] for i in rows]
+    up.add_ints("random_rows", rows)
+    up.add_floats("temperature", [p.temperature[i] for i in rows])
     if any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p) or any(v > 0 for v in min_p):
-        x = x.masked_fill(_filter_mask(torch.softmax(x, dim=-1), top_k, top_p, min_p), float("-inf"))
-    noise = gumbel_noise([seqs[j].sampling_seed for j in range(num_sel)],
-                         [len(seqs[j].output_ids) for j in range(num_sel)], vocab, device)
+        up.add_ints("top_k", top_k)
+        if any(v < 1.0 for v in top_p):
+            up.add_floats("top_p", top_p)
+        if any(v > 0 for v in min_p):
+            up.add_floats("min_p", min_p)
+    lo, hi, pos = _seed_words([seqs[i].sampling_seed for i in rows], [len(seqs[i].output_ids) for i in rows])
+    up.add_ints("seed_lo", lo)
+    up.add_ints("seed_hi", hi)
+    up.add_ints("seed_pos", pos)
+
+
+def _sample_random(logits: torch.Tensor, up: _Upload) -> torch.Tensor:  # [num_sel] token ids
+    x = logits / up.floats("temperature")[:, None]  # [num_sel, vocab]
+    if up.has("top_k"):
+        x = x.masked_fill(_filter_mask(torch.softmax(x, dim=-1), up), float("-inf"))
+    noise = _gumbel(up.ints("seed_lo"), up.ints("seed_hi"), up.ints("seed_pos"), logits.shape[-1])
     return (x + noise).argmax(dim=-1)
 
 
-def _filter_mask(probs: torch.Tensor, top_k: list[int], top_p: list[float],
-                 min_p: list[float]) -> torch.Tensor:  # [num_sel, vocab] True = removed
-    device = probs.device
+def _filter_mask(probs: torch.Tensor, up: _Upload) -> torch.Tensor:  # [num_sel, vocab] True = removed
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [num_sel, vocab]
-    rank = torch.arange(probs.shape[-1], device=device)[None, :]
-    remove = rank >= torch.tensor(top_k, device=device)[:, None]
-    top_p_t = torch.tensor(top_p, device=device)[:, None]
-    if (top_p_t < 1.0).any():
+    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    remove = rank >= up.ints("top_k")[:, None]
+    if up.has("top_p"):  # some row has top_p < 1 (decided on the host)
+        top_p_t = up.floats("top_p")[:, None]
         kept = sorted_p.masked_fill(remove, 0.0)
         kept = kept / kept.sum(dim=-1, keepdim=True)
         mass_before = kept.cumsum(dim=-1) - kept  # probability of the better-ranked tokens
         remove |= (mass_before >= top_p_t) & (top_p_t < 1.0)
-    min_p_t = torch.tensor(min_p, device=device)[:, None]
-    remove |= sorted_p < min_p_t * sorted_p[:, :1]
+    if up.has("min_p"):  # without it the test below removes nothing (probabilities are >= 0)
+        remove |= sorted_p < up.floats("min_p")[:, None] * sorted_p[:, :1]
     remove[:, 0] = False  # the most likely token always stays
     return torch.zeros_like(remove).scatter(1, order, remove)
 
 
-def _flat_pairs(rows: list[int], token_lists: list[list[int]], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_pairs(rows: list[int], token_lists: list[list[int]], vocab: int) -> tuple[list[int], list[int]]:
     """(row, token) index pairs for a sparse update, dropping ids outside the vocabulary."""
     row_idx = [r for r, toks in zip(rows, token_lists) for t in toks if 0 <= t < vocab]
     tok_idx = [t for toks in token_lists for t in toks if 0 <= t < vocab]
-    return torch.tensor(row_idx, dtype=torch.long), torch.tensor(tok_idx, dtype=torch.long)
+    return row_idx, tok_idx
+
+
+def _seed_words(seeds: list[int], positions: list[int]) -> tuple[list[int], list[int], list[int]]:
+    seeds_u64 = [s & 0xFFFFFFFFFFFFFFFF for s in seeds]
+    return [s & _M32 for s in seeds_u64], [s >> 32 for s in seeds_u64], [q & _M32 for q in positions]
+
+
+def _gumbel(lo: torch.Tensor, hi: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    key = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ pos)[:, None]  # [num_rows, 1]
+    token = torch.arange(vocab_size, dtype=torch.int64, device=lo.device)[None, :]
+    bits = _mix32((_mix32(token ^ key) + key) & _M32)  # [num_rows, vocab] uniform 32-bit
+    # float64 so that u never rounds to 0 or 1 (float32 would, for ~1 token in 2**24).
+    u = (bits.double() + 0.5) / 2.0**32
+    return (-torch.log(-torch.log(u))).float()
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
