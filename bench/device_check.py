@@ -203,11 +203,16 @@ def compile_check(arch: int = 90) -> bool:
     split, merge = triton_decode._decode_split_kernel, triton_decode._decode_merge_kernel
     variants = [  # (kernel, dtype, constexprs), tiles as the wrappers pick them for 32 q / 8 kv heads, d 128
         (store, "bf16", dict(BLOCK_T=4, BLOCK_E=1024)),
-        (extend, "bf16", dict(BLOCK_M=16, BLOCK_G=4, BLOCK_N=64, BLOCK_D=128, PRECISION=precision)),
-        (extend, "fp32", dict(BLOCK_M=32, BLOCK_G=1, BLOCK_N=32, BLOCK_D=128, PRECISION=precision)),
-        (split, "bf16", dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, PRECISION=precision, DIRECT=False)),
-        (split, "fp32", dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, PRECISION=precision, DIRECT=True)),
-        (merge, "bf16", dict(BLOCK_S=16, BLOCK_D=128)),
+        # HAS_OWN_START / WRITE_LSE: the cascade options (own_start bound, LSE output); off = plain.
+        (extend, "bf16", dict(BLOCK_M=16, BLOCK_G=4, BLOCK_N=64, BLOCK_D=128, PRECISION=precision,
+                              HAS_OWN_START=False, WRITE_LSE=False)),
+        (extend, "fp32", dict(BLOCK_M=32, BLOCK_G=1, BLOCK_N=32, BLOCK_D=128, PRECISION=precision,
+                              HAS_OWN_START=True, WRITE_LSE=True)),
+        (split, "bf16", dict(BLOCK_H=16, BLOCK_N=64, BLOCK_D=128, PRECISION=precision, DIRECT=False,
+                             HAS_OWN_START=True, WRITE_LSE=True)),
+        (split, "fp32", dict(BLOCK_H=16, BLOCK_N=32, BLOCK_D=128, PRECISION=precision, DIRECT=True,
+                             HAS_OWN_START=False, WRITE_LSE=False)),
+        (merge, "bf16", dict(BLOCK_S=16, BLOCK_D=128, WRITE_LSE=True)),
     ]
     ok = True
     for kernel, dtype, constexprs in variants:
@@ -226,8 +231,10 @@ def compile_check(arch: int = 90) -> bool:
 
 
 def _arg_type(name: str, dtype: str) -> str:
-    if name in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_lens_ptr"):
+    if name in ("qo_indptr_ptr", "kv_indptr_ptr", "kv_lens_ptr", "own_start_ptr"):
         return "*i32"
+    if name == "lse_ptr":
+        return "*fp32"
     if name in ("kv_indices_ptr", "slot_ids_ptr"):
         return "*i64"
     if name.startswith("mid_"):

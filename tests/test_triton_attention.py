@@ -112,6 +112,83 @@ def test_decode_matches_reference(dtype, head_dim, group, num_kv_heads, page_siz
     _assert_close(out, _expected(torch_ref.decode_attention, q, batch, sm_scale, window), dtype)
 
 
+def _partial_reference(q, k_cache, v_cache, meta, own_start, sm_scale, window):
+    """Per (token, q head): softmax over keys [max(own_start, pos - window + 1), pos] and its
+    natural-log LSE, in fp32 from the keys in range only (so NaN outside them never enters)."""
+    group = q.shape[1] // k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    qo, kvp, indices = meta.qo_indptr.tolist(), meta.kv_indptr.tolist(), meta.kv_indices.cpu()
+    for i, (q_len, kv_len) in enumerate(zip(meta.q_lens_list, meta.kv_lens_list)):
+        for j in range(q_len):
+            pos, t = kv_len - q_len + j, qo[i] + j
+            lo = max(own_start[i], pos - window + 1 if window else 0)
+            slots = indices[kvp[i] + lo:kvp[i] + pos + 1]
+            keys = k_cache.cpu()[slots].float().repeat_interleave(group, 1)  # [n, q_heads, d]
+            values = v_cache.cpu()[slots].float().repeat_interleave(group, 1)
+            scores = torch.einsum("hd,nhd->hn", q[t].cpu().float(), keys) * sm_scale
+            lse[t] = torch.logsumexp(scores, -1)
+            out[t] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
+    return out.to(q.device), lse.to(q.device)
+
+
+def _poison_below(batch, own_start):
+    """NaN in the K/V of every position below own_start: a kernel that reads one fails loudly."""
+    for slots, own in zip(batch.slot_lists, own_start):
+        batch.k_cache[slots[:own]] = float("nan")
+        batch.v_cache[slots[:own]] = float("nan")
+
+
+PARTIAL_CASES = [
+    # kind, dtype, head_dim, group, num_kv_heads, window, splits, prefix_lens, q_lens, own_start
+    ("extend", torch.float32, 64, 4, 2, None, None, [10, 0, 33], [5, 7, 1], [4, 0, 30]),
+    ("extend", torch.float16, 128, 1, 2, 6, None, [20, 3], [9, 18], [17, 1]),  # window above / below own_start
+    ("decode", torch.float32, 64, 4, 2, None, 3, [40, 17, 130], [1, 1, 1], [20, 0, 100]),
+    ("decode", torch.float16, 128, 1, 2, 50, 1, [90, 7], [1, 1], [30, 7]),  # one split: direct LSE
+]
+
+
+@pytest.mark.parametrize("kind,dtype,head_dim,group,num_kv_heads,window,splits,prefix_lens,q_lens,own_start",
+                         PARTIAL_CASES)
+def test_own_start_and_lse_match_torch(kind, dtype, head_dim, group, num_kv_heads, window, splits, prefix_lens,
+                                       q_lens, own_start):
+    batch, q = _batch(prefix_lens, q_lens, group=group, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      page_size=16, dtype=dtype)
+    _poison_below(batch, own_start)
+    sm_scale = head_dim ** -0.5
+    own = torch.tensor(own_start, dtype=torch.int32, device=DEVICE)
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE)
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEVICE)  # fp32 partials, as cascade asks
+    if kind == "extend":
+        extend_attention(q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, window, block_m=16, block_n=16,
+                         own_start=own, lse=lse, out=out)
+    else:
+        decode_attention(q, batch.k_cache, batch.v_cache, batch.meta, sm_scale, window, num_kv_splits=splits,
+                         block_n=16, own_start=own, lse=lse, out=out)
+    ref_out, ref_lse = _partial_reference(q, batch.k_cache, batch.v_cache, batch.meta, own_start, sm_scale, window)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out, ref_out, atol=ATOL[dtype], rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["extend", "decode"])
+def test_zero_own_start_without_lse_is_the_plain_kernel(kind):
+    prefix_lens = [30, 0, 70]
+    q_lens = [4, 9, 1] if kind == "extend" else [1, 1, 1]
+    batch, q = _batch(prefix_lens, q_lens, group=4, num_kv_heads=2, head_dim=64, page_size=16,
+                      dtype=torch.float32)
+    fn = extend_attention if kind == "extend" else decode_attention
+    knobs = dict(block_n=16) | (dict(block_m=4) if kind == "extend" else dict(num_kv_splits=2))
+    plain = fn(q, batch.k_cache, batch.v_cache, batch.meta, 0.125, **knobs)
+    zeros = torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEVICE)
+    assert torch.equal(fn(q, batch.k_cache, batch.v_cache, batch.meta, 0.125, own_start=zeros, **knobs), plain)
+    assert torch.equal(fn(q, batch.k_cache, batch.v_cache, batch.meta, 0.125, own_start=zeros, lse=lse, **knobs),
+                       plain)
+    with pytest.raises(ValueError, match="lse"):
+        fn(q, batch.k_cache, batch.v_cache, batch.meta, 0.125, lse=lse.double(), **knobs)
+
+
 def test_decode_default_splits_and_blocks():
     # kv_len 601 with the defaults: 3 splits of whole blocks, the last one partial.
     batch, q = _batch([600, 3], [1, 1], group=4, num_kv_heads=1, head_dim=64, page_size=16,
@@ -138,7 +215,7 @@ def test_backend_matches_torch_backend_over_steps():
                               dtype=torch.float32, device=DEVICE, seed=5)
     pools = {name: (layout.k_cache.clone(), layout.v_cache.clone()) for name in ("torch", "triton")}
     backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend()}
-    assert backends["triton"].name == "triton"
+    assert backends["triton"].name == "triton" and backends["triton"].needs_kv_indices
     for prefix_lens, q_lens in steps:
         kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
         meta = make_meta(prefix_lens, q_lens, [s[:n] for s, n in zip(layout.slot_lists, kv_lens)], DEVICE)

@@ -1,5 +1,10 @@
 """Triton attention backend: store new K/V, then split-K decode or extend attention.
 
+With shared prefixes in the step (``meta.shared``), cascade attention (``triton_cascade``):
+each sequence's own keys through the extend / decode kernel, each shared prefix once for all
+queries below it, merged by log-sum-exp. Sliding-window layers take the plain path over every
+position (``kv_indices`` holds them all), so the shared-prefix kernel needs no window mask.
+
 On a CUDA device the kernels compile for the GPU. On the CPU they only run under the
 Triton interpreter, which must be switched on (``TRITON_INTERPRET=1``) *before* this module
 is first imported, because ``@triton.jit`` picks compiled vs interpreted at decoration time.
@@ -11,6 +16,7 @@ import logging
 import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata
+from radixserve.kernels.attention.triton_cascade import cascade_attention
 from radixserve.kernels.attention.triton_decode import decode_attention
 from radixserve.kernels.attention.triton_extend import extend_attention
 from radixserve.kernels.attention.triton_store import kernels_interpreted, store_kv
@@ -22,6 +28,7 @@ class TritonAttentionBackend:
     """Same contract as ``TorchAttentionBackend``; q, k, v and the pool share one dtype."""
 
     name = "triton"
+    needs_kv_indices = True  # the extend / decode kernels read every position's slot from kv_indices
 
     def forward(
         self,
@@ -36,6 +43,8 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         _check_device(q)
         store_kv(k_cache, v_cache, k, v, meta.out_slot_ids)
+        if meta.shared:  # (a sliding window takes the plain path inside)
+            return cascade_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window)
         if meta.is_decode:
             return decode_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window)
         return extend_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window)

@@ -5,11 +5,15 @@ splits each sequence's visible KV range into ``num_kv_splits`` chunks (whole BLO
 blocks) and runs one program per (sequence, kv head, split); the program handles all q
 heads of that kv head's group at once, so each K/V block is read once per group:
 
-    visible kv:   lo = max(0, kv_len - window) ......................... kv_len
+    visible kv:   lo = max(0, kv_len - window, own_start) .............. kv_len
                   | split 0        | split 1        | split 2  | (empty) |
     stage 1 writes per (seq, q head, split): running max m, sum l, unnormalised acc
     stage 2 merges:  out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,  M = max_s m_s
     (with a single split, stage 1 normalises and writes the output itself; no stage 2)
+    optional log-sum-exp per (seq, q head), natural log: lse = (M + log2(sum_s exp2(m_s - M) l_s)) ln 2
+
+``own_start`` and the LSE are for cascade attention (``triton_cascade``); without them the
+kernels are exactly the plain decode ones.
 
 Same signature as ``torch_ref.decode_attention`` (plus keyword-only tuning knobs).
 """
@@ -23,7 +27,8 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.triton_extend import DOT_PRECISION, LOG2_E, check_attention_inputs, window_arg
+from radixserve.kernels.attention.triton_extend import (DOT_PRECISION, LOG2_E, check_attention_inputs,
+                                                         check_partial_outputs, natural_lse, window_arg)
 from radixserve.kernels.attention.triton_store import kernels_interpreted
 
 logger = logging.getLogger(__name__)
@@ -43,15 +48,19 @@ def decode_attention(
     *,
     num_kv_splits: int | None = None,
     block_n: int | None = None,
+    own_start: torch.Tensor | None = None,  # [num_seqs] int32: keys at positions < own_start are skipped
+    lse: torch.Tensor | None = None,  # [num_seqs, num_q_heads] fp32, filled with each row's natural-log LSE
+    out: torch.Tensor | None = None,  # [num_seqs, num_q_heads, head_dim] any float dtype (default q's)
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """Attention of each sequence's single new token over its whole KV (already stored)."""
+    """Attention of each sequence's single new token over its whole KV (already stored), or over
+    keys ``[own_start, kv_len)`` only when ``own_start`` is given."""
     num_seqs, num_q_heads, head_dim = q.shape
     group = check_attention_inputs(q, k_cache, v_cache)
     if num_seqs != meta.num_seqs:
         raise ValueError(f"decode_attention: q has {num_seqs} tokens but the batch has {meta.num_seqs} "
                          "sequences (decode needs exactly one new token per sequence)")
     num_kv_heads = k_cache.shape[1]
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = check_partial_outputs(q, meta, own_start, lse, out)
     if num_seqs == 0:
         return out
     # fp32 tiles on a GPU are halved for shared memory; the interpreter prefers fewer loop steps.
@@ -73,27 +82,29 @@ def decode_attention(
                               device=q.device)
         mid_max = torch.empty((num_seqs, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
         mid_sum = torch.empty_like(mid_max)
+    lse_arg = out if lse is None else lse  # placeholder pointer, never touched without WRITE_LSE
+    stride_lse = 0 if lse is None else lse.stride(0)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        q, k_cache, v_cache, mid_acc, mid_max, mid_sum, out,
-        meta.kv_indptr, meta.kv_indices, meta.kv_lens,
+        q, k_cache, v_cache, mid_acc, mid_max, mid_sum, out, lse_arg,
+        meta.kv_indptr, meta.kv_indices, meta.kv_lens, meta.kv_lens if own_start is None else own_start,
         sm_scale * LOG2_E, window_arg(sliding_window), num_kv_splits,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), stride_lse,
         group, num_q_heads, head_dim,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=DOT_PRECISION,
-        DIRECT=direct,
+        DIRECT=direct, HAS_OWN_START=own_start is not None, WRITE_LSE=lse is not None,
         num_warps=4, num_stages=2,
     )
     if direct:
         return out
     _decode_merge_kernel[(num_seqs, num_q_heads)](
-        mid_acc, mid_max, mid_sum, out,
+        mid_acc, mid_max, mid_sum, out, lse_arg,
         num_kv_splits, head_dim,
-        out.stride(0), out.stride(1),
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        out.stride(0), out.stride(1), stride_lse,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d, WRITE_LSE=lse is not None,
     )
     return out
 
@@ -114,16 +125,16 @@ def _num_sms(device: torch.device) -> int:
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_acc_ptr, mid_max_ptr, mid_sum_ptr, out_ptr,
-    kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_acc_ptr, mid_max_ptr, mid_sum_ptr, out_ptr, lse_ptr,
+    kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, own_start_ptr,
     qk_scale, window, num_kv_splits,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_s, stride_k_h, stride_k_d,
     stride_v_s, stride_v_h, stride_v_d,
-    stride_o_t, stride_o_h,
+    stride_o_t, stride_o_h, stride_lse_t,
     group, num_q_heads, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr, DIRECT: tl.constexpr, HAS_OWN_START: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,6 +154,8 @@ def _decode_split_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(kv_len - window, 0)
+    if HAS_OWN_START:
+        lo = tl.maximum(lo, tl.load(own_start_ptr + seq_idx))
     # Whole blocks per split keep every block but the last one full.
     split_len = (kv_len - lo + num_kv_splits - 1) // num_kv_splits
     split_len = (split_len + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -174,6 +187,8 @@ def _decode_split_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_t + q_heads[:, None] * stride_o_h + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=h_valid[:, None] & d_valid[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + seq_idx.to(tl.int64) * stride_lse_t + q_heads, natural_lse(m_i, l_i), mask=h_valid)
     else:
         # mid_* are contiguous [num_seqs, num_q_heads, num_kv_splits(, head_dim)].
         row = (seq_idx.to(tl.int64) * num_q_heads + q_heads) * num_kv_splits + split_idx  # [BLOCK_H]
@@ -185,10 +200,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    mid_acc_ptr, mid_max_ptr, mid_sum_ptr, out_ptr,
+    mid_acc_ptr, mid_max_ptr, mid_sum_ptr, out_ptr, lse_ptr,
     num_kv_splits, head_dim,
-    stride_o_t, stride_o_h,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_o_t, stride_o_h, stride_lse_t,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     head_idx = tl.program_id(1)
@@ -209,3 +224,5 @@ def _decode_merge_kernel(
     out = tl.sum(weight[:, None] * acc_s, 0) / tl.where(total > 0, total, 1.0)  # [BLOCK_D]
     tl.store(out_ptr + seq_idx.to(tl.int64) * stride_o_t + head_idx * stride_o_h + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    if WRITE_LSE:  # log of 2^M x sum_s exp2(m_s - M) l_s, in natural units
+        tl.store(lse_ptr + seq_idx.to(tl.int64) * stride_lse_t + head_idx, natural_lse(m_all, total))

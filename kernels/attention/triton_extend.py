@@ -7,11 +7,15 @@ K/V block is loaded once per group), walking the KV blocks it may see with an on
 
     kv position:  0 ........ prefix_len ........................ kv_len
                   |  cached prefix  |   new tokens of this step    |
-    query row j sits at pos = prefix_len + j and sees kv [pos - window + 1, pos]
-    (no window: [0, pos]); the block's kv loop runs over [lo, hi) only:
+    query row j sits at pos = prefix_len + j and sees kv [max(own_start, pos - window + 1), pos]
+    (no window, no own_start: [0, pos]); the block's kv loop runs over [lo, hi) only:
       lo = first kv any row of the block may see, hi = last row's pos + 1.
 
-Same signature as ``torch_ref.extend_attention`` (plus keyword-only tuning knobs).
+Cascade attention (``triton_cascade``) passes ``own_start`` (keys below it are read by the
+shared-prefix kernel instead) and asks for the log-sum-exp of each (token, q head) row, so the
+partial results can be merged. Without them the kernel is exactly the plain causal one.
+
+Same signature as ``torch_ref.extend_attention`` (plus keyword-only tuning knobs and options).
 """
 from __future__ import annotations
 
@@ -41,12 +45,16 @@ def extend_attention(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    own_start: torch.Tensor | None = None,  # [num_seqs] int32: keys at positions < own_start are skipped
+    lse: torch.Tensor | None = None,  # [num_tokens, num_q_heads] fp32, filled with each row's natural-log LSE
+    out: torch.Tensor | None = None,  # [num_tokens, num_q_heads, head_dim] any float dtype (default q's)
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its whole KV (prefix + new)."""
+    """Causal attention of each sequence's new tokens over its whole KV (prefix + new), or over
+    keys ``[own_start, kv_len)`` only when ``own_start`` is given."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = check_attention_inputs(q, k_cache, v_cache)
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    out = check_partial_outputs(q, meta, own_start, lse, out)
     if num_tokens == 0:
         return out
     block_g = triton.next_power_of_2(group)
@@ -59,16 +67,18 @@ def extend_attention(
                          "must be >= 16")
     grid = (meta.num_seqs, num_kv_heads, triton.cdiv(meta.max_q_len, block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, out,
+        q, k_cache, v_cache, out, out if lse is None else lse,  # placeholder pointers are never touched
         meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens,
+        meta.kv_lens if own_start is None else own_start,
         sm_scale * LOG2_E, window_arg(sliding_window),
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
+        0 if lse is None else lse.stride(0),
         group, head_dim,
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PRECISION=DOT_PRECISION,
+        PRECISION=DOT_PRECISION, HAS_OWN_START=own_start is not None, WRITE_LSE=lse is not None,
         num_warps=4, num_stages=2,
     )
     return out
@@ -96,6 +106,25 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return num_q_heads // num_kv_heads
 
 
+def check_partial_outputs(q: torch.Tensor, meta: AttentionMetadata, own_start: torch.Tensor | None,
+                          lse: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """Validate the cascade options of the extend/decode kernels; returns the output buffer."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or not out.is_floating_point() or out.stride(2) != 1:
+        raise ValueError(f"attention: out {tuple(out.shape)} must be a float tensor shaped like q "
+                         f"{tuple(q.shape)} with a contiguous head_dim")
+    if lse is not None and (lse.shape != (num_tokens, num_q_heads) or lse.dtype != torch.float32
+                            or lse.stride(1) != 1):
+        raise ValueError(f"attention: lse must be float32 [{num_tokens}, {num_q_heads}] with contiguous heads, "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
+    if own_start is not None and (own_start.shape != (meta.num_seqs,) or own_start.dtype != torch.int32):
+        raise ValueError(f"attention: own_start must be int32 [{meta.num_seqs}], got {own_start.dtype} "
+                         f"{tuple(own_start.shape)}")
+    return out
+
+
 def window_arg(sliding_window: int | None) -> int:
     """Kernels take the window as an int; 0 means no window (as None or <= 0 does in torch_ref)."""
     return sliding_window if sliding_window is not None and sliding_window > 0 else 0
@@ -109,17 +138,25 @@ def _default_blocks(q: torch.Tensor) -> tuple[int, int]:
 
 
 @triton.jit
+def natural_lse(m, l):
+    """Natural-log LSE of a running max ``m`` and sum ``l`` kept in log2 units (scores x log2(e));
+    a row that saw no key (l == 0) gets -inf, i.e. weight 0 in a merge."""
+    return tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
 def _extend_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, own_start_ptr,
     qk_scale, window,
     stride_q_t, stride_q_h, stride_q_d,
     stride_k_s, stride_k_h, stride_k_d,
     stride_v_s, stride_v_h, stride_v_d,
     stride_o_t, stride_o_h,
+    stride_lse_t,
     group, head_dim,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, HAS_OWN_START: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     seq_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,6 +187,8 @@ def _extend_kernel(
     lo = 0
     if window > 0:
         lo = tl.maximum(prefix_len + m_block * BLOCK_M - window + 1, 0)
+    if HAS_OWN_START:  # the same bound for every row: starting the loop there is the whole mask
+        lo = tl.maximum(lo, tl.load(own_start_ptr + seq_idx))
 
     # Finite start so a row that sees nothing in a block keeps alpha = 1, p = 0 (no NaN).
     m_i = tl.full([BLOCK_M * BLOCK_G], -1.0e30, dtype=tl.float32)
@@ -178,3 +217,5 @@ def _extend_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_t + q_heads[:, None] * stride_o_h + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=r_valid[:, None] & d_valid[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + q_rows * stride_lse_t + q_heads, natural_lse(m_i, l_i), mask=r_valid)
