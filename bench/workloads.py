@@ -90,9 +90,9 @@ class FewShot(SharedSystemPrompt):
     """fewshot: one long prefix of examples + many short questions, short outputs."""
 
     def __init__(self, prefix_len: int = 1500, num_questions: int = 64, question_len: int = 50,
-                 output_len: int = 8, seed: int = 0) -> None:
+                 output_len: int = 8, seed: int = 0, name: str = "fewshot") -> None:
         super().__init__(num_groups=1, per_group=num_questions, system_len=prefix_len,
-                         question_len=question_len, output_len=output_len, seed=seed, name="fewshot")
+                         question_len=question_len, output_len=output_len, seed=seed, name=name)
         self.params = dict(prefix_len=prefix_len, num_questions=num_questions,
                            question_len=question_len, output_len=output_len, seed=seed)
 
@@ -275,6 +275,18 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
         "reduced": lambda s: SharedSystemPrompt(4, 8, 250, 32, 16, seed=s, name="gsp1000"),
         "tiny": lambda s: SharedSystemPrompt(3, 4, 45, 8, 4, seed=s, name="gsp1000"),
     },
+    # Prefix and prompt lengths that are multiples of neither 16 nor 128 (vLLM's block sizes
+    # cache whole blocks only; the peer bench compares against them).
+    "gsp1000q61": {
+        "full": lambda s: SharedSystemPrompt(8, 8, 1000, 61, 32, seed=s, name="gsp1000q61"),
+        "reduced": lambda s: SharedSystemPrompt(4, 8, 250, 29, 16, seed=s, name="gsp1000q61"),
+        "tiny": lambda s: SharedSystemPrompt(3, 4, 45, 7, 4, seed=s, name="gsp1000q61"),
+    },
+    "fewshot1499": {
+        "full": lambda s: FewShot(1499, 64, 50, 8, seed=s, name="fewshot1499"),
+        "reduced": lambda s: FewShot(399, 24, 23, 8, seed=s, name="fewshot1499"),
+        "tiny": lambda s: FewShot(95, 16, 7, 4, seed=s, name="fewshot1499"),
+    },
     "fewshot": {
         "full": lambda s: FewShot(1500, 64, 50, 8, seed=s),
         "reduced": lambda s: FewShot(400, 24, 24, 8, seed=s),
@@ -302,7 +314,9 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
     },
 }
 
-WORKLOAD_NAMES = tuple(name for name in _FACTORIES if name != "hotstream")  # the scheduling grid
+NONALIGNED_WORKLOADS = ("gsp1000q61", "fewshot1499")  # for the vLLM peer bench, not the scheduling grid
+WORKLOAD_NAMES = tuple(name for name in _FACTORIES
+                       if name != "hotstream" and name not in NONALIGNED_WORKLOADS)  # the scheduling grid
 EVICTION_WORKLOADS = ("hotstream", "multiturn", "react")  # where LRU and reuse-weighted eviction differ
 
 

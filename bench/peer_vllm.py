@@ -1,0 +1,404 @@
+"""radixserve vs vLLM-CPU, side by side on the same token ids (ARCHITECTURE §8, "the peer").
+
+    python -m radixserve.bench.peer_vllm --model S --vllm-python /work/vllm-venv/bin/python
+        [--workloads gsp,fewshot,...] [--rounds 3] [--block-sizes 128,32] [--size full|reduced|tiny]
+
+Every engine lives for the whole invocation: radixserve in this process, one vLLM worker process
+(bench/_vllm_worker.py, in vLLM's own venv) per block size. Each engine is warmed up once; then,
+per workload, the repetitions alternate the engines' order (ours, b128, b32; then b32, b128, ours;
+...) and every run starts from an emptied prefix cache. Rounds are sent one at a time, and round
+r+1's prompts are built from the same engine's round-r outputs. A run's time is the sum of its
+rounds' generate calls. Writes bench/results/peer_vllm.{json,md,png} (see report_peer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from radixserve.bench import report_peer, roofline
+from radixserve.bench._vllm_worker import PREFIX
+from radixserve.bench.report_peer import OURS
+from radixserve.bench.workloads import NONALIGNED_WORKLOADS, Workload, make_workload
+
+logger = logging.getLogger(__name__)
+
+PEER_WORKLOADS = ("gsp", "fewshot", "multiturn", "react", *NONALIGNED_WORKLOADS)
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_worker.py")
+_WARMUP_PROMPT = list(range(100, 164))
+
+
+@dataclass
+class RoundReply:
+    outputs: list[list[int]]
+    cached: list[int | None]  # None: the engine did not report it
+    wall_s: float
+
+
+class Side(Protocol):
+    name: str
+
+    def run_round(self, prompts: list[list[int]], max_tokens: list[int]) -> RoundReply: ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Measure:
+    """One run of one workload on one engine."""
+
+    engine: str
+    workload: str
+    rep: int
+    keys: list[str] = field(default_factory=list)
+    prompts: list[list[int]] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    cached: list[int | None] = field(default_factory=list)
+    round_of: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return None if any(c is None for c in self.cached) else sum(self.cached)  # type: ignore[misc]
+
+    def rounds(self) -> list[list[tuple]]:
+        """(prompt, output, salt) grouped by round: the input of bench.optimal."""
+        out: list[list[tuple]] = [[] for _ in range(max(self.round_of, default=-1) + 1)]
+        for r, p, o in zip(self.round_of, self.prompts, self.outputs):
+            out[r].append((p, o, None))
+        return out
+
+
+class OursSide:
+    """radixserve's Engine in this process, greedy, ignore_eos; reset = flush_cache."""
+
+    def __init__(self, model_path: str, threads: int, **config: Any) -> None:
+        from radixserve.scheduler import Engine
+        from radixserve.scheduler.config import EngineConfig
+
+        if "num_threads" in {f.name for f in fields(EngineConfig)}:
+            config["num_threads"] = threads
+        self.name = OURS
+        self.config = dict(config)
+        self.engine = Engine(model_path, **config)
+
+    def run_round(self, prompts: list[list[int]], max_tokens: list[int]) -> RoundReply:
+        from radixserve.scheduler import SamplingParams
+
+        params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+        start = time.perf_counter()
+        results = self.engine.generate([list(p) for p in prompts], params)
+        wall_s = time.perf_counter() - start
+        for res in results:
+            if res.finish_reason == "abort":
+                raise RuntimeError(f"radixserve aborted a request: {res.error}")
+        return RoundReply([list(r.output_ids) for r in results], [r.cached_tokens for r in results], wall_s)
+
+    def reset(self) -> None:
+        if not self.engine.flush_cache():
+            raise RuntimeError("flush_cache refused: the engine still has requests")
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class VllmSide:
+    """A vLLM worker process (bench/_vllm_worker.py) spoken to over JSON lines."""
+
+    def __init__(self, name: str, python: str, llm_config: dict[str, Any], env: dict[str, str],
+                 startup_timeout_s: float = 900.0, call_timeout_s: float = 3600.0,
+                 work_root: str | None = None) -> None:
+        self.name = name
+        self.llm_config = dict(llm_config)
+        self.call_timeout_s = call_timeout_s
+        # cwd, kept when the worker fails: outside the repository (the system temp dir by default)
+        self.tmp = tempfile.mkdtemp(prefix="radixserve-peer-vllm-", dir=work_root)
+        script = shutil.copy(WORKER, self.tmp)
+        self._stderr = open(os.path.join(self.tmp, "stderr.log"), "w+", encoding="utf-8")
+        start = time.perf_counter()
+        self.proc = subprocess.Popen([python, script, json.dumps(llm_config)], cwd=self.tmp, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        try:
+            self.ready = self._read(startup_timeout_s)
+        except BaseException:
+            try:
+                self.proc.wait(timeout=10)  # a failed start exits by itself
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self._stderr.close()
+            raise
+        self.startup_s = time.perf_counter() - start
+
+    def run_round(self, prompts: list[list[int]], max_tokens: list[int]) -> RoundReply:
+        reply = self._call({"cmd": "generate", "prompts": prompts, "max_tokens": max_tokens})
+        return RoundReply(reply["outputs"], reply["cached"], float(reply["wall_s"]))
+
+    def reset(self) -> None:
+        if not self._call({"cmd": "reset"})["reset"]:
+            raise RuntimeError(f"{self.name}: reset_prefix_cache refused")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call({"cmd": "shutdown"}, timeout_s=60.0)
+                self.proc.wait(timeout=120)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+        if self.proc.returncode == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        else:
+            logger.warning("%s exited with %s; its log stays in %s", self.name, self.proc.returncode, self.tmp)
+
+    def _call(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read(timeout_s or self.call_timeout_s)
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"{self.name}: no reply in {timeout_s:.0f} s\n{self.stderr_tail()}") from None
+            if line is None:
+                raise RuntimeError(f"{self.name}: worker exited (rc {self.proc.wait()})\n{self.stderr_tail()}")
+            reply = parse_reply(line)
+            if reply is None:
+                continue
+            if not reply.get("ok"):
+                raise RuntimeError(f"{self.name}: {reply.get('error')}\n{self.stderr_tail()}")
+            return reply
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr_tail(self, num_lines: int = 30) -> str:
+        with open(self._stderr.name, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-num_lines:])
+
+
+def parse_reply(line: str) -> dict[str, Any] | None:
+    """A worker reply, or None for a line that is not one (stray output)."""
+    if not line.startswith(PREFIX):
+        return None
+    reply = json.loads(line[len(PREFIX):])
+    if not isinstance(reply, dict) or "ok" not in reply:
+        raise ValueError(f"malformed worker reply: {line.strip()[:200]}")
+    return reply
+
+
+def alternation(engines: list[str], reps: int) -> list[list[str]]:
+    """Run order per repetition: as given, then reversed, and so on."""
+    return [list(engines) if rep % 2 == 0 else list(reversed(engines)) for rep in range(reps)]
+
+
+def run_rounds(side: Side, workload: Workload, rep: int = 0) -> Measure:
+    """Every round of `workload` on `side`, one generate call per round."""
+    measure = Measure(side.name, workload.name, rep)
+    outputs: dict[str, list[int]] = {}
+    for round_idx in range(workload.num_rounds):
+        if workload.arrival_step(round_idx) is not None:
+            raise ValueError(f"{workload.name}: fixed-step arrivals cannot be replayed round by round")
+        requests = workload.make_round(round_idx, outputs).requests
+        reply = side.run_round([list(r.prompt_ids) for r in requests], [r.max_new_tokens for r in requests])
+        if len(reply.outputs) != len(requests):
+            raise RuntimeError(f"{side.name}: {len(reply.outputs)} outputs for {len(requests)} prompts")
+        for req, out, cached in zip(requests, reply.outputs, reply.cached):
+            outputs[req.key] = list(out)
+            measure.keys.append(req.key)
+            measure.prompts.append(list(req.prompt_ids))
+            measure.outputs.append(list(out))
+            measure.cached.append(cached)
+            measure.round_of.append(round_idx)
+        measure.wall_s += reply.wall_s
+    return measure
+
+
+def warm_up(side: Side) -> None:
+    side.run_round([list(_WARMUP_PROMPT)], [4])
+    side.reset()
+
+
+def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, seed: int = 0) -> list[Measure]:
+    measures = []
+    for rep, order in enumerate(alternation(list(sides), reps)):
+        for engine in order:
+            sides[engine].reset()
+            measures.append(run_rounds(sides[engine], make_workload(name, size, seed), rep))
+            logger.info("%s rep %d %s: %.2f s", name, rep, engine, measures[-1].wall_s)
+    return measures
+
+
+def pool_tokens(names: list[str], size: str, seed: int = 0) -> tuple[int, int]:
+    """(tokens, longest sequence): every request's prompt + output without sharing, for the
+    largest workload, so that no engine evicts; the longest prompt + output of any request."""
+    from radixserve.bench.harness import stand_in_rounds
+
+    total, longest = len(_WARMUP_PROMPT) + 4, 0
+    for name in names:
+        rounds = stand_in_rounds(lambda name=name: make_workload(name, size, seed))
+        total = max(total, sum(len(p) + len(o) for items in rounds for p, o, _ in items))
+        longest = max([longest] + [len(p) + len(o) for items in rounds for p, o, _ in items])
+    return total, longest
+
+
+def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_requests: int = 64) -> int:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB): `tokens` plus a partial block per running request, fp32, x1.5."""
+    heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    kv_heads = model_config.get("num_key_value_heads", heads)
+    per_token = model_config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+    return max(1, math.ceil(1.5 * (tokens + num_requests * max_block) * per_token / 2**30))
+
+
+def worker_env(threads_bind: str, kv_gib: int, extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1")
+    env.update(extra)
+    return env
+
+
+def start_sides(args: argparse.Namespace, model_path: str, model_config: dict[str, Any],
+                sides: dict[str, Side]) -> None:
+    """Fills `sides` (the caller closes whatever started, also when a later start fails)."""
+    tokens, longest = pool_tokens(args.workloads, args.size, args.seed)
+    max_model_len = min(args.max_model_len, model_config.get("max_position_embeddings", args.max_model_len))
+    if longest > max_model_len:
+        raise ValueError(f"a request needs {longest} tokens, more than max_model_len {max_model_len}")
+    kv_gib = args.vllm_kv_gib or vllm_kv_gib(tokens, model_config, max(args.block_sizes or [1]),
+                                                args.max_running_requests)
+    env = worker_env(args.threads_bind or f"0-{args.threads - 1}", kv_gib, dict(args.vllm_env))
+    sides[OURS] = OursSide(model_path, args.threads, kv_cache_tokens=tokens,
+                           max_running_requests=args.max_running_requests,
+                           chunked_prefill_size=args.chunked_prefill_size)
+    for block in args.block_sizes:
+        llm_config: dict[str, Any] = dict(model=model_path, block_size=block, max_model_len=max_model_len,
+                                          max_num_seqs=args.max_running_requests)
+        if args.vllm_max_num_batched_tokens:
+            llm_config["max_num_batched_tokens"] = args.vllm_max_num_batched_tokens
+        logger.info("starting vLLM, block size %d (KV %d GiB)", block, kv_gib)
+        sides[f"vllm-b{block}"] = VllmSide(f"vllm-b{block}", args.vllm_python, llm_config, env)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from radixserve.bench.harness import bench_model_path
+
+    torch.set_num_threads(args.threads)
+    model_path = bench_model_path(args.model)
+    model_config = roofline.load_config(model_path)
+    roof = roofline.measure_roofline(model_config, args.threads) if _wants_roofline(args) else None
+    start = time.perf_counter()
+    sides: dict[str, Side] = {}
+    try:
+        start_sides(args, model_path, model_config, sides)
+        for side in sides.values():
+            warm_up(side)
+        measures = [m for name in args.workloads
+                    for m in measure_workload(sides, name, args.size, args.reps, args.seed)]
+        engines = _engine_info(sides)
+    finally:
+        for side in sides.values():
+            side.close()
+    report = report_peer.build_report(measures, model_config, roof, engines=engines, meta=_meta(args, model_path))
+    report["elapsed_s"] = time.perf_counter() - start
+    report_peer.write_report(report, args.out)
+    print(report_peer.markdown(report))
+    return report
+
+
+def _wants_roofline(args: argparse.Namespace) -> bool:
+    return args.roofline == "on" or (args.roofline == "auto" and args.model == "M")
+
+
+def _engine_info(sides: dict[str, Side]) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    for name, side in sides.items():
+        if isinstance(side, VllmSide):
+            info[name] = {"llm": side.ready.get("config"), "vllm_version": side.ready.get("vllm_version"),
+                          "startup_s": side.startup_s, "llm_init_s": side.ready.get("startup_s")}
+        elif isinstance(side, OursSide):
+            info[name] = {"engine": side.config}
+    return info
+
+
+def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    return {"command": "python -m radixserve.bench.peer_vllm " + " ".join(args.argv), "model": args.model,
+            "model_path": os.path.basename(model_path), "size": args.size, "reps": args.reps,
+            "threads": args.threads, "seed": args.seed, "workloads": args.workloads,
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="S", help="bench model: S, M or tiny (vLLM needs head_dim >= 32: not tiny)")
+    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="reduced")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PEER_WORKLOADS))
+    p.add_argument("--rounds", "--reps", dest="reps", type=int, default=3, help="repetitions per engine")
+    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[128, 32],
+                   help="vLLM block sizes, one worker each; empty = radixserve only")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    p.add_argument("--vllm-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
+                   metavar="KEY=VALUE", help="extra environment for the vLLM workers (repeatable)")
+    p.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE; default: sized from the workloads")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int, help="default: vLLM's own (4096 on the CPU)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads here; vLLM binds as many cores")
+    p.add_argument("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
+    p.add_argument("--max-running-requests", type=int, default=64, help="ours, and vLLM's max_num_seqs")
+    p.add_argument("--chunked-prefill-size", type=int, default=512, help="ours")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto", help="auto: on for model M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    for name in args.workloads:
+        try:
+            replayable = make_workload(name, args.size, args.seed).arrival_step(0) is None
+        except ValueError as exc:
+            p.error(str(exc))
+        if not replayable:
+            p.error(f"{name} arrives at fixed engine steps; only round-by-round workloads can be compared")
+    if args.reps < 1:
+        p.error("--rounds must be >= 1")
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    return args
+
+
+if __name__ == "__main__":
+    main()

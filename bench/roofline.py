@@ -1,0 +1,66 @@
+"""A measured fp32 matmul roofline at a Llama model's linear-layer shapes, and the linear FLOPs of a run.
+
+Linear FLOPs of a run = 2 * P_linear * computed tokens, where P_linear = the decoder layers' linear
+weights (q, k, v, o, gate, up, down; embeddings and lm_head excluded: only sampled positions need
+logits) and computed tokens = prompt tokens - cached tokens + output tokens. The roofline is the
+GFLOP/s of `torch.matmul` over one layer's shapes ([T, in] @ [in, out], T tokens) at the bench's
+thread count: total FLOPs / total time, so the mix is the model's own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+FORMULA = ("linear FLOPs = 2 * P_linear * (prompt tokens - cached tokens + output tokens); P_linear = "
+           "q, k, v, o, gate, up, down weights of all layers (no embeddings, no lm_head)")
+
+
+def load_config(model_path: str) -> dict[str, Any]:
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def layer_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """(in_features, out_features) of one decoder layer's linear projections."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    return [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
+            (heads * head_dim, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+
+
+def linear_params(config: dict[str, Any]) -> int:
+    return config["num_hidden_layers"] * sum(k * n for k, n in layer_shapes(config))
+
+
+def linear_flops(config: dict[str, Any], computed_tokens: int) -> float:
+    return 2.0 * linear_params(config) * computed_tokens
+
+
+def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int = 512,
+                     min_time_s: float = 0.5) -> dict[str, Any]:
+    """GFLOP/s of torch.matmul at the layer's shapes with `threads` intra-op threads (restored after)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        shapes = layer_shapes(config)
+        mats = [(torch.randn(num_tokens, k), torch.randn(k, n)) for k, n in shapes]
+        flops_per_pass = sum(2.0 * num_tokens * k * n for k, n in shapes)
+        for x, w in mats:  # warm-up: first-call allocation and thread start-up
+            torch.matmul(x, w)
+        passes, start = 0, time.perf_counter()
+        while True:
+            for x, w in mats:
+                torch.matmul(x, w)
+            passes += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time_s and passes >= 3:
+                break
+    finally:
+        torch.set_num_threads(previous)
+    return {"gflops": flops_per_pass * passes / elapsed / 1e9, "threads": threads, "num_tokens": num_tokens,
+            "shapes": [list(s) for s in shapes], "passes": passes, "linear_params": linear_params(config)}
