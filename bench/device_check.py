@@ -10,7 +10,6 @@ measure and exits 0. ``--compile-check`` compiles the kernels for sm_90 without 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from radixserve.kernels.attention.base import AttentionMetadata
+from radixserve.kernels.attention.metadata import meta_from_slot_lists
 
 logger = logging.getLogger(__name__)
 
@@ -127,21 +127,7 @@ def make_paged_batch(prefix_lens: list[int], q_lens: list[int], *, page_size: in
 def make_meta(prefix_lens: list[int], q_lens: list[int], slot_lists: list[list[int]],
               device: str | torch.device) -> AttentionMetadata:
     """Metadata for one step; slot_lists[i] holds the slots of positions 0 .. kv_len - 1."""
-    kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    cumsum = lambda xs: [0, *itertools.accumulate(xs)]  # noqa: E731
-    out_slots = [s for slots, p in zip(slot_lists, prefix_lens) for s in slots[p:]]
-    i32 = dict(dtype=torch.int32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
-    return AttentionMetadata(
-        qo_indptr=torch.tensor(cumsum(q_lens), **i32),
-        kv_indptr=torch.tensor(cumsum(kv_lens), **i32),
-        kv_indices=torch.tensor([s for slots in slot_lists for s in slots], **i64),
-        prefix_lens=torch.tensor(prefix_lens, **i32),
-        kv_lens=torch.tensor(kv_lens, **i32),
-        out_slot_ids=torch.tensor(out_slots, **i64),
-        max_q_len=max(q_lens), max_kv_len=max(kv_lens),
-        q_lens_list=list(q_lens), kv_lens_list=kv_lens,
-    )
+    return meta_from_slot_lists(prefix_lens, q_lens, slot_lists, device)
 
 
 def main(argv: list[str] | None = None) -> int:
