@@ -1,9 +1,10 @@
 """Triton cascade (shared-prefix) attention vs the plain torch reference on the same metadata.
 
-Batches are built from a tree of shared prefixes: the members of a SharedPrefix really hold the
-same slots for its positions (pages of each segment scattered over a shuffled pool), every other
-position has slots of its own, and slots nobody owns hold NaN, so a read outside a range fails
-loudly. Small blocks make short prefixes span several blocks, chunks and query tiles.
+Batches are built from a tree of shared prefixes (tests/_cascade_batches.py): the members of a
+SharedPrefix really hold the same slots for its positions (pages of each segment scattered over a
+shuffled pool), every other position has slots of its own, and slots nobody owns hold NaN, so a
+read outside a range fails loudly. Small blocks make short prefixes span several blocks, chunks
+and query tiles.
 """
 import math
 import os
@@ -16,9 +17,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import _cascade_batches
+from _cascade_batches import shared_trees
 from radixserve.kernels.attention import torch_ref
-from radixserve.kernels.attention.base import SharedPrefix
-from radixserve.kernels.attention.metadata import meta_from_slot_lists
 from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
 from radixserve.kernels.attention.triton_cascade import cascade_attention, prefix_work
 from radixserve.kernels.attention.triton_store import kernels_interpreted
@@ -27,49 +28,9 @@ ATOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 DEVICE = "cuda" if torch.cuda.is_available() and not kernels_interpreted() else "cpu"
 
 
-def make_shared_batch(own_cached, q_lens, groups, *, group, num_kv_heads, head_dim, dtype, page_size=16, seed=0):
-    """groups: [(members, length)], a parent before its children; a group's range starts where
-    its members' previous ranges end. own_cached[i]: cached positions of seq i past its shared
-    ranges. Returns (meta, k_cache, v_cache, q) with the new tokens' K/V already stored."""
-    num = len(q_lens)
-    own = [0] * num
-    shared, segments = [], []
-    for members, length in groups:
-        start = own[members[0]]
-        assert all(own[m] == start for m in members), "members of a group must share their earlier ranges"
-        shared.append(SharedPrefix(start, start + length, sorted(members)))
-        segments.append((sorted(members), length))
-        for m in members:
-            own[m] = start + length
-    prefix_lens = [o + c for o, c in zip(own, own_cached)]
-    kv_lens = [p + n for p, n in zip(prefix_lens, q_lens)]
-    segments += [([i], kv_lens[i] - own[i]) for i in range(num)]  # each seq's own positions, last
-
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = 1 + sum(math.ceil(n / page_size) for _, n in segments) + 2  # page 0: the reference's padding
-    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    slot_lists, next_page = [[] for _ in range(num)], 0
-    for members, length in segments:
-        pages = order[next_page:next_page + math.ceil(length / page_size)]
-        next_page += len(pages)
-        slots = [pages[j // page_size] * page_size + j % page_size for j in range(length)]
-        for m in members:
-            slot_lists[m].extend(slots)
-
-    shape = (num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype)
-    cached = sorted(set(range(page_size)) | {s for sl, p in zip(slot_lists, prefix_lens) for s in sl[:p]})
-    k_cache[cached] = torch.randn((len(cached), num_kv_heads, head_dim), generator=gen).to(dtype)
-    v_cache[cached] = torch.randn((len(cached), num_kv_heads, head_dim), generator=gen).to(dtype)
-    k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
-    meta = meta_from_slot_lists(prefix_lens, q_lens, slot_lists, DEVICE, shared=shared)
-    num_tokens = sum(q_lens)
-    k_new, v_new = (torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen).to(DEVICE, dtype)
-                    for _ in range(2))
-    torch_ref.store_kv(k_cache, v_cache, k_new, v_new, meta.out_slot_ids)
-    q = torch.randn((num_tokens, num_kv_heads * group, head_dim), generator=gen).to(DEVICE, dtype)
-    return meta, k_cache, v_cache, q
+def make_shared_batch(own_cached, q_lens, groups, **kw):
+    """The shared builder (tests/_cascade_batches.py) on this module's device."""
+    return _cascade_batches.make_shared_batch(own_cached, q_lens, groups, device=DEVICE, **kw)
 
 
 def _check(meta, k_cache, v_cache, q, dtype, window=None, **knobs):
@@ -139,28 +100,6 @@ def test_backend_cascade_and_window_paths():
         expected = torch_ref.extend_attention(q, k_cache, v_cache, meta, 0.125, window)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     assert any(key[0] == "triton_cascade" for key in meta.step_cache)
-
-
-@st.composite
-def shared_trees(draw):
-    """A batch of 2-5 sequences and a tree (depth 1-3) of shared prefixes over them."""
-    num = draw(st.integers(2, 5))
-    q_lens = draw(st.lists(st.one_of(st.just(1), st.integers(2, 7)), min_size=num, max_size=num))
-    own_cached = draw(st.lists(st.integers(0, 6), min_size=num, max_size=num))
-    groups, frontier = [], [list(range(num))]
-    for _ in range(draw(st.integers(1, 3))):
-        next_frontier = []
-        for members in frontier:
-            rest = list(members)
-            while len(rest) >= 2:  # split the group into sibling subgroups of >= 2 members
-                sub = sorted(draw(st.permutations(rest))[:draw(st.integers(2, len(rest)))])
-                groups.append((sub, draw(st.integers(1, 24))))
-                next_frontier.append(sub)
-                rest = [m for m in rest if m not in sub]
-                if not draw(st.booleans()):
-                    break
-        frontier = next_frontier
-    return own_cached, q_lens, groups
 
 
 @settings(max_examples=25, deadline=None)
