@@ -14,7 +14,12 @@ from radixserve.kernels.model_config import RopeConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim: x / rms(x) * weight, statistics in float32."""
+    """RMSNorm over the last dim: x / rms(x) * weight, statistics in float32.
+
+    float32 activations take torch's fused kernel (one pass; bit-identical to the formula below
+    on fp32); other dtypes keep transformers' order of casts exactly."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     input_dtype = x.dtype
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
@@ -24,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation of a fused [gate | up] projection."""
     gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate]
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -59,9 +64,19 @@ def apply_rotary(
     cos: torch.Tensor,  # [num_tokens, head_dim]
     sin: torch.Tensor,  # [num_tokens, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    # Neox rotate-half: cos/sin repeat their first half, so on the halves x1, x2 of x
+    #   out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin
+    # computed into one output without materialising the rotated copy.
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    out = torch.empty_like(x)
+    out1, out2 = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=out1)
+    out1.sub_(x2 * s)
+    torch.mul(x2, c, out=out2)
+    out2.add_(x1 * s)
+    return out
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

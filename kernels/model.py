@@ -75,11 +75,11 @@ class CausalLM:
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
             x = self._attention(x, layer, cos, sin, meta, k_cache[layer_idx], v_cache[layer_idx], backend)
-            hidden = residual + x
+            hidden = x.add_(residual)  # x is a fresh tensor: add in place
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
             x = F.linear(silu_and_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)), layer.down_w, layer.down_b)
-            hidden = residual + x
+            hidden = x.add_(residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
