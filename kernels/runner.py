@@ -48,7 +48,7 @@ from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
 from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve_dtype
 from radixserve.kernels.model import CausalLM
 from radixserve.kernels.model_config import ModelConfig, load_model_config
-from radixserve.kernels.sampling import sample_next_tokens, token_logprobs
+from radixserve.kernels.sampling import PenaltyState, sample_next_tokens, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class ModelRunner:
         self.slot_table = torch.zeros((max_running_requests, self.context_length), dtype=torch.int64,
                                       device=self.device)
         self._row_len = [0] * max_running_requests
+        self.penalties = PenaltyState(num_rows=max_running_requests)  # per-row counts, kept incrementally
         self.counters = HostCounters()  # host work of the latest step
         self.last_profile: dict[str, float] = {}  # seconds of the latest step: build / forward / sample
         self.forward_input_hook: Callable[[ForwardInput], ForwardInput] | None = None
@@ -138,7 +139,8 @@ class ModelRunner:
         outputs = [SeqOutput(next_token_id=None, next_logprob=None) for _ in seqs]
         num_sampled = len(fi.sample_seq_idx)
         if num_sampled:
-            tokens, logprobs = sample_next_tokens(logits[:num_sampled], [seqs[i] for i in fi.sample_seq_idx])
+            tokens, logprobs = sample_next_tokens(logits[:num_sampled], [seqs[i] for i in fi.sample_seq_idx],
+                                                 penalties=self.penalties)
             for i, token, lp in zip(fi.sample_seq_idx, tokens, logprobs):
                 outputs[i].next_token_id = token
                 outputs[i].next_logprob = lp
@@ -195,6 +197,8 @@ class ModelRunner:
                               counters=counters)
         meta.out_slot_ids = gather_rows(self.slot_table, meta.rows, meta.kv_lens - meta.qo_indptr.diff(),
                                         meta.kv_lens, qo_indptr[-1])
+        cfg = self.config
+        self.backend.prepare(meta, cfg.num_heads // cfg.num_kv_heads, set(cfg.layer_sliding_windows))
         return ForwardInput(input_ids=input_ids, positions=positions, meta=meta, logits_idx=logits_idx,
                             sample_seq_idx=sample_seq_idx, prompt_plans=prompt_plans)
 

@@ -57,7 +57,14 @@ class SharedPrefixPlan:
     slots: torch.Tensor  # [num_tokens] int64, the KV slots of the shared positions
     q_rows: torch.Tensor  # [num_q] int64, token rows (into q) of every query below the prefix
     q_row_range: tuple[int, int] | None  # (start, end) when q_rows is one contiguous run
-    contiguous_start: int | None  # slots == arange(start, start + num_tokens): read as a view
+    # The slots as a few runs of consecutive slot ids [(first slot, length)], each read as a view
+    # of the pool; None when there are too many runs (then the slots are gathered).
+    runs: list[tuple[int, int]] | None
+
+    @property
+    def contiguous_start(self) -> int | None:
+        """First slot when the whole prefix is one run of consecutive slots."""
+        return self.runs[0][0] if self.runs is not None and len(self.runs) == 1 else None
 
 
 @dataclass
@@ -102,6 +109,12 @@ class AttentionBackend(Protocol):
 
     name: str
     needs_kv_indices: bool  # the runner builds meta.kv_indices only for backends that read it
+
+    def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
+        """Called once per step before the first layer: build whatever the layers reuse
+        (into meta.step_cache), so no layer syncs with the host. ``windows`` are the sliding
+        windows of the model's layers (None = full attention)."""
+        ...
 
     def forward(
         self,

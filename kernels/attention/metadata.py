@@ -12,6 +12,10 @@ import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefix, SharedPrefixPlan
 
+# A range read as at most this many views of the pool (runs of consecutive slots); more runs
+# are gathered. Chunked prefill allocates a prompt chunk by chunk, so a long prefix is a few runs.
+MAX_VIEW_RUNS = 8
+
 
 def build_metadata(
     *,
@@ -77,6 +81,17 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, e
     return table[rows[seq], col]
 
 
+def slot_runs(slots: torch.Tensor, max_runs: int = MAX_VIEW_RUNS) -> list[tuple[int, int]] | None:
+    """slots [n] as runs of consecutive ids [(first, length)], or None past max_runs runs.
+    Reads the tensor on the host: call it only for a CPU-resident table (once per step)."""
+    breaks = (torch.nonzero(slots.diff() != 1).flatten() + 1).tolist()  # run starts after the first
+    if len(breaks) >= max_runs:
+        return None
+    bounds = [0, *breaks, slots.numel()]
+    firsts = slots[bounds[:-1]].tolist()
+    return [(first, b - a) for first, a, b in zip(firsts, bounds, bounds[1:])]
+
+
 def _own_starts(shared: list[SharedPrefix], q_lens: list[int], kv_lens: list[int]) -> list[int]:
     """Per sequence, the end of its shared ranges; checks that they tile [0, own_start)."""
     own = [0] * len(q_lens)
@@ -97,20 +112,19 @@ def _own_starts(shared: list[SharedPrefix], q_lens: list[int], kv_lens: list[int
 def _plan_shared(p: SharedPrefix, qo: list[int], rows: list[int], table: torch.Tensor,
                  counters: HostCounters | None) -> SharedPrefixPlan:
     slots = table[rows[p.seq_idx[0]], p.kv_start:p.kv_end]  # a view of one member's row
-    contiguous_start = None
+    runs = None
     if table.device.type == "cpu":  # views only matter to the torch backend; no sync on a GPU
-        first = int(slots[0])
-        if int(slots[-1]) - first == p.num_tokens - 1 and bool((slots.diff() == 1).all()):
-            contiguous_start = first
+        runs = slot_runs(slots)
         if counters is not None:
-            counters.view_reads += contiguous_start is not None
-            counters.gather_reads += contiguous_start is None
-    runs = [(qo[i], qo[i + 1]) for i in p.seq_idx]
-    is_run = all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
-    q_rows = host_tensor(list(itertools.chain.from_iterable(range(a, b) for a, b in runs)), table.device, counters)
+            counters.view_reads += runs is not None
+            counters.gather_reads += runs is None
+    q_spans = [(qo[i], qo[i + 1]) for i in p.seq_idx]
+    is_run = all(a[1] == b[0] for a, b in zip(q_spans, q_spans[1:]))
+    q_rows = host_tensor(list(itertools.chain.from_iterable(range(a, b) for a, b in q_spans)), table.device,
+                         counters)
     return SharedPrefixPlan(prefix=p, slots=slots, q_rows=q_rows,
-                            q_row_range=(runs[0][0], runs[-1][1]) if is_run else None,
-                            contiguous_start=contiguous_start)
+                            q_row_range=(q_spans[0][0], q_spans[-1][1]) if is_run else None,
+                            runs=runs)
 
 
 def meta_from_slot_lists(prefix_lens: list[int], q_lens: list[int], slot_lists: list[list[int]],

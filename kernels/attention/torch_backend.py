@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
+from radixserve.kernels.attention.metadata import slot_runs
 from radixserve.kernels.attention.torch_ref import store_kv
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ class _Bucket:
     q_idx: torch.Tensor  # [num * max_q] int64 token rows of q (padding repeats a valid row)
     out_rows: torch.Tensor  # [num_valid] int64 token rows the valid queries write
     valid: torch.Tensor | None  # [num * max_q] bool, None when no query is padding
-    kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = one contiguous run (a view)
-    kv_start: int  # first slot of that run
+    kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = read through `runs`
+    runs: list[tuple[int, int]] | None  # one sequence's own keys as views [(first slot, length)]
+    run_masks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None  # per run: (mask, rows seeing it)
     mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
 
 
@@ -50,6 +52,11 @@ class TorchAttentionBackend:
 
     name = "torch"
     needs_kv_indices = False
+
+    def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
+        for window in windows:
+            window = window if window is not None and window > 0 else None
+            _step_buckets(meta, window, group, bool(meta.shared) and window is None)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:
@@ -92,13 +99,12 @@ def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: i
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     qb = q.index_select(0, b.q_idx).view(b.num, b.max_q, num_kv_heads, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(b.num, num_kv_heads, b.max_q * group, head_dim)
-    if b.kv_idx is None:  # one sequence whose own keys are a contiguous run: a view
-        keys = k_cache[b.kv_start:b.kv_start + b.max_k].unsqueeze(0)
-        values = v_cache[b.kv_start:b.kv_start + b.max_k].unsqueeze(0)
+    if b.kv_idx is None:  # one sequence whose own keys are a few runs of the pool: views
+        o, lse = _attend_runs(qb, k_cache, v_cache, b.runs, b.run_masks, sm_scale)
     else:
         keys = k_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
         values = v_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
-    o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
+        o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
     # [num, kv_heads, max_q * group, d] -> [num * max_q, q_heads, d]
     o = o.view(b.num, num_kv_heads, b.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
     lse = lse.view(b.num, num_kv_heads, b.max_q, group).permute(0, 2, 1, 3)
@@ -114,21 +120,44 @@ def _merge_shared(q, k_cache, v_cache, plan: SharedPrefixPlan, sm_scale: float, 
     n = qs.shape[0]
     qs = qs.view(1, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(
         1, num_kv_heads, n * group, head_dim)
-    if plan.contiguous_start is not None:
-        a = plan.contiguous_start
-        keys, values = k_cache[a:a + plan.prefix.num_tokens], v_cache[a:a + plan.prefix.num_tokens]
+    if plan.runs is not None:
+        o, l2 = _attend_runs(qs, k_cache, v_cache, plan.runs, None, sm_scale)  # every query sees every key
     else:
         keys, values = k_cache.index_select(0, plan.slots), v_cache.index_select(0, plan.slots)
-    o, l2 = _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
+        o, l2 = _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
     o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_kv_heads * group, head_dim)
     l2 = l2.view(num_kv_heads, n, group).transpose(0, 1).reshape(n, num_kv_heads * group)
-    l1 = lse[rows]
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)  # [n, q_heads]
-    total = w1 + w2
-    merged = (out[rows].float() * (w1 / total)[..., None] + o.float() * (w2 / total)[..., None])
+    merged, lse[rows] = _lse_merge(out[rows], lse[rows], o, l2)
     out[rows] = merged.to(out.dtype)
-    lse[rows] = m + torch.log(total)
+
+
+def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, scale: float):
+    """_attend over keys that are consecutive runs of the pool, one view per run, merged.
+    q [1, kv_heads, lq, d]; run_masks: per run (additive mask [1, 1, lq, length] or None, and
+    [lq] bool rows that see some key of the run or None = all), or None = no masks."""
+    o = lse = None
+    for idx, (first, length) in enumerate(runs):
+        keys = k_cache[first:first + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, d] view
+        values = v_cache[first:first + length].transpose(0, 1).unsqueeze(0)
+        mask, seen = run_masks[idx] if run_masks is not None else (None, None)
+        o2, l2 = _attend(q, keys, values, mask, scale)
+        if seen is not None:  # a row that sees nothing here contributes nothing (lse -inf)
+            l2 = l2.masked_fill(~seen, float("-inf"))
+            o2 = o2.masked_fill(~seen[:, None], 0.0)  # the op leaves NaN on fully masked rows
+        o, lse = (o2, l2) if o is None else _lse_merge(o, lse, o2, l2)
+    return o, lse
+
+
+def _lse_merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
+    """Softmax-weighted sum of two partial attentions over disjoint keys: o [..., d], lse [...].
+    A side with lse -inf (it saw no key) gets weight 0."""
+    m = torch.maximum(l1, l2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    total = w1 + w2
+    inv = 1.0 / total.clamp_min(1e-30)
+    merged = o1.float() * (w1 * inv)[..., None] + o2.float() * (w2 * inv)[..., None]
+    return merged.to(o1.dtype), m + torch.log(total)
 
 
 def _attend(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +234,7 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: in
     q_idx = (qo.long()[sel][:, None] + torch.minimum(qj, q_len_t - 1)).reshape(-1)
     valid = None if all(n == max_q for n in q_lens) else q_valid.reshape(-1)
     out_rows = q_idx if valid is None else q_idx[valid]
-    kv_idx, kv_start = _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t)
+    kv_idx, runs = _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t)
     # Absolute positions: query j of seq s at kv_len - q_len + j; own key c at start + c.
     q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
     k_pos = start_t + kc  # [num, max_k]
@@ -217,16 +246,30 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: in
     if not (num == 1 and max_q == 1 and window is None):
         mask = torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
         mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [num, 1, max_q * group, max_k]
+    run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
     return _Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
-                   kv_idx=kv_idx, kv_start=kv_start, mask=mask)
+                   kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask)
 
 
-def _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t) -> tuple[torch.Tensor | None, int]:
+def _split_mask(mask: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per run of keys: its slice of the mask (None when it hides nothing) and the [lq] rows
+    that see at least one of its keys (None when every row does)."""
+    out, col = [], 0
+    for _, length in runs:
+        part = mask[..., col:col + length]  # [1, 1, lq, length]
+        col += length
+        visible = part == 0
+        seen = visible.any(-1).reshape(-1)  # [lq]
+        out.append((None if bool(visible.all()) else part, None if bool(seen.all()) else seen))
+    return out
+
+
+def _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t):
+    """(gather index, None), or (None, runs) for one sequence whose own keys are few runs."""
     rows = meta.rows[torch.tensor(seqs, dtype=torch.int64, device=table.device)]
     if len(seqs) == 1 and table.device.type == "cpu":
-        run = table[int(rows[0]), starts[0]:starts[0] + k_lens[0]]
-        first = int(run[0])
-        if int(run[-1]) - first == k_lens[0] - 1 and bool((run.diff() == 1).all()):
-            return None, first
+        runs = slot_runs(table[int(rows[0]), starts[0]:starts[0] + k_lens[0]])
+        if runs is not None:
+            return None, runs
     col = torch.minimum(start_t + kc, start_t + k_len_t - 1)  # padding repeats a valid slot
-    return table[rows[:, None], col].reshape(-1), 0
+    return table[rows[:, None], col].reshape(-1), None

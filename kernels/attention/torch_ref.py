@@ -112,6 +112,9 @@ class TorchAttentionBackend:
     name = "torch-reference"
     needs_kv_indices = True
 
+    def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
+        """Nothing to build ahead: the reference reads the metadata tensors as they are."""
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:
         store_kv(k_cache, v_cache, k, v, meta.out_slot_ids)

@@ -30,6 +30,10 @@ class TritonAttentionBackend:
     name = "triton"
     needs_kv_indices = True  # the extend / decode kernels read every position's slot from kv_indices
 
+    def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
+        """Nothing to build ahead: the cascade's lookup tables are built on the device, without a
+        host sync, by the first layer that needs them."""
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
