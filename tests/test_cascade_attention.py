@@ -48,7 +48,7 @@ def _paths(meta, group, window=None) -> set[str]:
     """Which read paths the last cascade_attention call on meta took."""
     paths = set()
     if window is None:
-        paths |= {"shared_view" if p.contiguous_start is not None else "shared_gather" for p in meta.shared}
+        paths |= {"shared_view" if p.runs is not None else "shared_gather" for p in meta.shared}
     for b in _buckets(meta, group, window):
         if b.num == 1:
             paths.add("own_view" if b.kv_idx is None else "own_gather")

@@ -22,12 +22,16 @@ ARCH_CASES = {
 }
 
 
-def _run(ckpt: str, prompts, **engine_kwargs):
-    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, **engine_kwargs)
+def _run(ckpt: str, prompts, shared: bool = True, **engine_kwargs):
+    """shared: shared-prefix attention forced on (threshold 0) and asserted to have run; else off."""
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, shared_prefix_min_tokens=0,
+                    disable_shared_prefix_attention=not shared, **engine_kwargs)
     out = drive_staggered(engine, prompts, GREEDY)
     engine.check_integrity()
     stats = engine.stats()
     assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+    cache_on = not engine_kwargs.get("disable_radix_cache", False)
+    assert (stats["num_shared_prefix_steps"] > 0) == (shared and cache_on), stats["num_shared_prefix_steps"]
     return out
 
 
@@ -42,12 +46,13 @@ def _check(ckpt: str, prompts, out, expect_hits: bool = True) -> None:
     assert any(hits) if expect_hits else not any(hits)
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("case", sorted(ARCH_CASES))
-def test_arch_parity(tmp_path_factory, case):
+def test_arch_parity(tmp_path_factory, case, shared):
     cfg = dict(ARCH_CASES[case])
-    ckpt = make_checkpoint(tmp_path_factory, case, **cfg)
+    ckpt = make_checkpoint(tmp_path_factory, f"{case}_{shared}", **cfg)
     prompts = shared_prefix_prompts(prefix_len=40)
-    _check(ckpt, prompts, _run(ckpt, prompts))
+    _check(ckpt, prompts, _run(ckpt, prompts, shared=shared))
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +60,14 @@ def llama_ckpt(tmp_path_factory):
     return make_checkpoint(tmp_path_factory, "llama_grid", arch="llama", num_kv_heads=2)
 
 
+@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("cache_off", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("chunk", [512, 12])
-def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk):
+def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk, shared):
     prompts = shared_prefix_prompts(prefix_len=40)
-    out = _run(llama_ckpt, prompts, disable_radix_cache=cache_off, page_size=page_size, chunked_prefill_size=chunk)
+    out = _run(llama_ckpt, prompts, shared=shared, disable_radix_cache=cache_off, page_size=page_size,
+               chunked_prefill_size=chunk)
     _check(llama_ckpt, prompts, out, expect_hits=not cache_off)
 
 
@@ -68,9 +75,11 @@ def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk):
 def test_engine_parity_catches_mutations(llama_ckpt, mutation):
     """The same parity check fails when the engine's cached-prefix handling is broken."""
     prompts = shared_prefix_prompts(prefix_len=40)
-    engine = Engine(llama_ckpt, num_threads=1, kv_cache_tokens=4096, chunked_prefill_size=12)
+    engine = Engine(llama_ckpt, num_threads=1, kv_cache_tokens=4096, chunked_prefill_size=12,
+                    shared_prefix_min_tokens=0)
     hook = restart_positions if mutation == "restart_positions" else zero_cached_kv(engine.runner)
     engine.runner.forward_input_hook = hook
     out = drive_staggered(engine, prompts, GREEDY)
+    assert engine.stats()["num_shared_prefix_steps"] > 0  # the mutated run used shared prefixes
     with pytest.raises(AssertionError, match=r"token \d+: (ours|logprob)"):
         _check(llama_ckpt, prompts, out)

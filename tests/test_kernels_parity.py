@@ -61,9 +61,10 @@ def _reference(hf, prompts):
     return outputs, full, [hf_logits(hf, f) for f in full]
 
 
-def _max_logit_error(runner, prompts, share, full, ref_logits) -> float:
-    reqs, stats = drive(runner, full, [len(p) for p in prompts], NUM_NEW, forced=True, share=share)
+def _max_logit_error(runner, prompts, share, full, ref_logits, cascade: bool = False) -> float:
+    reqs, stats = drive(runner, full, [len(p) for p in prompts], NUM_NEW, forced=True, share=share, cascade=cascade)
     assert stats.reused_tokens > 0 and stats.mixed_steps > 0
+    assert (stats.shared_steps > 0) == cascade
     err = 0.0
     for req, ref in zip(reqs, ref_logits):
         positions = sorted(req.logits)
@@ -100,6 +101,8 @@ def test_runner_matches_transformers(checkpoint, name):
     assert _count_greedy_ties([r.output for r in reqs], ref_out, ref_logits, prompts) <= 1
 
     assert _max_logit_error(runner, prompts, share, full, ref_logits) <= ATOL
+    # The same with the shared prefixes handed to the runner (read once, merged by log-sum-exp).
+    assert _max_logit_error(runner, prompts, share, full, ref_logits, cascade=True) <= ATOL
 
 
 @pytest.mark.parametrize("mutation", ["restart_positions", "zero_cached_kv", "drop_window"])

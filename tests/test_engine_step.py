@@ -1,0 +1,218 @@
+"""The step's cost model (ARCHITECTURE §2): host work O(batch + new tokens), no host sync inside
+the layer loop, contiguous slot runs read as views, a step profile that adds up, and the
+runner's request->slot table kept equal to every running request's slot list."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from _engine_helpers import make_checkpoint
+from radixserve.kernels.model import CausalLM
+from radixserve.kernels.runner import DEFAULT_CPU_KV_TOKENS, default_kv_slots
+from radixserve.scheduler import Engine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "long_ctx", max_position_embeddings=8192)
+
+
+def _decode_step_counters(ckpt: str, context: int, batch: int = 8) -> dict[str, int]:
+    """Runner counters of one all-decode step of `batch` requests at `context` tokens."""
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=batch * (context + 16), chunked_prefill_size=8192,
+                    max_running_requests=batch)
+    for i in range(batch):
+        engine.add_request([10 + i] + [(7 * j + i) % 500 + 5 for j in range(context - 1)],
+                           dict(GREEDY, max_new_tokens=6))
+    while not all(r.is_decoding for r in engine.planner.running) or len(engine.planner.running) < batch:
+        engine.step()
+    engine.step()  # a second decode step: nothing of the admission is left to send
+    counters = engine.runner.counters.as_dict()
+    assert engine.runner.last_profile and engine.stats()["num_running"] == batch
+    return counters
+
+
+def test_decode_host_work_does_not_grow_with_context(long_ckpt):
+    short, long = _decode_step_counters(long_ckpt, 256), _decode_step_counters(long_ckpt, 4096)
+    for name in ("host_tensor_elems", "h2d_bytes", "list_elems"):
+        assert short[name] > 0, name
+        assert long[name] < 2 * short[name], f"{name}: {short[name]} at context 256, {long[name]} at 4096"
+
+
+class _NoHostSync:
+    """Fails any tensor -> host read while active (item / tolist / cpu / int / bool / float)."""
+
+    NAMES = ("item", "tolist", "cpu", "__int__", "__bool__", "__float__", "__index__")
+
+    def __enter__(self):
+        self.saved = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, _refuse(n))
+
+    def __exit__(self, *exc):
+        for n, f in self.saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def _refuse(name):
+    def refused(self, *args, **kwargs):
+        raise AssertionError(f"Tensor.{name} called inside the layer loop")
+    return refused
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_layers_never_sync_with_the_host(long_ckpt, monkeypatch, shared):
+    forward = CausalLM.forward
+    calls = []
+
+    def guarded(self, *args, **kwargs):
+        calls.append(1)
+        with _NoHostSync():
+            return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "forward", guarded)
+    engine = Engine(long_ckpt, num_threads=1, kv_cache_tokens=4096, shared_prefix_min_tokens=0,
+                    disable_shared_prefix_attention=not shared)
+    system = list(range(20, 120))
+    prompts = [system + [200 + i, 300 + i] for i in range(4)] + [list(range(400, 430))]
+    engine.generate(prompts[:1], dict(GREEDY, max_new_tokens=2))  # caches the system prompt
+    engine.generate(prompts, dict(GREEDY, max_new_tokens=4))
+    assert calls and (engine.stats()["num_shared_prefix_steps"] > 0) == shared
+
+
+def test_fresh_prompt_is_one_run_and_a_shared_prefix_is_a_view(long_ckpt):
+    engine = Engine(long_ckpt, num_threads=1, kv_cache_tokens=4096, chunked_prefill_size=1024,
+                    shared_prefix_min_tokens=0)
+    prompt = list(range(5, 305))
+    rid = engine.add_request(prompt, dict(GREEDY, max_new_tokens=3))
+    engine.step()
+    (req,) = engine.planner.running
+    assert req.rid == rid and req.kv_slots[:300] == list(range(req.kv_slots[0], req.kv_slots[0] + 300))
+    while engine.has_unfinished():
+        engine.step()
+    # Two requests below the cached prompt: one step reads it once, as a view of the pool.
+    for tail in ([500], [501]):
+        engine.add_request(prompt + tail, dict(GREEDY, max_new_tokens=4))
+    views = gathers = 0
+    while engine.has_unfinished():
+        engine.step()
+        views += engine.runner.counters.view_reads
+        gathers += engine.runner.counters.gather_reads
+    assert views > 0 and gathers == 0
+    assert engine.stats()["num_shared_prefix_reads_saved"] > 0
+
+
+def test_step_profile_adds_up_to_the_wall_time(long_ckpt):
+    engine = Engine(long_ckpt, num_threads=1, kv_cache_tokens=8192, chunked_prefill_size=64)
+    for i in range(6):
+        engine.add_request(list(range(10, 150)) + [i] * (10 + 9 * i), dict(GREEDY, max_new_tokens=12))
+    before = engine.stats()
+    wall = 0.0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        wall += time.perf_counter() - t0
+    after = engine.stats()
+    parts = {k: after["step_parts_s"][k] - before["step_parts_s"][k] for k in after["step_parts_s"]}
+    assert set(parts) == {"plan", "build", "forward", "sample", "outputs"}
+    assert all(v > 0 for v in parts.values()), parts
+    assert sum(parts.values()) == pytest.approx(wall, rel=0.05)
+    assert after["step_time_s"] - before["step_time_s"] == pytest.approx(wall, rel=0.05)
+
+
+def test_cuda_kv_pool_is_sized_from_the_real_dtype(long_ckpt, monkeypatch):
+    from radixserve.kernels.model_config import load_model_config
+
+    cfg = load_model_config(long_ckpt)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 8 << 30))
+    cuda = torch.device("cuda")
+    fp32, bf16 = default_kv_slots(cfg, torch.float32, cuda), default_kv_slots(cfg, torch.bfloat16, cuda)
+    per_slot_fp32 = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert fp32 == (1 << 30) // per_slot_fp32 and bf16 == 2 * fp32
+    assert default_kv_slots(cfg, torch.float32, torch.device("cpu")) == DEFAULT_CPU_KV_TOKENS
+
+
+# -- the table follows the slot lists (stateful) ------------------------------------------------
+
+class TableFollowsSlots(RuleBasedStateMachine):
+    """Random adds, aborts and steps on a small pool (evictions, retractions, shared prefixes,
+    cache_prefix swapping in the tree's slots). After each step every running request's row
+    holds its slot list up to synced_len; inside each step, once the table writes are done,
+    every row of the batch holds exactly the request's slots of the positions it reads."""
+
+    ckpt: str = ""
+    total_checked = 0
+
+    @initialize(page_size=st.sampled_from([1, 4]))
+    def start(self, page_size):
+        self.engine = Engine(self.ckpt, num_threads=1, kv_cache_tokens=192, page_size=page_size,
+                             chunked_prefill_size=24, max_running_requests=6, shared_prefix_min_tokens=0)
+        self.rids: list[str] = []
+        self.checked_steps = 0
+        runner, build = self.engine.runner, self.engine.runner.build_forward_input
+
+        def checked_build(seqs, shared=()):
+            fi = build(seqs, shared)
+            by_row = {r.row: r for r in self.engine.planner.running}
+            for seq in seqs:
+                end = seq.prefix_len + len(seq.input_ids)
+                assert runner.slot_table[seq.row, :end].tolist() == by_row[seq.row].kv_slots[:end]
+            self.checked_steps += 1
+            return fi
+
+        runner.build_forward_input = checked_build
+
+    @rule(family=st.integers(0, 2), own=st.integers(1, 30), new=st.integers(1, 12))
+    def add(self, family, own, new):
+        prompt = [10 + family] * 20 + [50 + family + j for j in range(own)]
+        self.rids.append(self.engine.add_request(prompt, dict(GREEDY, max_new_tokens=new)))
+
+    @rule(pick=st.integers(0, 50))
+    def abort(self, pick):
+        if self.rids:
+            self.engine.abort(self.rids[pick % len(self.rids)])
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.engine.step()
+
+    @invariant()
+    def rows_equal_slot_lists(self):
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        running = engine.planner.running
+        rows = [r.row for r in running]
+        assert len(set(rows)) == len(rows) and None not in rows
+        ctx = engine.context_length
+        for req in running:
+            synced = req.synced_len
+            assert synced <= min(len(req.kv_slots), ctx)
+            assert engine.runner.slot_table[req.row, :synced].tolist() == req.kv_slots[:synced]
+        engine.check_integrity()
+
+    def teardown(self):
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            while engine.has_unfinished():
+                engine.step()
+            engine.flush_cache()
+            stats = engine.stats()
+            assert stats["free_slots"] == stats["total_slots"]
+            TableFollowsSlots.total_checked += self.checked_steps
+
+
+def test_table_follows_slot_lists(tmp_path_factory):
+    TableFollowsSlots.ckpt = make_checkpoint(tmp_path_factory, "table_sm")
+    runner = TableFollowsSlots.TestCase
+    runner.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+    runner().runTest()
+    assert TableFollowsSlots.total_checked > 100  # the in-step check really ran
