@@ -45,6 +45,7 @@ class RoundReply:
     outputs: list[list[int]]
     cached: list[int | None]  # None: the engine did not report it
     wall_s: float
+    profile: dict[str, float] | None = None  # radixserve's step profile over the round (seconds per part)
 
 
 class Side(Protocol):
@@ -70,6 +71,7 @@ class Measure:
     cached: list[int | None] = field(default_factory=list)
     round_of: list[int] = field(default_factory=list)
     wall_s: float = 0.0
+    profile: dict[str, float] | None = None  # summed over rounds; radixserve only
 
     @property
     def prompt_tokens(self) -> int:
@@ -108,13 +110,20 @@ class OursSide:
         from radixserve.scheduler import SamplingParams
 
         params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+        before = self.engine.stats()
         start = time.perf_counter()
         results = self.engine.generate([list(p) for p in prompts], params)
         wall_s = time.perf_counter() - start
+        after = self.engine.stats()
         for res in results:
             if res.finish_reason == "abort":
                 raise RuntimeError(f"radixserve aborted a request: {res.error}")
-        return RoundReply([list(r.output_ids) for r in results], [r.cached_tokens for r in results], wall_s)
+        profile = {k: after["step_parts_s"][k] - before["step_parts_s"][k] for k in after["step_parts_s"]}
+        profile["step"] = after["step_time_s"] - before["step_time_s"]
+        profile["steps"] = after["num_steps"] - before["num_steps"]
+        profile["shared_prefix_steps"] = after["num_shared_prefix_steps"] - before["num_shared_prefix_steps"]
+        return RoundReply([list(r.output_ids) for r in results], [r.cached_tokens for r in results], wall_s,
+                          profile)
 
     def reset(self) -> None:
         if not self.engine.flush_cache():
@@ -243,6 +252,9 @@ def run_rounds(side: Side, workload: Workload, rep: int = 0) -> Measure:
             measure.cached.append(cached)
             measure.round_of.append(round_idx)
         measure.wall_s += reply.wall_s
+        if reply.profile is not None:
+            total = measure.profile or {}
+            measure.profile = {k: total.get(k, 0.0) + v for k, v in reply.profile.items()}
     return measure
 
 

@@ -68,6 +68,13 @@ def _row(ms: list[Any], ref: Any, model_config: dict[str, Any] | None, roof: dic
         "tok_per_s": statistics.median(tok), "tok_per_s_min": min(tok), "tok_per_s_max": max(tok),
     }
     row.update(_compare_outputs(ref, first))
+    if all(m.profile for m in ms):  # radixserve: median share of each step part over the runs
+        parts = [k for k in ms[0].profile if k not in ("step", "steps", "shared_prefix_steps")]
+        row["step_profile"] = {k: statistics.median(m.profile[k] / m.profile["step"] for m in ms) for k in parts}
+        row["step_profile"]["unaccounted"] = statistics.median(1 - sum(m.profile[k] for k in parts) / m.profile["step"]
+                                                               for m in ms)
+        row["steps"] = first.profile["steps"]
+        row["shared_prefix_steps"] = first.profile["shared_prefix_steps"]
     if roof and model_config and cached is not None:
         forward = first.prompt_tokens - cached + first.output_tokens
         gflops = linear_flops(model_config, forward) / row["wall_s"] / 1e9
@@ -118,8 +125,24 @@ def markdown(r: dict[str, Any]) -> str:
         lines += ["", (f"Roofline: torch.matmul fp32 at the model's layer shapes, {roof['threads']} thread(s), "
                        f"{roof['num_tokens']} tokens: **{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
                        "GFLOP/s = linear FLOPs / median wall time.")]
+    lines += _profile_lines(r["rows"])
     lines += ["", *_engines(r), "", "![throughput and hit rate](peer_vllm.png)", ""]
     return "\n".join(lines)
+
+
+def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """radixserve's step profile: the share of step time in each part (median over the runs)."""
+    ours = [row for row in rows if row.get("step_profile")]
+    if not ours:
+        return []
+    parts = list(ours[0]["step_profile"])
+    lines = ["", "Step profile of radixserve (share of step wall time, median over runs; all host work is in "
+             "plan + build + sample + outputs):", "", "| workload | steps | shared-prefix steps | "
+             + " | ".join(parts) + " |", "|---|---|---|" + "---|" * len(parts)]
+    for row in ours:
+        shares = " | ".join(f"{100 * row['step_profile'][p]:.1f}%" for p in parts)
+        lines.append(f"| {row['workload']} | {row['steps']} | {row['shared_prefix_steps']} | {shares} |")
+    return lines
 
 
 def _method(r: dict[str, Any]) -> list[str]:

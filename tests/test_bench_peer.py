@@ -11,6 +11,7 @@ from radixserve.bench import _vllm_worker, peer_vllm, report_peer, roofline
 from radixserve.bench.harness import bench_model_path
 from radixserve.bench.optimal import optimal_counts
 from radixserve.bench.peer_vllm import Measure, OursSide, VllmSide, alternation, parse_reply, run_rounds
+from radixserve.bench.report_peer import summarize
 from radixserve.bench.workloads import SIZES, TOKEN_HI, TOKEN_LO, WORKLOAD_NAMES, make_workload
 
 # A stand-in for vllm: the worker imports only LLM, SamplingParams, inputs.TokensPrompt and
@@ -175,6 +176,13 @@ def test_radixserve_side_chains_rounds_and_reports_hits(ours_tiny):
     g = run_rounds(ours_tiny, make_workload("gsp1000q61", "tiny"))
     opt = optimal_counts(g.rounds())
     assert g.cached_tokens >= 0.95 * (opt.prompt_tokens - opt.computed_tokens) > 0
+    # The step profile comes along: its parts are positive and add up to the step time.
+    parts = [g.profile[k] for k in ("plan", "build", "forward", "sample", "outputs")]
+    assert all(p > 0 for p in parts) and sum(parts) == pytest.approx(g.profile["step"], rel=0.05)
+    assert g.profile["steps"] >= make_workload("gsp1000q61", "tiny").num_rounds
+    row = summarize([g])[0]
+    assert set(row["step_profile"]) == {"plan", "build", "forward", "sample", "outputs", "unaccounted"}
+    assert abs(row["step_profile"]["unaccounted"]) < 0.05
     with pytest.raises(ValueError, match="fixed-step"):
         run_rounds(ours_tiny, make_workload("hotstream", "tiny"))
 
