@@ -41,7 +41,7 @@ def _check(meta, k_cache, v_cache, q, window=None):
 
 def _buckets(meta, group, window=None):
     use_shared = bool(meta.shared) and window is None
-    return meta.step_cache[("torch_buckets", window, group, use_shared)]
+    return meta.step_cache[("torch_plan", window, group, use_shared)].buckets
 
 
 def _paths(meta, group, window=None) -> set[str]:
@@ -208,7 +208,12 @@ def test_dropping_the_shared_part_or_reading_past_a_row_is_caught(monkeypatch):
     groups = [([0, 1, 2], 21)]
     meta, k_cache, v_cache, q = _batch([3, 0, 2], [4, 1, 1], groups, layout="scatter")
     with monkeypatch.context() as m:
-        m.setattr(torch_backend, "_merge_shared", lambda *args: None)
+        # The shared part read but weighed as nothing (lse -inf): the merge keeps the own part only.
+        def dropped(*args):
+            o, lse = shared_attention(*args)
+            return o, torch.full_like(lse, float("-inf"))
+        shared_attention = torch_backend._shared_attention
+        m.setattr(torch_backend, "_shared_attention", dropped)
         out, expected = _outputs(meta, k_cache, v_cache, q)
         assert not torch.allclose(out, expected, atol=1e-3, rtol=0)
     # One key too many for seq 1: the slot table's padding (slot 0, never handed out) is NaN.

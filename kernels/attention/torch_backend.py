@@ -45,6 +45,26 @@ class _Bucket:
     runs: list[tuple[int, int]] | None  # one sequence's own keys as views [(first slot, length)]
     run_masks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None  # per run: (mask, rows seeing it)
     mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
+    # Stacked layout: columns the valid queries' results go to, and (None = all) which of the
+    # bucket's num * max_q * group result columns are valid.
+    stack_cols: torch.Tensor
+    stack_src: torch.Tensor | None
+
+
+@dataclass
+class _Piece:
+    """One read of a shared prefix: a run of its slots (a view) or, None, all of them gathered."""
+
+    run: tuple[int, int] | None
+    level: int  # which partial-result level its rows write
+    cols: slice | torch.Tensor  # stacked-layout columns of every query below the prefix
+
+
+@dataclass
+class _StepPlan:
+    buckets: list[_Bucket]  # the own parts (level 0)
+    pieces: list[tuple[SharedPrefixPlan, list[_Piece]]]  # shared reads, grouped by prefix
+    num_levels: int
 
 
 class TorchAttentionBackend:
@@ -56,7 +76,7 @@ class TorchAttentionBackend:
     def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
         for window in windows:
             window = window if window is not None and window > 0 else None
-            _step_buckets(meta, window, group, bool(meta.shared) and window is None)
+            _step_plan(meta, window, group, bool(meta.shared) and window is None)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:
@@ -73,62 +93,95 @@ def cascade_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of each sequence's new tokens over its KV (same result as
-    ``torch_ref.extend_attention``), reading every shared prefix of ``meta.shared`` once."""
+    ``torch_ref.extend_attention``), reading every shared prefix of ``meta.shared`` once.
+
+    Partial results go to levels: level 0 holds every token's own part, and each read of a
+    shared prefix (one per run of its slots) writes its rows into the lowest level those rows
+    have not used yet. One log-sum-exp merge over the levels then finishes every token, so the
+    merge costs a few ops per layer however many prefixes and runs there are."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     group = q.shape[1] // k_cache.shape[1]
-    use_shared = bool(meta.shared) and window is None
-    buckets = _step_buckets(meta, window, group, use_shared)
+    plan = _step_plan(meta, window, group, bool(meta.shared) and window is None)
     num_tokens, num_q_heads, head_dim = q.shape
-    out = q.new_empty((num_tokens, num_q_heads, head_dim))
-    lse = q.new_empty((num_tokens, num_q_heads), dtype=torch.float32) if use_shared else None
-    for b in buckets:
-        b_out, b_lse = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group)
-        rows_out = b_out if b.valid is None else b_out[b.valid]
-        out.index_copy_(0, b.out_rows, rows_out.to(out.dtype))
-        if lse is not None:
-            lse.index_copy_(0, b.out_rows, b_lse if b.valid is None else b_lse[b.valid])
-    if use_shared:
-        for plan in meta.shared:
-            _merge_shared(q, k_cache, v_cache, plan, sm_scale, group, out, lse)
-    return out
+    if not plan.pieces:
+        out = q.new_empty((num_tokens, num_q_heads, head_dim))
+        for b in plan.buckets:
+            b_out, _ = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group)
+            out.index_copy_(0, b.out_rows, (b_out if b.valid is None else b_out[b.valid]).to(out.dtype))
+        return out
+    # Levels live in the stacked layout [levels, kv_heads, num_tokens * group, d] (column
+    # t * group + j of kv head h = token t, q head h * group + j), the layout the attention op
+    # reads and writes, so a shared read's queries and outputs are plain slices.
+    num_kv_heads = k_cache.shape[1]
+    cols = num_tokens * group
+    outs = torch.zeros((plan.num_levels, num_kv_heads, cols, head_dim), dtype=torch.float32, device=q.device)
+    lses = torch.full((plan.num_levels, num_kv_heads, cols), float("-inf"), device=q.device)
+    for b in plan.buckets:
+        o, lse = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group, stacked=True)
+        if b.stack_src is not None:  # drop padded queries
+            o, lse = o.index_select(1, b.stack_src), lse.index_select(1, b.stack_src)
+        outs[0].index_copy_(1, b.stack_cols, o.float())
+        lses[0].index_copy_(1, b.stack_cols, lse)
+    q_stacked = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+        1, num_kv_heads, cols, head_dim)
+    for shared, pieces in plan.pieces:
+        where = pieces[0].cols
+        qs = q_stacked[:, :, where] if isinstance(where, slice) else q_stacked.index_select(2, where)
+        for piece in pieces:
+            o, lse = _shared_attention(qs, k_cache, v_cache, shared, piece.run, sm_scale)
+            if isinstance(where, slice):
+                outs[piece.level, :, where] = o[0]
+                lses[piece.level, :, where] = lse[0]
+            else:
+                outs[piece.level].index_copy_(1, where, o[0].float())
+                lses[piece.level].index_copy_(1, where, lse[0])
+    top = lses.amax(0)  # [kv_heads, cols]; finite: every token has its own part
+    weights = torch.exp(lses - top)  # [levels, kv_heads, cols]
+    merged = (outs * weights[..., None]).sum(0) / weights.sum(0)[..., None]  # [kv_heads, cols, d]
+    out = merged.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+    return out.reshape(num_tokens, num_q_heads, head_dim).to(q.dtype)
 
 
 # -- per layer ---------------------------------------------------------------------------------
 
-def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: int):
+def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: int, stacked: bool = False):
+    """The bucket's own-part attention: token-major ([num * max_q, q_heads, d], [.., q_heads]),
+    or with stacked=True in the stacked layout ([kv_heads, num * max_q * group, d], [kv_heads, ..])."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
     qb = q.index_select(0, b.q_idx).view(b.num, b.max_q, num_kv_heads, group, head_dim)
     qb = qb.permute(0, 2, 1, 3, 4).reshape(b.num, num_kv_heads, b.max_q * group, head_dim)
     if b.kv_idx is None:  # one sequence whose own keys are a few runs of the pool: views
         o, lse = _attend_runs(qb, k_cache, v_cache, b.runs, b.run_masks, sm_scale)
     else:
-        keys = k_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
+        keys = _gather(k_cache, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
+        values = _gather(v_cache, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
         o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
+    if stacked:  # [num, kv_heads, max_q * group, d] -> [kv_heads, num * max_q * group, d]
+        return (o.transpose(0, 1).reshape(num_kv_heads, -1, head_dim),
+                lse.transpose(0, 1).reshape(num_kv_heads, -1))
     # [num, kv_heads, max_q * group, d] -> [num * max_q, q_heads, d]
     o = o.view(b.num, num_kv_heads, b.max_q, group, head_dim).permute(0, 2, 1, 3, 4)
     lse = lse.view(b.num, num_kv_heads, b.max_q, group).permute(0, 2, 1, 3)
     return o.reshape(b.num * b.max_q, num_kv_heads * group, head_dim), lse.reshape(b.num * b.max_q, -1)
 
 
-def _merge_shared(q, k_cache, v_cache, plan: SharedPrefixPlan, sm_scale: float, group: int,
-                  out: torch.Tensor, lse: torch.Tensor) -> None:
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    span = plan.q_row_range
-    rows = slice(*span) if span is not None else plan.q_rows
-    qs = q[rows]  # [n, q_heads, d]
-    n = qs.shape[0]
-    qs = qs.view(1, n, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4).reshape(
-        1, num_kv_heads, n * group, head_dim)
-    if plan.runs is not None:
-        o, l2 = _attend_runs(qs, k_cache, v_cache, plan.runs, None, sm_scale)  # every query sees every key
+def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[int, int] | None,
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of a shared prefix (a run of its slots as a view, or all of them gathered) for
+    every query below it, all in the stacked layout: qs [1, kv_heads, n * group, d] -> out (same
+    shape) and lse [1, kv_heads, n * group]. No mask: every query comes after every shared key."""
+    if run is not None:
+        first, length = run
+        keys, values = k_cache[first:first + length], v_cache[first:first + length]
     else:
-        keys, values = k_cache.index_select(0, plan.slots), v_cache.index_select(0, plan.slots)
-        o, l2 = _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
-    o = o.view(num_kv_heads, n, group, head_dim).transpose(0, 1).reshape(n, num_kv_heads * group, head_dim)
-    l2 = l2.view(num_kv_heads, n, group).transpose(0, 1).reshape(n, num_kv_heads * group)
-    merged, lse[rows] = _lse_merge(out[rows], lse[rows], o, l2)
-    out[rows] = merged.to(out.dtype)
+        keys, values = _gather(k_cache, plan.slots), _gather(v_cache, plan.slots)
+    return _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [n, kv_heads, d]
+    """cache[slots]: rows of a 2-D view copy about 2.5x faster than 3-D indexing on the CPU."""
+    num_slots, num_kv_heads, head_dim = cache.shape
+    return cache.view(num_slots, num_kv_heads * head_dim).index_select(0, slots).view(-1, num_kv_heads, head_dim)
 
 
 def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, scale: float):
@@ -181,11 +234,36 @@ def _attend(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- per step ----------------------------------------------------------------------------------
 
-def _step_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
-    key = ("torch_buckets", window, group, use_shared)
+def _step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> _StepPlan:
+    key = ("torch_plan", window, group, use_shared)
     if key not in meta.step_cache:
-        meta.step_cache[key] = _make_buckets(meta, window, group, use_shared)
+        buckets = _make_buckets(meta, window, group, use_shared)
+        pieces, num_levels = _shared_pieces(meta, group) if use_shared else ([], 1)
+        meta.step_cache[key] = _StepPlan(buckets, pieces, num_levels)
     return meta.step_cache[key]
+
+
+def _shared_pieces(meta: AttentionMetadata, group: int) -> tuple[list[tuple[SharedPrefixPlan, list[_Piece]]], int]:
+    """Levels for the shared reads: each read takes the lowest level none of its rows has used
+    (level 0 is the own part), so rows below nested prefixes or multi-run prefixes stack up."""
+    next_level = [1] * sum(meta.q_lens_list)
+    out, num_levels = [], 1
+    for plan in sorted(meta.shared, key=lambda p: p.prefix.kv_start):
+        span = plan.q_row_range
+        if span is not None:
+            cols = slice(span[0] * group, span[1] * group)
+        else:
+            cols = (plan.q_rows[:, None] * group + torch.arange(group, device=plan.q_rows.device)).reshape(-1)
+        row_ids = range(*span) if span is not None else plan.q_rows.tolist()
+        pieces = []
+        for run in plan.runs if plan.runs is not None else [None]:
+            level = max(next_level[r] for r in row_ids)
+            for r in row_ids:
+                next_level[r] = level + 1
+            pieces.append(_Piece(run, level, cols))
+            num_levels = max(num_levels, level + 1)
+        out.append((plan, pieces))
+    return out, num_levels
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
@@ -247,8 +325,12 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: in
         mask = torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
         mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [num, 1, max_q * group, max_k]
     run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
+    g = torch.arange(group, device=device)
+    stack_cols = (out_rows[:, None] * group + g).reshape(-1)
+    stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
     return _Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
-                   kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask)
+                   kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask, stack_cols=stack_cols,
+                   stack_src=stack_src)
 
 
 def _split_mask(mask: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
