@@ -49,6 +49,7 @@ class _Bucket:
     # bucket's num * max_q * group result columns are valid.
     stack_cols: torch.Tensor
     stack_src: torch.Tensor | None
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered K / V rows, reused per layer
 
 
 @dataclass
@@ -153,8 +154,11 @@ def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: i
     if b.kv_idx is None:  # one sequence whose own keys are a few runs of the pool: views
         o, lse = _attend_runs(qb, k_cache, v_cache, b.runs, b.run_masks, sm_scale)
     else:
-        keys = _gather(k_cache, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
-        values = _gather(v_cache, b.kv_idx).view(b.num, b.max_k, num_kv_heads, head_dim)
+        if b.workspace is None:  # one buffer pair per step, reused by every layer
+            b.workspace = (k_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)),
+                           v_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)))
+        keys = _gather(k_cache, b.kv_idx, b.workspace[0]).view(b.num, b.max_k, num_kv_heads, head_dim)
+        values = _gather(v_cache, b.kv_idx, b.workspace[1]).view(b.num, b.max_k, num_kv_heads, head_dim)
         o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
     if stacked:  # [num, kv_heads, max_q * group, d] -> [kv_heads, num * max_q * group, d]
         return (o.transpose(0, 1).reshape(num_kv_heads, -1, head_dim),
@@ -178,10 +182,14 @@ def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[i
     return _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [n, kv_heads, d]
-    """cache[slots]: rows of a 2-D view copy about 2.5x faster than 3-D indexing on the CPU."""
+def _gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """cache[slots] -> [n, kv_heads, d]: rows of a 2-D view copy about 2.5x faster than 3-D
+    indexing on the CPU, and into a reused buffer (a fresh multi-MB tensor per layer costs page
+    faults)."""
     num_slots, num_kv_heads, head_dim = cache.shape
-    return cache.view(num_slots, num_kv_heads * head_dim).index_select(0, slots).view(-1, num_kv_heads, head_dim)
+    flat = cache.view(num_slots, num_kv_heads * head_dim)
+    rows = torch.index_select(flat, 0, slots, out=out) if out is not None else flat.index_select(0, slots)
+    return rows.view(-1, num_kv_heads, head_dim)
 
 
 def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, scale: float):
