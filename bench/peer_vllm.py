@@ -263,11 +263,16 @@ def warm_up(side: Side) -> None:
     side.reset()
 
 
-def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, seed: int = 0) -> list[Measure]:
+def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, seed: int = 0,
+                     settle_s: float = 0.0) -> list[Measure]:
+    """settle_s: idle time before each run. An engine's OpenMP threads keep spinning for a
+    while after its last call (measured: radixserve right after a vLLM run took 0.49 s instead
+    of 0.36 s), which would charge one engine for the previous one's tail."""
     measures = []
     for rep, order in enumerate(alternation(list(sides), reps)):
         for engine in order:
             sides[engine].reset()
+            time.sleep(settle_s)
             measures.append(run_rounds(sides[engine], make_workload(name, size, seed), rep))
             logger.info("%s rep %d %s: %.2f s", name, rep, engine, measures[-1].wall_s)
     return measures
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for side in sides.values():
             warm_up(side)
         measures = [m for name in args.workloads
-                    for m in measure_workload(sides, name, args.size, args.reps, args.seed)]
+                    for m in measure_workload(sides, name, args.size, args.reps, args.seed, args.settle_s)]
         engines = _engine_info(sides)
     finally:
         for side in sides.values():
@@ -373,7 +378,7 @@ def _engine_info(sides: dict[str, Side]) -> dict[str, Any]:
 def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     return {"command": "python -m radixserve.bench.peer_vllm " + " ".join(args.argv), "model": args.model,
             "model_path": os.path.basename(model_path), "size": args.size, "reps": args.reps,
-            "threads": args.threads, "seed": args.seed, "workloads": args.workloads,
+            "threads": args.threads, "seed": args.seed, "workloads": args.workloads, "settle_s": args.settle_s,
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
 
 
@@ -397,6 +402,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto", help="auto: on for model M")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--settle-s", type=float, default=3.0,
+                   help="idle seconds before each run, so no engine pays for another's spinning threads")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     for name in args.workloads:

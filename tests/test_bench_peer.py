@@ -217,7 +217,7 @@ def test_vllm_side_reports_a_failed_start(fake_vllm, tmp_path):
 
 def test_main_end_to_end_with_a_stand_in_vllm(tmp_path, fake_vllm):
     out = tmp_path / "results"
-    report = peer_vllm.main(["--model", "tiny", "--size", "tiny", "--workloads", "gsp1000q61,multiturn",
+    report = peer_vllm.main(["--model", "tiny", "--settle-s", "0", "--size", "tiny", "--workloads", "gsp1000q61,multiturn",
                              "--rounds", "2", "--block-sizes", "32", "--threads", "1", "--vllm-python",
                              sys.executable, "--vllm-env", f"PYTHONPATH={fake_vllm}", "--out", str(out)])
     rows = {(r["workload"], r["engine"]): r for r in report["rows"]}
