@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata
-from radixserve.kernels.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from radixserve.kernels.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 from radixserve.kernels.loader import take, take_optional
 from radixserve.kernels.model_config import ModelConfig
 
@@ -23,17 +23,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv_w: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor  # [hidden, num_heads * head_dim]
-    o_b: torch.Tensor | None
+    qkv: Linear  # hidden -> (num_heads + 2 * num_kv_heads) * head_dim
+    o: Linear  # num_heads * head_dim -> hidden
     q_norm: torch.Tensor | None  # [head_dim], Qwen3
     k_norm: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor  # [hidden, intermediate]
-    down_b: torch.Tensor | None
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
     sliding_window: int | None
 
 
@@ -46,12 +42,14 @@ class CausalLM:
         self.layers = [_layer_weights(config, state, i) for i in range(config.num_layers)]
         self.final_norm = take(state, "model.norm.weight")
         lm_head = state.pop("lm_head.weight", None)
-        if lm_head is None:
+        tied = lm_head is None
+        if tied:
             if not config.tie_word_embeddings:
                 raise ValueError("checkpoint is missing weight 'lm_head.weight' "
                                  "(and tie_word_embeddings is false)")
             lm_head = self.embed
-        self.lm_head = lm_head  # [vocab, hidden]
+        # A tied head shares the embedding table (needed for lookups), so it is not repacked.
+        self.lm_head = Linear(lm_head, None, pack=not tied)  # hidden -> vocab
         leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             logger.warning("ignoring %d unused checkpoint tensor(s), e.g. %s", len(leftover), leftover[0])
@@ -78,19 +76,19 @@ class CausalLM:
             hidden = x.add_(residual)  # x is a fresh tensor: add in place
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
-            x = F.linear(silu_and_mul(F.linear(x, layer.gate_up_w, layer.gate_up_b)), layer.down_w, layer.down_b)
+            x = layer.down(silu_and_mul(layer.gate_up(x)))
             hidden = x.add_(residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] (pre-norm) -> logits [num_rows, vocab] in float32."""
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _attention(self, x, layer: LayerWeights, cos, sin, meta, k_cache, v_cache, backend) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -102,7 +100,7 @@ class CausalLM:
         k = apply_rotary(k, cos, sin)  # [num_tokens, num_kv_heads, head_dim]
         out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.sm_scale,
                               layer.sliding_window)  # [num_tokens, num_heads, head_dim]
-        return F.linear(out.reshape(num_tokens, self.q_size), layer.o_w, layer.o_b)
+        return layer.o(out.reshape(num_tokens, self.q_size))
 
 
 def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int) -> LayerWeights:
@@ -114,17 +112,15 @@ def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int
         qkv_b = torch.cat([take(state, attn + f"{n}_proj.bias") for n in "qkv"])
     return LayerWeights(
         input_norm=take(state, f"model.layers.{idx}.input_layernorm.weight"),
-        qkv_w=torch.cat([q_w, k_w, v_w]),
-        qkv_b=qkv_b,
-        o_w=take(state, attn + "o_proj.weight"),
-        o_b=take_optional(state, attn + "o_proj.bias", config.o_bias),
+        qkv=Linear(torch.cat([q_w, k_w, v_w]), qkv_b),
+        o=Linear(take(state, attn + "o_proj.weight"), take_optional(state, attn + "o_proj.bias", config.o_bias)),
         q_norm=take_optional(state, attn + "q_norm.weight", config.qk_norm),
         k_norm=take_optional(state, attn + "k_norm.weight", config.qk_norm),
         post_norm=take(state, f"model.layers.{idx}.post_attention_layernorm.weight"),
-        gate_up_w=torch.cat([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
-        gate_up_b=_gate_up_bias(config, state, mlp),
-        down_w=take(state, mlp + "down_proj.weight"),
-        down_b=take_optional(state, mlp + "down_proj.bias", config.mlp_bias),
+        gate_up=Linear(torch.cat([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
+                       _gate_up_bias(config, state, mlp)),
+        down=Linear(take(state, mlp + "down_proj.weight"),
+                    take_optional(state, mlp + "down_proj.bias", config.mlp_bias)),
         sliding_window=config.layer_sliding_windows[idx],
     )
 
