@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from _cascade_batches import make_shared_batch, shared_layout, shared_trees
 from radixserve.kernels.attention import torch_backend, torch_ref
 from radixserve.kernels.attention.base import SharedPrefix
-from radixserve.kernels.attention.torch_backend import PAD_WASTE, TorchAttentionBackend, cascade_attention
+from radixserve.kernels.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, cascade_attention
 
 ATOL = 1e-5
 
@@ -82,8 +82,9 @@ def test_cascade_matches_reference_on_random_batches():
     @settings(max_examples=200, deadline=None)
     @given(tree=trees, data=st.data(), page_size=st.sampled_from([1, 16]), group=st.sampled_from([1, 4]),
            num_kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 128]), window=windows,
-           seed=st.integers(0, 2**16))
-    def check(tree, data, page_size, group, num_kv_heads, head_dim, window, seed):
+           seed=st.integers(0, 2**16), query_block=st.sampled_from([torch_backend.QUERY_BLOCK, 5, 16]))
+    def check(tree, data, page_size, group, num_kv_heads, head_dim, window, seed, query_block):
+        torch_backend.QUERY_BLOCK = query_block  # small blocks: prefill chunks split into several units
         own_cached, q_lens, groups = tree
         layout = data.draw(st.lists(st.sampled_from(["run", "scatter"]), min_size=len(groups) + len(q_lens),
                                     max_size=len(groups) + len(q_lens)), label="layout")
@@ -98,7 +99,11 @@ def test_cascade_matches_reference_on_random_batches():
         seen["padded queries"] += any(b.valid is not None for b in _buckets(meta, group, window))
         seen["windowed" if window is not None else ("shared" if groups else "nothing shared")] += 1
 
-    check()
+    default_block = torch_backend.QUERY_BLOCK
+    try:
+        check()
+    finally:
+        torch_backend.QUERY_BLOCK = default_block
     for path in ("shared_view", "shared_gather", "own_view", "own_gather", "windowed", "shared", "nothing shared",
                  "long", "padded queries"):
         assert seen[path], f"no example took the {path} path: {dict(seen)}"
@@ -144,12 +149,13 @@ def test_prefill_buckets_of_very_different_lengths_are_split():
     meta, k_cache, v_cache, q = _batch(own_cached, q_lens, [], layout="scatter", head_dim=128)
     _check(meta, k_cache, v_cache, q)
     buckets = _buckets(meta, 1)
-    # Padding the long chunk to 400 keys would waste more than PAD_WASTE allows.
-    assert 2 * 64 * 400 > PAD_WASTE * (64 * 64 + 3 * 400)
+    # Padding the long chunk to 400 keys would waste more than PAD_SLACK pairs per unit allows;
+    # padding the short ones (or the 1-key decodes to 400) costs less than a separate call.
+    assert 2 * 64 * 400 - (64 * 64 + 3 * 400) > PAD_SLACK * 2
     assert sorted((b.num, b.max_q, b.max_k) for b in buckets if b.max_q > 1) == [(1, 64, 64), (2, 3, 400)]
     (padded,) = [b for b in buckets if b.num == 2 and b.max_q == 3]
     assert padded.valid is not None and int(padded.valid.sum()) == 5  # 2 + 3 real queries of 6
-    assert sorted((b.num, b.max_k) for b in buckets if b.max_q == 1) == [(1, 1), (2, 400)]
+    assert sorted((b.num, b.max_k) for b in buckets if b.max_q == 1) == [(3, 400)]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -223,3 +229,15 @@ def test_dropping_the_shared_part_or_reading_past_a_row_is_caught(monkeypatch):
     out = cascade_attention(q, k_cache, v_cache, meta, 0.125)
     assert not torch.isfinite(out).all()
     assert meta.slot_table[1, prefix_lens[1] + 1] == 0 and torch.isnan(k_cache[0]).all()
+
+
+def test_long_prefill_chunk_is_cut_into_causal_blocks():
+    """A 600-query chunk after 40 cached own tokens: units of QUERY_BLOCK queries, each seeing
+    only the keys up to its last query (the causal triangle past each block is skipped)."""
+    meta, k_cache, v_cache, q = _batch([40, 3], [600, 1], [([0, 1], 17)], layout="run", page_size=1)
+    _check(meta, k_cache, v_cache, q)
+    prefill = [b for b in _buckets(meta, 1) if b.max_q > 1]
+    block = torch_backend.QUERY_BLOCK
+    assert sorted(b.max_q for b in prefill) == sorted([block, block, 600 - 2 * block])
+    assert sorted(b.max_k for b in prefill) == [40 + block, 40 + 2 * block, 40 + 600]
+    assert all(b.num == 1 for b in prefill)  # long blocks are not padded together

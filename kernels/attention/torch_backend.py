@@ -16,6 +16,7 @@ K/V keep their kv-head layout.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -28,7 +29,11 @@ from radixserve.kernels.attention.torch_ref import store_kv
 logger = logging.getLogger(__name__)
 
 _FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-PAD_WASTE = 2.0  # a bucket may hold at most this many padded (q, k) pairs per real one
+# A bucket pads its units to one shape; it may waste at most this many padded (query, key)
+# pairs per unit, about what a separate call's overhead costs (so decodes of different lengths
+# share a call, long prefill blocks keep their own).
+PAD_SLACK = 2048
+QUERY_BLOCK = 256  # a prefill chunk's queries per unit (its causal triangle is cut at this grain)
 
 
 @dataclass
@@ -275,18 +280,30 @@ def _shared_pieces(meta: AttentionMetadata, group: int) -> tuple[list[tuple[Shar
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
+    """Own parts as units of queries (seq, first query, num queries): a decode is one unit; a
+    prefill chunk is cut into blocks of QUERY_BLOCK queries, each seeing only the keys up to its
+    last query, so the causal upper triangle beyond a block's diagonal is never computed."""
     own = meta.own_starts() if use_shared else [0] * meta.num_seqs
     q_lens, kv_lens = meta.q_lens_list, meta.kv_lens_list
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    prefills = [i for i, n in enumerate(q_lens) if n > 1]
-    groups: list[list[int]] = []
+    units: list[tuple[int, int, int]] = []
+    for i, n in enumerate(q_lens):
+        units.extend((i, off, min(QUERY_BLOCK, n - off)) for off in range(0, n, QUERY_BLOCK))
+    k_lens = [kv_lens[i] - q_lens[i] + off + n - own[i] for i, off, n in units]  # keys the unit sees
+    unit_q = [n for _, _, n in units]
+    decodes = [u for u, (i, _, _) in enumerate(units) if q_lens[i] == 1]
+    prefills = [u for u, (i, _, _) in enumerate(units) if q_lens[i] > 1]
+    qo = list(itertools.accumulate(q_lens, initial=0))
+    buckets = []
     for members in (decodes, prefills):
-        groups.extend(_pack(members, q_lens, [kv_lens[i] - own[i] for i in range(meta.num_seqs)]))
-    return [_bucket(meta, g, own, window, group) for g in groups]
+        for pack in _pack(members, unit_q, k_lens):
+            buckets.append(_bucket(meta, [units[u] for u in pack], [k_lens[u] for u in pack], qo, own, window,
+                                   group))
+    return buckets
 
 
 def _pack(members: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
-    """Greedy buckets, longest first, while padded area <= PAD_WASTE x real area."""
+    """Greedy buckets, largest first, while the padded area exceeds the real one by at most
+    PAD_SLACK pairs per unit."""
     order = sorted(members, key=lambda i: (q_lens[i] * k_lens[i], i), reverse=True)
     out: list[list[int]] = []
     for i in order:
@@ -294,34 +311,34 @@ def _pack(members: list[int], q_lens: list[int], k_lens: list[int]) -> list[list
             cur = out[-1]
             mq, mk = max(q_lens[j] for j in cur), max(k_lens[j] for j in cur)
             real = sum(q_lens[j] * k_lens[j] for j in cur) + q_lens[i] * k_lens[i]
-            if (len(cur) + 1) * max(mq, q_lens[i]) * max(mk, k_lens[i]) <= PAD_WASTE * real:
+            if (len(cur) + 1) * max(mq, q_lens[i]) * max(mk, k_lens[i]) - real <= PAD_SLACK * (len(cur) + 1):
                 cur.append(i)
                 continue
         out.append([i])
     return [sorted(g) for g in out]
 
 
-def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: int | None,
-            group: int) -> _Bucket:
+def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: list[int], qo: list[int],
+            own: list[int], window: int | None, group: int) -> _Bucket:
+    """One padded call over units (seq, first query, num queries) seeing own keys
+    [own_start, own_start + k_len) each; the unit's last query sits at the last of them."""
     table, device = meta.slot_table, meta.slot_table.device
-    qo = meta.qo_indptr
-    num = len(seqs)
-    q_lens = [meta.q_lens_list[i] for i in seqs]
+    seqs = [i for i, _, _ in units]
+    num = len(units)
+    q_lens = [n for _, _, n in units]
     starts = [own[i] for i in seqs]
-    k_lens = [meta.kv_lens_list[i] - own[i] for i in seqs]
     max_q, max_k = max(q_lens), max(k_lens)
-    sel = torch.tensor(seqs, dtype=torch.int64, device=device)
-    q_len_t = torch.tensor(q_lens, dtype=torch.int64, device=device)[:, None]
-    k_len_t = torch.tensor(k_lens, dtype=torch.int64, device=device)[:, None]
-    start_t = torch.tensor(starts, dtype=torch.int64, device=device)[:, None]
+    ints = torch.tensor([[qo[i] + off for i, off, _ in units], q_lens, k_lens, starts], dtype=torch.int64,
+                        device=device)
+    q_first, q_len_t, k_len_t, start_t = (row[:, None] for row in ints)  # each [num, 1]
     qj = torch.arange(max_q, device=device)[None, :]  # [1, max_q]
     kc = torch.arange(max_k, device=device)[None, :]  # [1, max_k]
     q_valid = qj < q_len_t  # [num, max_q]
-    q_idx = (qo.long()[sel][:, None] + torch.minimum(qj, q_len_t - 1)).reshape(-1)
+    q_idx = (q_first + torch.minimum(qj, q_len_t - 1)).reshape(-1)
     valid = None if all(n == max_q for n in q_lens) else q_valid.reshape(-1)
     out_rows = q_idx if valid is None else q_idx[valid]
     kv_idx, runs = _own_slots(table, meta, seqs, starts, k_lens, kc, start_t, k_len_t)
-    # Absolute positions: query j of seq s at kv_len - q_len + j; own key c at start + c.
+    # Absolute positions: a unit's last query sees its last key; own key c at start + c.
     q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
     k_pos = start_t + kc  # [num, max_k]
     seen = (kc[:, None, :] < k_len_t[:, :, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
@@ -329,7 +346,7 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], own: list[int], window: in
         seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
     seen |= ~q_valid[:, :, None] & (kc[:, None, :] == 0)  # padded queries see one key (no NaN)
     mask = None
-    if not (num == 1 and max_q == 1 and window is None):
+    if not bool(seen.all()):
         mask = torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
         mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [num, 1, max_q * group, max_k]
     run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
