@@ -117,9 +117,10 @@ def test_equal_decodes_are_one_bucket(groups):
     _check(meta, k_cache, v_cache, q)
     (bucket,) = _buckets(meta, 4)
     assert bucket.num == 4 and bucket.max_q == 1 and bucket.valid is None  # no padded query
-    assert bucket.max_k == 10
-    # Every own key is visible to every decode: the mask, if any, hides nothing.
-    assert bucket.mask is None or not torch.isinf(bucket.mask).any()
+    # Gathered keys are padded to whole blocks of the op; the mask hides exactly the padding.
+    assert bucket.max_k == torch_backend.KEY_ALIGN * -(-10 // torch_backend.KEY_ALIGN)
+    hidden = torch.isinf(bucket.mask[:, 0]).all(dim=1)  # [num, max_k]: hidden from every query
+    assert hidden[:, :10].sum() == 0 and hidden[:, 10:].all()
 
 
 def test_single_prefill_with_contiguous_own_keys_is_a_view():
@@ -165,8 +166,10 @@ def test_request_with_no_own_cached_tokens_below_a_shared_prefix(page_size):
                                        page_size=page_size, group=4)
     _check(meta, k_cache, v_cache, q)
     assert meta.own_start_list == [37, 37, 37]
-    # The decodes own 1 and 6 keys (one padded bucket), the prefill its 6 new ones.
-    assert sorted((b.num, b.max_q, b.max_k) for b in _buckets(meta, 4)) == [(1, 6, 6), (2, 1, 6)]
+    # The decodes own 1 and 6 keys (one gathered bucket, padded to a whole key block), the
+    # prefill its 6 new ones (few runs of the pool: views, not padded).
+    align = torch_backend.KEY_ALIGN
+    assert sorted((b.num, b.max_q, b.max_k) for b in _buckets(meta, 4)) == [(1, 6, 6), (2, 1, align)]
 
 
 def test_deep_chain_with_length_one_prefix_and_windows():

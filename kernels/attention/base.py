@@ -85,6 +85,7 @@ class AttentionMetadata:
     kv_indices: torch.Tensor | None = None
     slot_table: torch.Tensor | None = None  # [max_rows, row_width] int64, the runner's table
     rows: torch.Tensor | None = None  # [num_seqs] int64, each seq's row of slot_table
+    rows_list: list[int] | None = None  # the same on the host
     own_start_list: list[int] | None = None  # first key position outside shared prefixes
     own_start: torch.Tensor | None = None  # [num_seqs] int32, the same on the device
     shared: list[SharedPrefixPlan] = field(default_factory=list)

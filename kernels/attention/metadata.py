@@ -38,7 +38,7 @@ def build_metadata(
     meta = AttentionMetadata(
         qo_indptr=qo_t.int(), kv_indptr=kv_t.int(), kv_lens=kv_lens_t.int(), out_slot_ids=out_slot_ids,
         max_q_len=max(q_lens), max_kv_len=max(kv_lens), q_lens_list=q_lens, kv_lens_list=kv_lens,
-        slot_table=slot_table, rows=rows_t, own_start_list=own_start, own_start=own_t.int())
+        slot_table=slot_table, rows=rows_t, rows_list=list(rows), own_start_list=own_start, own_start=own_t.int())
     if needs_kv_indices:
         meta.kv_indices = gather_rows(slot_table, rows_t, torch.zeros_like(rows_t), kv_lens_t, kvp[-1])
     meta.shared = [_plan_shared(p, qo, rows, slot_table, counters) for p in shared]
