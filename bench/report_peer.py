@@ -94,12 +94,13 @@ def _compare_outputs(ref: Any, run: Any) -> dict[str, Any]:
 
 def write_report(report: dict[str, Any], out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "peer_vllm.json"), "w", encoding="utf-8") as f:
+    stem = f"peer_vllm_{report.get('model')}"  # one set of files per model
+    with open(os.path.join(out_dir, f"{stem}.json"), "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
-    with open(os.path.join(out_dir, "peer_vllm.md"), "w", encoding="utf-8") as f:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w", encoding="utf-8") as f:
         f.write(markdown(report))
-    plot_peer(report["rows"], os.path.join(out_dir, "peer_vllm.png"),
+    plot_peer(report["rows"], os.path.join(out_dir, f"{stem}.png"),
               title=f"model {report.get('model')}, {report.get('size')} workloads")
 
 
@@ -126,7 +127,7 @@ def markdown(r: dict[str, Any]) -> str:
                        f"{roof['num_tokens']} tokens: **{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
                        "GFLOP/s = linear FLOPs / median wall time.")]
     lines += _profile_lines(r["rows"])
-    lines += ["", *_engines(r), "", "![throughput and hit rate](peer_vllm.png)", ""]
+    lines += ["", *_engines(r), "", f"![throughput and hit rate](peer_vllm_{r.get('model')}.png)", ""]
     return "\n".join(lines)
 
 

@@ -136,12 +136,12 @@ def test_summary_medians_ratio_and_report_files(tmp_path):
     assert ours["linear_gflops"] == pytest.approx(2 * 576 * 50 / 2.0 / 1e9)
     assert ours["roofline_fraction"] == pytest.approx(ours["linear_gflops"] / 1e-6)
     report_peer.write_report(report, str(tmp_path))
-    saved = json.loads((tmp_path / "peer_vllm.json").read_text())
+    saved = json.loads((tmp_path / "peer_vllm_tiny.json").read_text())
     assert saved["ratios"]["gsp"]["ours_over_best"] == 0.5
-    md = (tmp_path / "peer_vllm.md").read_text()
+    md = (tmp_path / "peer_vllm_tiny.md").read_text()
     assert "| gsp | vllm-b128 | 4.00 (4.00–4.00) | 88 | 0.400 |" in md
     assert "no (1 differ)" in md and "**0.50x**" in md
-    assert (tmp_path / "peer_vllm.png").stat().st_size > 1000
+    assert (tmp_path / "peer_vllm_tiny.png").stat().st_size > 1000
 
 
 def test_linear_params_and_roofline_measure():
@@ -227,4 +227,4 @@ def test_main_end_to_end_with_a_stand_in_vllm(tmp_path, fake_vllm):
     assert 0 < fake["hit_rate"] < ours["hit_rate"]  # 32 of the 45 shared tokens are whole blocks
     assert fake["outputs_match_ours"] is False
     assert report["engines"]["vllm-b32"]["llm"]["max_num_seqs"] == 64
-    assert {p.name for p in out.iterdir()} == {"peer_vllm.json", "peer_vllm.md", "peer_vllm.png"}
+    assert {p.name for p in out.iterdir()} == {"peer_vllm_tiny.json", "peer_vllm_tiny.md", "peer_vllm_tiny.png"}
