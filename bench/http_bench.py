@@ -170,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     # Both engines get the same intra-op threads (on a busy 2-core machine, 2 spinning OpenMP threads
     # made forwards 10-15x slower than 1).
     torch.set_num_threads(args.threads)
-    server = ServerProcess(["--model", model_path, *_flags(engine_flags)], env={"OMP_NUM_THREADS": str(args.threads)})
-    engine = Engine(model_path, **engine_flags)
+    server = ServerProcess(["--model", model_path, "--num-threads", str(args.threads), *_flags(engine_flags)],
+                           env={"OMP_NUM_THREADS": str(args.threads)})
+    engine = Engine(model_path, num_threads=args.threads, **engine_flags)
     try:
         _warm_up(server.url, engine, requests[0])
         for concurrency in args.concurrency:

@@ -18,13 +18,13 @@ Sections (bench/results/cache_bench.{json,md,png}):
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import time
 from typing import Any, Callable
 
+import torch
 from tqdm import tqdm
 
 from radixserve.bench.harness import bench_model_path, budget_tokens, repeated_runs, run_workload
@@ -79,7 +79,7 @@ def grid(model_path: str, workloads: list[str], policies: list[str], budgets: li
         make = _maker(workload, size)
         kv_tokens = budget_tokens(make, budget, MAX_RUNNING)
         engine = Engine(model_path, kv_cache_tokens=kv_tokens, schedule_policy=policy,
-                        max_running_requests=MAX_RUNNING)
+                        max_running_requests=MAX_RUNNING, num_threads=torch.get_num_threads())
         result = run_workload(engine, make())
         stats = engine.stats()
         engine.shutdown()
@@ -104,7 +104,7 @@ def speed(model_path: str, workloads: list[str], size: str, num_runs: int) -> li
         row: dict[str, Any] = {"workload": workload, "size": size, "kv_cache_tokens": kv_tokens}
         for mode, disable in (("on", False), ("off", True)):
             engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
-                            disable_radix_cache=disable)
+                            disable_radix_cache=disable, num_threads=torch.get_num_threads())
             summary, _ = repeated_runs(engine, make, {}, num_runs=num_runs)
             engine.shutdown()
             for key in ("hit_rate", "optimal_hit_rate", "req_per_s", "tok_per_s", "ttft_s_p50",
@@ -134,7 +134,7 @@ def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"workload": workload, "budget": label, "kv_cache_tokens": kv_tokens}
             for policy in ("lru", "lru-reuse"):
                 engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
-                                eviction_policy=policy)
+                                eviction_policy=policy, num_threads=torch.get_num_threads())
                 summary = run_workload(engine, make()).summary()
                 engine.shutdown()
                 row[f"hit_rate_{policy}"] = summary["hit_rate"]
@@ -156,7 +156,8 @@ def starvation(model_path: str) -> dict[str, Any]:
     first: dict[str, dict[str, int]] = {}
     summaries: dict[str, dict] = {}
     for label, policy, cfg in variants:
-        engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4)
+        engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4,
+                        num_threads=torch.get_num_threads())
         engine.policy.config = PolicyConfig(**cfg)
         result = run_workload(engine, MissStream(**shape))
         engine.shutdown()

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kv_tokens = sum(len(p) + len(o) for items in rounds for p, o, _ in items)
     model_path = bench_model_path(args.model)
     engine_config = dict(kv_cache_tokens=kv_tokens, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size)
+                         chunked_prefill_size=args.chunked_prefill_size, num_threads=args.threads)
     modes = {}
     for mode, disable in (("cache_on", False), ("cache_off", True)):
         from radixserve.scheduler import Engine

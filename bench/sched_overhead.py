@@ -46,38 +46,41 @@ def ordering_cost(policies: list[str], queue_sizes: list[int], num_groups: int =
 
 def step_overhead(model_path: str, batch: int = 32, num_groups: int = 4, system_len: int = 256,
                   question_len: int = 32, output_len: int = 32, seed: int = 0) -> dict[str, Any]:
-    """Run `batch` requests at once (gsp-shaped) and split every step's time into radix +
-    scheduling (planner, prefix insert/lock/free: the engine's schedule_time_s) and forward."""
+    """Run `batch` requests at once (gsp-shaped) and split step time by the engine's step profile
+    (stats()["step_parts_s"]): host work = plan + build + sample + outputs, i.e. everything but
+    the model's forward (inputs, detokenization and stop checks included)."""
+    import torch
+
     from radixserve.scheduler import Engine, SamplingParams
 
     rng = random.Random(seed)
     systems = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(system_len)] for _ in range(num_groups)]
     prompts = [systems[i % num_groups] + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(question_len)]
                for i in range(batch)]
-    engine = Engine(model_path, max_running_requests=batch,
+    engine = Engine(model_path, max_running_requests=batch, num_threads=torch.get_num_threads(),
                     kv_cache_tokens=batch * (system_len + question_len + output_len) + 1024)
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
     engine.generate([prompts[0][:64]], SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))
     engine.flush_cache()
     for prompt in prompts:
         engine.add_request(prompt, params)
-    per_step = []
-    m = engine.metrics
+    per_step = []  # (host s, forward s, running)
     while engine.has_unfinished():
-        sched0, fwd0 = m.schedule_time_s, m.forward_time_s
+        before = engine.stats()["step_parts_s"]
         engine.step()
-        num_running = engine.stats()["num_running"]
-        per_step.append((m.schedule_time_s - sched0, m.forward_time_s - fwd0, num_running))
+        stats = engine.stats()
+        parts = {k: v - before[k] for k, v in stats["step_parts_s"].items()}
+        per_step.append((sum(parts.values()) - parts["forward"], parts["forward"], stats["num_running"]))
     engine.shutdown()
-    full = [(s, f) for s, f, n in per_step if n == batch]  # steps with the whole batch decoding
-    sched_total = sum(s for s, _, _ in per_step)
+    full = [(h, f) for h, f, n in per_step if n == batch]  # steps with the whole batch decoding
+    host_total = sum(h for h, _, _ in per_step)
     fwd_total = sum(f for _, f, _ in per_step)
     return {
         "batch": batch, "num_steps": len(per_step), "num_full_batch_steps": len(full),
-        "schedule_ms_per_step": 1e3 * sched_total / len(per_step),
+        "host_ms_per_step": 1e3 * host_total / len(per_step),
         "forward_ms_per_step": 1e3 * fwd_total / len(per_step),
-        "schedule_share": sched_total / (sched_total + fwd_total),
-        "full_batch_schedule_ms_median": 1e3 * statistics.median(s for s, _ in full) if full else None,
+        "host_share": host_total / (host_total + fwd_total),
+        "full_batch_host_ms_median": 1e3 * statistics.median(h for h, _ in full) if full else None,
         "full_batch_forward_ms_median": 1e3 * statistics.median(f for _, f in full) if full else None,
-        "full_batch_schedule_share": (sum(s for s, _ in full) / sum(s + f for s, f in full)) if full else None,
+        "full_batch_host_share": (sum(h for h, _ in full) / sum(h + f for h, f in full)) if full else None,
     }

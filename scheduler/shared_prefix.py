@@ -43,9 +43,9 @@ def shared_prefixes(nodes: Sequence[Any], min_tokens: int) -> list[SharedPrefix]
     used: dict[int, SharedPrefix] = {}  # id(last node of a used range) -> range
     for path in paths:
         covered = 0  # end of the deepest used range on this path
-        start = end = 0
+        end = 0  # key positions covered by the path so far
         for depth, n in enumerate(path):
-            start, end = end, end + len(n.key)
+            end += len(n.key)
             below = members[id(n)]
             if len(below) < 2:
                 break
