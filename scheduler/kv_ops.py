@@ -78,10 +78,21 @@ class PrefixKV:
         return self.pages_for(missing) * self.page_size if missing > 0 else 0
 
     def reserve(self, req: Req, num_new_tokens: int) -> bool:
-        """Allocate slots for the next num_new_tokens positions, evicting cached leaves if needed."""
+        """Allocate slots for the next num_new_tokens positions, evicting cached leaves if needed.
+
+        The first chunk of a prefill takes the slots of the whole rest of the sequence at once
+        when the pool has them free twice over (never by evicting), so a chunked prompt is one
+        run of consecutive slots and attention reads it as one view; under memory pressure it
+        allocates chunk by chunk."""
         need = self.slots_needed(req, num_new_tokens)
         if need == 0:
             return True
+        ahead = self.pages_for(req.seq_len - len(req.kv_slots)) * self.page_size
+        if ahead > need and self.allocator.num_free_slots >= 2 * ahead:
+            slots = self.allocator.alloc(ahead)
+            if slots is not None:
+                req.kv_slots.extend(slots)
+                return True
         slots = self._alloc(need)
         if slots is None:
             return False
