@@ -1,12 +1,14 @@
 """The CPU attention backend: batched own-part attention plus shared-prefix (cascade) attention.
 
-Per step (built once, on the first layer, cached in ``meta.step_cache``): sequences are packed
-into a few padded buckets (all decodes together; prefill chunks together when padding wastes
-little, else one by one), with their K/V gather indices and additive masks read out of the
-slot table by device-side ops. Per layer: one gather + one attention call per bucket over each
-sequence's own keys ``[own_start, kv_len)``, then one call per shared prefix over *all* queries
-below it, reading the prefix's K/V once (a view of the pool when its slots are contiguous), and
-a log-sum-exp merge. Sliding-window layers take the plain path (own keys = all keys).
+Per step (built once by ``prepare`` before the first layer, cached in ``meta.step_cache``): the
+own parts ``[own_start, kv_len)`` become query units (a decode; a block of QUERY_BLOCK queries of
+a prefill chunk, seeing the keys up to its last query), packed into a few padded buckets while
+padding is cheap (PAD_SLACK), with K/V gather indices and additive masks read out of the slot
+table by device-side ops. Per layer: one gather + one attention call per bucket (or views, for
+one unit whose keys are a few runs of the pool), then one call per run of each shared prefix
+over *all* queries below it, reading the prefix's K/V once as a view of the pool, and one
+log-sum-exp merge over the partial results. Sliding-window layers take the plain path (own keys
+= all keys).
 
 The attention op is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the
 log-sum-exp the merge needs; it is private to torch, so ``_attend`` falls back to plain matmuls
