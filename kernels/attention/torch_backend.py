@@ -306,18 +306,20 @@ def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_s
 
 def _pack(members: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
     """Greedy buckets, largest first, while the padded area exceeds the real one by at most
-    PAD_SLACK pairs per unit."""
+    PAD_SLACK pairs per unit (running max / sum per bucket: O(units))."""
     order = sorted(members, key=lambda i: (q_lens[i] * k_lens[i], i), reverse=True)
     out: list[list[int]] = []
+    mq = mk = real = 0
     for i in order:
         if out:
-            cur = out[-1]
-            mq, mk = max(q_lens[j] for j in cur), max(k_lens[j] for j in cur)
-            real = sum(q_lens[j] * k_lens[j] for j in cur) + q_lens[i] * k_lens[i]
-            if (len(cur) + 1) * max(mq, q_lens[i]) * max(mk, k_lens[i]) - real <= PAD_SLACK * (len(cur) + 1):
-                cur.append(i)
+            n, q, k = len(out[-1]) + 1, max(mq, q_lens[i]), max(mk, k_lens[i])
+            area = real + q_lens[i] * k_lens[i]
+            if n * q * k - area <= PAD_SLACK * n:
+                out[-1].append(i)
+                mq, mk, real = q, k, area
                 continue
         out.append([i])
+        mq, mk, real = q_lens[i], k_lens[i], q_lens[i] * k_lens[i]
     return [sorted(g) for g in out]
 
 
