@@ -21,7 +21,7 @@ from radixserve.scheduler.policy import SchedulePolicy
 from radixserve.scheduler.req import GenerateResult, Req, ReqStatus, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
 from radixserve.scheduler.serving import EngineLoop
-from radixserve.scheduler.shared_prefix import order_by_prefix, shared_prefixes
+from radixserve.scheduler.shared_prefix import order_and_share
 from radixserve.scheduler.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -228,9 +228,9 @@ class Engine:
         ranges they share (ARCHITECTURE §3b)."""
         if self.config.disable_shared_prefix_attention or self.kv.tree.disable or len(batch.items) < 2:
             return []
-        order = order_by_prefix([it.req.last_node for it in batch.items])
+        order, shared = order_and_share([it.req.last_node for it in batch.items],
+                                        self.config.shared_prefix_min_tokens)
         batch.items[:] = [batch.items[i] for i in order]
-        shared = shared_prefixes([it.req.last_node for it in batch.items], self.config.shared_prefix_min_tokens)
         if shared:
             m = self.metrics
             m.num_shared_prefix_steps += 1

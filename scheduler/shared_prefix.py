@@ -25,17 +25,36 @@ from typing import Any, Sequence
 from radixserve.kernels.attention.base import SharedPrefix
 
 
+def order_and_share(nodes: Sequence[Any], min_tokens: int) -> tuple[list[int], list[SharedPrefix]]:
+    """Both at once, walking each path once: the batch order of ``order_by_prefix`` and the
+    shared ranges of the batch in that order (``seq_idx`` index the reordered batch)."""
+    paths = _root_paths(nodes)
+    order = _order(paths)
+    return order, _ranges([paths[i] for i in order], min_tokens)
+
+
 def order_by_prefix(nodes: Sequence[Any]) -> list[int]:
     """Batch indices sorted so that requests below one node are adjacent (then each shared
     range's queries are one run of rows)."""
-    keys = [tuple(n.node_id for n in reversed(_path(node))) for node in nodes]
-    return sorted(range(len(nodes)), key=lambda i: (keys[i], i))
+    return _order(_root_paths(nodes))
 
 
 def shared_prefixes(nodes: Sequence[Any], min_tokens: int) -> list[SharedPrefix]:
     """Ranges of keys shared by >= 2 of the batch's requests; ``nodes[i]`` is request i's locked
     radix node (a root or None when it has no cached prefix)."""
-    paths = [list(reversed(_path(node))) for node in nodes]  # root-side first
+    return _ranges(_root_paths(nodes), min_tokens)
+
+
+def _root_paths(nodes: Sequence[Any]) -> list[list[Any]]:
+    return [list(reversed(_path(node))) for node in nodes]  # root-side first
+
+
+def _order(paths: list[list[Any]]) -> list[int]:
+    keys = [tuple(n.node_id for n in path) for path in paths]
+    return sorted(range(len(paths)), key=lambda i: (keys[i], i))
+
+
+def _ranges(paths: list[list[Any]], min_tokens: int) -> list[SharedPrefix]:
     members: dict[int, list[int]] = {}
     for i, path in enumerate(paths):
         for n in path:

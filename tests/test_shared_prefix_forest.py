@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from radixserve.kernels.attention.metadata import meta_from_slot_lists
 from radixserve.radix import KVAllocator, RadixCache
-from radixserve.scheduler.shared_prefix import order_by_prefix, shared_prefixes
+from radixserve.scheduler.shared_prefix import order_and_share, order_by_prefix, shared_prefixes
 
 
 def cache_prompts(prompts, page_size=1, salts=None, num_slots=None):
@@ -108,6 +108,7 @@ def check_forest(nodes, slot_lists, min_tokens):
     for p in reordered:
         assert p.seq_idx == list(range(p.seq_idx[0], p.seq_idx[0] + len(p.seq_idx))), f"{p} not adjacent"
     assert {(a, b, tuple(sorted(order[i] for i in m))) for a, b, m in as_set(reordered)} == as_set(ranges)
+    assert order_and_share(nodes, min_tokens) == (order, reordered)  # the engine's one-walk form
     return ranges
 
 
