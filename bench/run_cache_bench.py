@@ -157,8 +157,7 @@ def starvation(model_path: str) -> dict[str, Any]:
     summaries: dict[str, dict] = {}
     for label, policy, cfg in variants:
         engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4,
-                        num_threads=torch.get_num_threads())
-        engine.policy.config = PolicyConfig(**cfg)
+                        num_threads=torch.get_num_threads(), policy=PolicyConfig(**cfg))
         result = run_workload(engine, MissStream(**shape))
         engine.shutdown()
         first[label] = {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}

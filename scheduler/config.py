@@ -1,59 +1,114 @@
-"""EngineConfig: one frozen dataclass for every engine setting (server flags map onto its fields)."""
+"""EngineConfig: one frozen dataclass for every engine setting; PolicyConfig nested in it.
+
+Each field carries its CLI help (and choices) in its metadata through `option(...)`, so the
+`radixserve serve` flags are generated from these fields (frontend/cli.py) and never listed by hand.
+Pure Python: the HTTP process imports this module.
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
-from typing import Any
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+from radixserve.radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
+from radixserve.scheduler.checks import check_choice, check_int, check_number
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lru-reuse")
-# Kept in sync with scheduler/policy.py (imported there lazily to avoid a cycle).
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
+STARVATION_RULES = ("overtake", "aging", "none")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def option(default: Any, help: str, choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
+    """A dataclass field with its CLI help; `flag` overrides the generated --flag-name."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if flag is not None:
+        metadata["flag"] = flag
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Tuning knobs of the cache-aware schedule policies (defaults chosen by measurement, bench/results).
+
+    Anti-starvation (cache-aware only):
+      overtake: a request jumps ahead once more requests that arrived after it were admitted before it
+                than max(1, overtake_ratio x the requests that were ahead of it when it arrived): fcfs
+                would admit it after those, so it waits at most about (1 + overtake_ratio) times as many
+                admissions. Requests arriving in the same step never count as overtaking each other, so
+                batch arrivals keep the cache-aware order;
+      aging:    a request jumps ahead once it has waited `max_wait_steps` engine steps.
+    """
+
+    window: int = option(256, "fresh requests ordered per step (oldest first); the rest stay fcfs")
+    block_size: int = option(16, "prompt tokens per hashed block when grouping shared prefixes")
+    dedup_min_tokens: int = option(
+        1, "defer requests sharing an uncached prefix of at least this many tokens until one has cached it")
+    starvation_rule: str = option("overtake", "anti-starvation rule of cache-aware", choices=STARVATION_RULES)
+    overtake_ratio: float = option(0.5, "overtake: a request waits at most about (1 + this) x the admissions "
+                                        "fcfs would make before it")
+    max_wait_steps: int = option(256, "aging: steps a request waits before it jumps ahead")
+    # SGLang falls back from lpm to fcfs above 128 waiting: 128 x the default window.
+    fcfs_queue_len: int = option(128 * 256, "with more requests waiting than this, order by arrival")
+
+    def __post_init__(self) -> None:  # names as EngineConfig carries them (flags: --policy-window, ...)
+        check_number("policy.overtake_ratio", self.overtake_ratio, lo=0)
+        for name in ("window", "block_size", "max_wait_steps", "fcfs_queue_len"):
+            check_int(f"policy.{name}", getattr(self, name), lo=1)
+        check_int("policy.dedup_min_tokens", self.dedup_min_tokens, lo=0)
+        check_choice("policy.starvation_rule", self.starvation_rule, STARVATION_RULES)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str | None = None
-    dtype: str = "auto"
-    context_length: int | None = None  # caps the model's own max positions
-    kv_cache_tokens: int | None = None  # KV pool size in token slots; None = a device default
-    page_size: int = 1
-    chunked_prefill_size: int = 512  # max prompt tokens computed per step
-    max_running_requests: int = 64
-    schedule_policy: str = "cache-aware"
-    disable_radix_cache: bool = False
-    attention_backend: str = "auto"
-    eviction_policy: str = "lru-reuse"
-    seed: int = 0
-    device: str | None = None
-    # torch intra-op threads of the process that runs the model; None = the cores this process
-    # may use (os.sched_getaffinity). Test servers pass 1.
-    num_threads: int | None = None
+    model_path: str | None = option(None, "checkpoint directory (None: the built-in demo model)")
+    dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
+    context_length: int | None = option(None, "cap the model's context length (None: the model's)")
+    kv_cache_tokens: int | None = option(None, "KV cache size in token slots (None: the engine's device default)")
+    page_size: int = option(1, "KV page size in tokens")
+    chunked_prefill_size: int = option(512, "max prompt tokens computed per step")
+    max_running_requests: int = option(64, "max requests decoding together")
+    schedule_policy: str = option("cache-aware", "order of the waiting queue", choices=SCHEDULE_POLICIES)
+    policy: PolicyConfig = option(PolicyConfig(), "tuning of the schedule policy")
+    disable_radix_cache: bool = option(False, "turn prefix matching off")
+    attention_backend: str = option("auto", "attention kernels (auto: triton on CUDA, else torch)",
+                                    choices=ATTENTION_BACKENDS)
+    eviction_policy: str = option("lru-reuse", "which cached prefixes go first", choices=EVICTION_POLICIES)
+    reuse_bonus: float = option(DEFAULT_REUSE_BONUS, "lru-reuse: a prefix hit h times is kept as if used "
+                                                     "reuse_bonus x log2(1 + h) ticks later")
+    seed: int = option(0, "seed for requests that give none")
+    device: str | None = option(None, "torch device: cpu, cuda or cuda:N (None: cuda if available, else cpu)")
+    num_threads: int | None = option(None, "torch intra-op threads for the model (None: the cores this "
+                                           "process may use; test servers pass 1)")
     # Shared-prefix (cascade) attention: a radix node locked by several requests of a step is
     # read once for all their queries when its unshared span is at least this long (0 forces it).
-    disable_shared_prefix_attention: bool = False
-    shared_prefix_min_tokens: int = 32
+    disable_shared_prefix_attention: bool = option(
+        False, "read shared prefixes per request instead of once per step")
+    shared_prefix_min_tokens: int = option(32, "shortest shared prefix read once for all requests below it (0: any)")
 
     def __post_init__(self) -> None:
-        _positive(self, "page_size")
-        _positive(self, "chunked_prefill_size")
-        _positive(self, "max_running_requests")
-        if self.context_length is not None:
-            _positive(self, "context_length")
-        if self.kv_cache_tokens is not None:
-            _positive(self, "kv_cache_tokens")
-        if self.num_threads is not None:
-            _positive(self, "num_threads")
-        if isinstance(self.shared_prefix_min_tokens, bool) or not isinstance(self.shared_prefix_min_tokens, int) \
-                or self.shared_prefix_min_tokens < 0:
-            raise ValueError(f"shared_prefix_min_tokens must be an integer >= 0, got {self.shared_prefix_min_tokens!r}")
-        _choice(self, "dtype", DTYPES)
-        _choice(self, "attention_backend", ATTENTION_BACKENDS)
-        _choice(self, "eviction_policy", EVICTION_POLICIES)
-        _choice(self, "schedule_policy", SCHEDULE_POLICIES)
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.policy, dict):  # Engine(policy={"window": 64}) and JSON configs
+            object.__setattr__(self, "policy", PolicyConfig(**self.policy))
+        if not isinstance(self.policy, PolicyConfig):
+            raise ValueError(f"policy must be a PolicyConfig or a dict of its fields, got {self.policy!r}")
+        for name in ("page_size", "chunked_prefill_size", "max_running_requests"):
+            check_int(name, getattr(self, name), lo=1)
+        for name in ("context_length", "kv_cache_tokens", "num_threads"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo=1)
+        check_int("shared_prefix_min_tokens", self.shared_prefix_min_tokens, lo=0)
+        check_int("seed", self.seed)
+        check_number("reuse_bonus", self.reuse_bonus, lo=0)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
+        check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.device is not None and not (isinstance(self.device, str) and _DEVICE.fullmatch(self.device)):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
 
     def resolved_num_threads(self) -> int:
         if self.num_threads is not None:
@@ -65,20 +120,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model_path: str | None, **kwargs: Any) -> "EngineConfig":
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"model_path"}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         return cls(model_path=model_path, **kwargs)
-
-
-def _positive(cfg: EngineConfig, name: str) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _choice(cfg: EngineConfig, name: str, allowed: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

@@ -53,8 +53,8 @@ class Engine:
         self.context_length: int = self.runner.context_length
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.kv = PrefixKV(num_slots, cfg.page_size, cfg.disable_radix_cache, cfg.eviction_policy,
-                           num_rows=cfg.max_running_requests)
-        self.policy = SchedulePolicy(self.config.schedule_policy, self.kv)
+                           num_rows=cfg.max_running_requests, reuse_bonus=cfg.reuse_bonus)
+        self.policy = SchedulePolicy(cfg.schedule_policy, self.kv, cfg.policy)
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
         self.metrics = EngineMetrics()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from radixserve.radix.allocator import KVAllocator
-from radixserve.radix.radix_cache import RadixCache
+from radixserve.radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache
 from radixserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -28,12 +28,12 @@ logger = logging.getLogger(__name__)
 
 class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
-                 num_rows: int = 64):
+                 num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS):
         self.page_size = page_size
         self._free_rows = list(range(num_rows - 1, -1, -1))  # a stack: row 0 is handed out first
         self.allocator = KVAllocator(num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
-                               eviction_policy=eviction_policy)
+                               eviction_policy=eviction_policy, reuse_bonus=reuse_bonus)
 
     @property
     def total_slots(self) -> int:

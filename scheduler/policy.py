@@ -23,60 +23,20 @@ of those moved reuses the previous order. What is left per step is a few O(n) li
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
+from radixserve.scheduler.checks import check_choice
+# PolicyConfig lives with EngineConfig (which carries it); imported from here as well.
+from radixserve.scheduler.config import SCHEDULE_POLICIES, PolicyConfig
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.prefix_groups import PrefixGroups, block_key
 from radixserve.scheduler.req import Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
-STARVATION_RULES = ("overtake", "aging", "none")
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    """Tuning knobs of the cache-aware policies (defaults chosen by measurement, bench/results)."""
-
-    window: int = 256  # fresh requests ordered per step (oldest first); the rest stay fcfs
-    block_size: int = 16  # prompt tokens per hashed block when grouping shared prefixes
-    # Defer followers when the shared uncached prefix is at least this long (shared lengths are
-    # seen in whole blocks, so 1 means: any uncached shared block).
-    dedup_min_tokens: int = 1
-    # Anti-starvation (cache-aware only):
-    #   overtake: a request jumps ahead once more requests that arrived after it were admitted
-    #             before it than max(1, overtake_ratio x the requests that were ahead of it when it
-    #             arrived): fcfs would admit it after those, so it waits at most about
-    #             (1 + overtake_ratio) times as many admissions. Requests arriving in the same step
-    #             never count as overtaking each other, so batch arrivals keep the cache-aware order;
-    #   aging:    a request jumps ahead once it has waited `max_wait_steps` engine steps.
-    starvation_rule: str = "overtake"
-    overtake_ratio: float = 0.5
-    max_wait_steps: int = 256
-    # With more requests waiting than this, order by arrival (SGLang falls back from lpm to fcfs
-    # above 128 waiting): 128 x the default window.
-    fcfs_queue_len: int = 128 * 256
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.overtake_ratio, (int, float)) or self.overtake_ratio < 0:
-            raise ValueError(f"overtake_ratio must be a non-negative number, got {self.overtake_ratio!r}")
-        for name in ("window", "block_size", "max_wait_steps", "fcfs_queue_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.dedup_min_tokens, int) or self.dedup_min_tokens < 0:
-            raise ValueError(f"dedup_min_tokens must be a non-negative integer, got {self.dedup_min_tokens!r}")
-        if self.starvation_rule not in STARVATION_RULES:
-            raise ValueError(f"starvation_rule must be one of {', '.join(STARVATION_RULES)}; "
-                             f"got {self.starvation_rule!r}")
-
 
 class SchedulePolicy:
     def __init__(self, name: str, kv: PrefixKV, config: PolicyConfig | None = None):
-        if name not in POLICIES:
-            raise ValueError(f"schedule_policy must be one of {', '.join(POLICIES)}; got {name!r}")
-        self.name = name
+        self.name = check_choice("schedule_policy", name, SCHEDULE_POLICIES)
         self.kv = kv
         self.config = config or PolicyConfig()
         self._keys: dict[str, tuple] = {}  # rid -> prompt block key (computed once)

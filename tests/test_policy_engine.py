@@ -47,8 +47,8 @@ def test_default_policy_is_near_optimal_with_a_full_budget_and_beats_fcfs_at_hal
 
 
 def miss_first_tokens(model_path, policy, **policy_config):
-    engine = Engine(model_path, num_threads=1, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4)
-    engine.policy.config = PolicyConfig(**policy_config)
+    engine = Engine(model_path, num_threads=1, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4,
+                    policy=PolicyConfig(**policy_config))
     result = run_workload(engine, MissStream(num_steps=100, hot_per_step=1, miss_every=10))
     return {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}
 

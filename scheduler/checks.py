@@ -1,0 +1,78 @@
+"""One wording for every value check (engine config, sampling params, server config, HTTP fields).
+
+    page_size must be >= 1, got 0
+    temperature must be between 0 and 100, got 150
+    top_p must be > 0 and <= 1, got 0
+    n must be 1, got 2
+    dtype must be one of auto, float32, bfloat16, float16, got 'fp8'
+
+Pure Python (the HTTP process imports it; no torch).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+
+def fmt_number(value: Any) -> str:
+    """1 for 1 and 1.0, 0.5 for 0.5; anything else as repr."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return str(value)
+
+
+def describe_range(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> str:
+    """'>= 1', '> 0', '<= 2', 'between 0 and 2' (inclusive), '> 0 and <= 1', '1'."""
+    if lo is not None and hi is not None:
+        if lo == hi and not lo_open:
+            return fmt_number(lo)
+        if lo_open:
+            return f"> {fmt_number(lo)} and <= {fmt_number(hi)}"
+        return f"between {fmt_number(lo)} and {fmt_number(hi)}"
+    if lo is not None:
+        return f"{'>' if lo_open else '>='} {fmt_number(lo)}"
+    if hi is not None:
+        return f"<= {fmt_number(hi)}"
+    return "a number"
+
+
+def in_range(value: float, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> bool:
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        return False
+    return hi is None or value <= hi
+
+
+def range_message(name: str, value: Any, lo: float | None = None, hi: float | None = None,
+                  lo_open: bool = False) -> str:
+    return f"{name} must be {describe_range(lo, hi, lo_open)}, got {fmt_number(value)}"
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """value if it is an int (not a bool) within [lo, hi]; else ValueError in the common wording."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not in_range(value, lo, hi):
+        raise ValueError(range_message(name, value, lo, hi))
+    return value
+
+
+def check_number(name: str, value: Any, lo: float | None = None, hi: float | None = None,
+                 lo_open: bool = False) -> float:
+    """float(value) if it is a finite number within the range; else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not in_range(value, lo, hi, lo_open):
+        raise ValueError(range_message(name, value, lo, hi, lo_open))
+    return float(value)
+
+
+def check_choice(name: str, value: Any, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(choice_message(name, value, allowed))
+    return value
+
+
+def choice_message(name: str, value: Any, allowed: Sequence[str]) -> str:
+    return f"{name} must be one of {', '.join(allowed)}, got {value!r}"
