@@ -1,20 +1,23 @@
-"""The HTTP side of the engine: admission (429/503), prompt checks, and merged delta streams.
+"""The HTTP side of the engine: admission (429/503), submission, and merged delta streams.
 
-The engine loop runs in its own thread (Engine.generate_stream); this module only awaits the
-deltas it hands over, so a slow client never stalls a model step. Each engine request is
-counted from admission until its final delta; the sum is held against
-max_running_requests + max_queued_requests.
+The engine runs in its own process (frontend.engine_proc.EngineProcess); this module only
+awaits the deltas it routes here, so a slow client never stalls a model step. Each engine
+request is counted from admission until its final delta; the sum is held against
+max_running_requests + max_queued_requests. Whether a request fits the model is decided once,
+by the engine (a RequestError, mapped here to a 400 naming the API's own parameter).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from radixserve.frontend.config import ServerConfig
+from radixserve.frontend.engine_proc import EngineDead
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.metrics import ServerMetrics
+from radixserve.scheduler.errors import RequestError
 from radixserve.scheduler.req import GenerateResult, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
 
@@ -30,32 +33,30 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     rid: str
+    # The engine's parameter names ("prompt", "max_new_tokens") -> the ones the client sent.
+    param_names: dict[str, str] = field(default_factory=dict)
+
+
+def engine_unavailable(exc: BaseException) -> APIError:
+    return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
 
 
 class EngineClient:
     def __init__(self, engine: Any, config: ServerConfig, metrics: ServerMetrics) -> None:
-        self.engine = engine
+        self.engine = engine  # an EngineProcess
         self.config = config
         self.metrics = metrics
-        self.max_running = engine.config.max_running_requests
+        info = engine.info
+        self.max_running = info.max_running_requests
         self.capacity = self.max_running + config.max_queued_requests
         self.num_in_flight = 0  # engine requests admitted here and not finished
         self.draining = False
-        self.context_length: int = engine.context_length
-        self.vocab_size: int = engine.model_config.vocab_size
-        self.total_slots: int = engine.stats()["total_slots"]
-        self.page_size: int = engine.config.page_size
+        self.context_length: int = info.context_length
+        self.vocab_size: int = info.vocab_size
+        self.total_slots: int = info.total_slots
+        self.page_size: int = info.page_size
         self._idle = asyncio.Event()
         self._idle.set()
-
-    # -- checks ---------------------------------------------------------------------------
-
-    def check_prompt(self, prompt_ids: list[int], param: str) -> None:
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", param)
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
 
     def default_max_tokens(self, prompt_len: int, cap: int, param: str) -> int:
         """Until the end of the context (and KV pool), capped by `cap`; 400 if there is no room at all."""
@@ -67,21 +68,14 @@ class EngineClient:
                               code="context_length_exceeded")
         return min(cap, room)
 
-    def check_max_tokens(self, prompt_len: int, max_tokens: int, param: str) -> None:
-        total = prompt_len + max_tokens
-        if total > self.context_length:
-            raise bad_request(f"the prompt has {prompt_len} tokens and {param} is {max_tokens}: {total} exceeds "
-                              f"the context length {self.context_length}", param, code="context_length_exceeded")
-        if -(-total // self.page_size) * self.page_size > self.total_slots:  # whole pages
-            raise bad_request(f"the prompt has {prompt_len} tokens and {param} is {max_tokens}: {total} tokens "
-                              f"exceed the KV cache of {self.total_slots} slots", param)
-
     # -- admission ------------------------------------------------------------------------
 
     def reserve(self, num: int) -> "Lease":
-        """Admit `num` engine requests or raise 503 (draining), 429 (full) or 400 (never fits)."""
+        """Admit `num` engine requests or raise 503 (draining, no engine), 429 (full) or 400 (never fits)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        if self.engine.dead:
+            raise engine_unavailable(EngineDead("the engine process died"))
         if num > self.capacity:
             raise bad_request(f"the request asks for {num} generations but the server admits at most "
                               f"{self.capacity} at once", "n")
@@ -107,59 +101,82 @@ class EngineClient:
 
     # -- generation -----------------------------------------------------------------------
 
-    async def stream(self, jobs: list[Job], lease: "Lease") -> AsyncIterator[tuple[int, StreamDelta]]:
-        """Deltas of all jobs as they come, tagged with the job's index.
-
-        Closing the iterator early (client disconnect, error) aborts every unfinished job.
-        """
-        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._pump(i, job, queue, lease)) for i, job in enumerate(jobs)]
-        num_open = len(jobs)
-        try:
-            while num_open:
-                idx, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    num_open -= 1
-                yield idx, item
-        finally:
-            for task in tasks:
-                task.cancel()  # generate_stream's own cleanup aborts the engine request
-            await asyncio.gather(*tasks, return_exceptions=True)
-            lease.close()
+    async def submit(self, jobs: list[Job], lease: "Lease") -> "Submission":
+        """Queue every job in the engine, or none: a refused job is a 400 (an unreachable
+        engine a 503) raised before the caller has sent anything; the lease is closed then."""
+        sub = Submission(self, jobs, lease)
+        outcomes = await asyncio.gather(*(self.engine.add(job.rid, job.prompt_ids, job.params, sub.queue, i)
+                                          for i, job in enumerate(jobs)), return_exceptions=True)
+        error = next((o for o in outcomes if isinstance(o, BaseException)), None)
+        if error is None:
+            return sub
+        sub.close()
+        if isinstance(error, RequestError):
+            job = jobs[outcomes.index(error)]
+            param = job.param_names.get(error.param or "", error.param)
+            raise bad_request(error.message, param, code=error.code or "invalid_value") from error
+        if isinstance(error, EngineDead):
+            raise engine_unavailable(error) from error
+        raise error
 
     async def generate(self, jobs: list[Job], lease: "Lease") -> list[GenerateResult]:
-        results: list[GenerateResult | None] = [None] * len(jobs)
-        async for idx, delta in self.stream(jobs, lease):
+        """Submit and wait for every result (closing the lease in the end)."""
+        sub = await self.submit(jobs, lease)
+        return await sub.results()
+
+    def abort_matching(self, rid: str) -> int:
+        """Abort the engine requests of HTTP request `rid` (its jobs are rid or rid-...)."""
+        hits = [r for r in self.engine.open_rids() if r == rid or r.startswith(rid + "-")]
+        for r in hits:
+            self.engine.abort(r)
+        return len(hits)
+
+    def observe(self, result: GenerateResult | None) -> None:
+        if result is not None:
+            self.metrics.observe_result(result.ttft_s, result.e2e_s, result.completion_tokens,
+                                        result.finish_reason)
+
+
+class Submission:
+    """The jobs of one HTTP request, queued in the engine: their merged deltas, and an abort
+    of whatever is unfinished when it is closed (client gone, error)."""
+
+    def __init__(self, client: EngineClient, jobs: list[Job], lease: "Lease") -> None:
+        self.client = client
+        self.jobs = jobs
+        self.lease = lease
+        self.queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
+        self._open = [True] * len(jobs)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(job index, delta) as they come; an engine failure raises a 503 APIError."""
+        try:
+            while any(self._open):
+                idx, item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    raise engine_unavailable(item)
+                if item.finished:
+                    self._open[idx] = False
+                    self.lease.release_one()
+                    self.client.observe(item.result)
+                yield idx, item
+        finally:
+            self.close()
+
+    async def results(self) -> list[GenerateResult]:
+        results: list[GenerateResult | None] = [None] * len(self.jobs)
+        async for idx, delta in self.deltas():
             if delta.finished:
                 results[idx] = delta.result
         return [r for r in results if r is not None]
 
-    async def _pump(self, idx: int, job: Job, queue: asyncio.Queue, lease: "Lease") -> None:
-        released = False
-        try:
-            async for delta in self.engine.generate_stream(job.prompt_ids, job.params, rid=job.rid):
-                if delta.finished:
-                    released = True
-                    lease.release_one()
-                    self._observe(delta.result)
-                queue.put_nowait((idx, delta))
-        except ValueError as exc:  # the engine refused the request (checks here normally catch it first)
-            queue.put_nowait((idx, bad_request(str(exc))))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # an engine failure ends this request, never the server
-            logger.exception("request %s failed", job.rid)
-            queue.put_nowait((idx, APIError(500, f"internal error: {exc}")))
-        finally:
-            if not released:
-                lease.release_one()
-
-    def _observe(self, result: GenerateResult | None) -> None:
-        if result is not None:
-            self.metrics.observe_result(result.ttft_s, result.e2e_s, result.completion_tokens,
-                                        result.finish_reason)
+    def close(self) -> None:
+        """Abort unfinished jobs and give back the lease (idempotent)."""
+        for idx, job in enumerate(self.jobs):
+            if self._open[idx]:
+                self._open[idx] = False
+                self.client.engine.abort(job.rid)
+        self.lease.close()
 
 
 class Lease:

@@ -1,7 +1,9 @@
-"""Run the server: load the engine, serve with uvicorn, drain on SIGTERM, exit 0.
+"""Run the server: start the engine process, serve with uvicorn, drain on SIGTERM, exit 0.
 
 SIGTERM (or a first Ctrl+C): new requests get 503 while admitted ones finish (up to
-graceful_timeout_s); then uvicorn stops and the engine shuts down. A second signal forces exit.
+graceful_timeout_s); then uvicorn stops and the engine process is shut down. A second signal
+forces exit. If the engine process dies, open streams end with an error, /health answers 503
+and the server exits with status 1 (so a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from typing import Any
 
 import uvicorn
 
+from radixserve.frontend import preflight
 from radixserve.frontend.config import ServerConfig
+from radixserve.frontend.engine_proc import EngineProcess
 from radixserve.frontend.server import build_app, build_state
 from radixserve.frontend.state import ServerState
 
 logger = logging.getLogger("radixserve.frontend")
+
+ENGINE_DEATH_EXIT_S = 2.0  # after the engine died: time for open streams to get their error event
 
 
 class DrainingServer(uvicorn.Server):
@@ -26,15 +32,28 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+        self.engine_died = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self.state.engine.attach(self._loop, self._on_engine_death)
         await super().startup(sockets=sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             logger.warning("radixserve ready: serving %s on http://%s:%d", self.state.model_name, host, port)
+
+    def _on_engine_death(self, code: int | None) -> None:
+        self.engine_died = True
+        self.state.client.draining = True
+        assert self._loop is not None
+        self._loop.call_later(ENGINE_DEATH_EXIT_S, self._exit_now)
+
+    def _exit_now(self) -> None:
+        logger.error("exiting: the engine process is gone")
+        self.should_exit = True
+        self.force_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not calling super(): uvicorn would re-raise the signal after shutdown, ending the
@@ -59,14 +78,17 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(config: ServerConfig, engine: Any = None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean drain)."""
+def run_server(config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean drain, 1 if the
+    engine process died). Configuration mistakes raise ValueError before the model loads."""
     _configure_logging(config.log_level)
-    if engine is None:
-        from radixserve.scheduler import Engine
-
-        engine = Engine(config.model, **config.engine_kwargs())
-    engine.start()  # the step loop runs in its own thread from the first request on
+    preflight.check_before_load(config)
+    sock = preflight.bind_listen_socket(config.host, config.port)
+    try:
+        engine = EngineProcess(config.model, config.engine_kwargs(), log_level=config.log_level)
+    except BaseException:
+        sock.close()
+        raise
     state = build_state(engine, config)
     uv_config = uvicorn.Config(
         build_app(state), host=config.host, port=config.port, lifespan="off", access_log=False,
@@ -76,11 +98,15 @@ def run_server(config: ServerConfig, engine: Any = None) -> int:
     )
     server = DrainingServer(uv_config, state)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
-        engine.shutdown()
+        code = engine.close(timeout=config.graceful_timeout_s + 5)
+        sock.close()
+    if server.engine_died:
+        logger.error("the engine process died (exit code %s)", code)
+        return 1
     if not server.started:
-        logger.error("the server did not start (is port %d free?)", config.port)
+        logger.error("the server did not start")
         return 1
     logger.warning("radixserve stopped")
     return 0

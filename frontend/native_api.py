@@ -8,7 +8,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.engine_client import Job, Lease
+from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import TokenTexts, native_logprobs, prompt_entries
 from radixserve.frontend.native_protocol import NativeItem, NativeRequest, parse_generate_request
@@ -17,16 +17,15 @@ from radixserve.frontend.state import ServerState
 from radixserve.scheduler.req import GenerateResult
 from radixserve.scheduler.sampling_params import SamplingParams
 
-DEFAULT_MAX_NEW_TOKENS = SamplingParams.__dataclass_fields__["max_new_tokens"].default
 
 
 async def generate(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_generate_request(body)
     jobs = [_make_job(state, item, i if req.is_batch else None) for i, item in enumerate(req.items)]
-    lease = state.client.reserve(len(jobs))
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
     if req.stream:
-        return SSEResponse(_native_events(state, req, jobs, lease), on_close=lease.close)
-    results = await collect(state.client, request, jobs, lease)
+        return SSEResponse(_native_events(state, req, sub), on_close=sub.close)
+    results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     outputs = [_output(state, item, job, r) for item, job, r in zip(req.items, jobs, results)]
@@ -41,10 +40,7 @@ def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
     else:
         param = "input_ids" + where
         prompt_ids = item.prompt
-    state.client.check_prompt(prompt_ids, param)
     sampling = dict(item.sampling)
-    max_new = sampling.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
-    state.client.check_max_tokens(len(prompt_ids), max_new, f"sampling_params{where}.max_new_tokens")
     if item.return_logprob:
         start = item.logprob_start_len if item.logprob_start_len >= 0 else len(prompt_ids) - 1
         if start >= len(prompt_ids):
@@ -53,7 +49,8 @@ def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
         sampling["logprobs"] = item.top_logprobs_num
         sampling["logprob_start_len"] = start
     rid = item.rid if item.rid is not None else state.new_id("gen")
-    return Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid)
+    names = {"prompt": param, "max_new_tokens": f"sampling_params{where}.max_new_tokens"}
+    return Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid, param_names=names)
 
 
 def finish_reason(r: GenerateResult) -> dict[str, Any]:
@@ -85,14 +82,14 @@ def _logprob_meta(state: ServerState, item: NativeItem, job: Job, prompt_logprob
             "input_top_logprobs": input_tops, "output_top_logprobs": output_tops}
 
 
-async def _native_events(state: ServerState, req: NativeRequest, jobs: list[Job], lease: Lease
-                         ) -> AsyncIterator[bytes]:
+async def _native_events(state: ServerState, req: NativeRequest, sub: Submission) -> AsyncIterator[bytes]:
     """Each event carries the cumulative text and output ids so far (SGLang's streaming format)."""
+    jobs = sub.jobs
     texts = [""] * len(jobs)
     ids: list[list[int]] = [[] for _ in jobs]
     logprobs: list[list[Any]] = [[] for _ in jobs]
     try:
-        async with aclosing(state.client.stream(jobs, lease)) as deltas:
+        async with aclosing(sub.deltas()) as deltas:
             async for i, delta in deltas:
                 texts[i] += delta.text
                 ids[i] += delta.token_ids

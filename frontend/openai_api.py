@@ -10,7 +10,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.engine_client import Job, Lease
+from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from radixserve.frontend.protocol import (
@@ -32,17 +32,16 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     common = req.common
     state.check_model(common.model)
     prompt_ids = state.render_chat(req.messages, req.tools)
-    state.client.check_prompt(prompt_ids, "messages")
     max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens)
     rid = state.new_id("chatcmpl")
-    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed,
+    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
                            max_new_tokens=max_new, logprobs=common.logprobs)
-    lease = state.client.reserve(len(jobs))
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
-        return SSEResponse(_sse_events(state, jobs, lease, handler), on_close=lease.close)
-    results = await collect(state.client, request, jobs, lease)
+        return SSEResponse(_sse_events(sub, handler), on_close=sub.close)
+    results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
@@ -62,24 +61,21 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
     common = req.common
     state.check_model(common.model)
     prompts_ids = [state.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts]
-    for ids in prompts_ids:
-        state.client.check_prompt(ids, "prompt")
-        state.client.check_max_tokens(len(ids), common.max_tokens, "max_tokens")
     rid = state.new_id("cmpl")
     echo_logprobs = req.echo and common.logprobs is not None
     jobs: list[Job] = []
     for p, ids in enumerate(prompts_ids):
         sub_rid = rid if len(prompts_ids) == 1 else f"{rid}-{p}"
-        jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed,
+        jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed, _COMPLETION_NAMES,
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
     echo_texts = [_echo_text(state, p, ids) for p, ids in zip(req.prompts, prompts_ids)] if req.echo else None
-    lease = state.client.reserve(len(jobs))  # nothing below may raise before the lease is handed on
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
-        return SSEResponse(_sse_events(state, jobs, lease, handler), on_close=lease.close)
-    results = await collect(state.client, request, jobs, lease)
+        return SSEResponse(_sse_events(sub, handler), on_close=sub.close)
+    results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
@@ -100,11 +96,15 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
 # -- shared ---------------------------------------------------------------------------------
 
 
+# The engine's parameter names -> this API's (for the engine's refusals).
+_CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens"}
+_COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens"}
+
+
 def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:
     if max_tokens is None:
         # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag.
         return state.client.default_max_tokens(prompt_len, state.config.max_tokens_default, "messages")
-    state.client.check_max_tokens(prompt_len, max_tokens, "max_tokens")
     return max_tokens
 
 
@@ -191,7 +191,7 @@ class _ChatStream:
         return [sse_event(dict(self.base, choices=[], usage=usage))]
 
 
-async def _sse_events(state: ServerState, jobs: list[Job], lease: Lease, handler: Any) -> AsyncIterator[bytes]:
+async def _sse_events(sub: Submission, handler: Any) -> AsyncIterator[bytes]:
     """The SSE body: handler.prologue(), events per delta, handler.epilogue(), [DONE].
 
     An engine failure mid-stream becomes an error event (the status line is already sent).
@@ -199,7 +199,7 @@ async def _sse_events(state: ServerState, jobs: list[Job], lease: Lease, handler
     for event in handler.prologue():
         yield event
     try:
-        async with aclosing(state.client.stream(jobs, lease)) as deltas:
+        async with aclosing(sub.deltas()) as deltas:
             async for i, delta in deltas:
                 if delta.finished:
                     _raise_if_failed(delta.result)

@@ -5,7 +5,6 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import asdict
 from typing import Any, Awaitable, Callable
 
 import orjson
@@ -16,7 +15,8 @@ from starlette.routing import Route
 
 from radixserve.frontend import native_api, openai_api
 from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.engine_client import EngineClient
+from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
+from radixserve.frontend.engine_proc import EngineDead
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
 from radixserve.frontend.metrics import ServerMetrics
@@ -30,6 +30,7 @@ Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
 
 
 def build_state(engine: Any, config: ServerConfig) -> ServerState:
+    """`engine` is a started frontend.engine_proc.EngineProcess."""
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
@@ -52,6 +53,7 @@ def build_app(state: ServerState) -> Starlette:
         route("/get_model_info", _model_info, ["GET"]),
         route("/get_server_info", _server_info, ["GET"]),
         route("/flush_cache", _flush_cache, ["POST", "GET"]),
+        route("/abort_request", _abort_request, ["POST"], body=True),
         route("/metrics", _metrics, ["GET"]),
         route("/health", _health, ["GET"], auth=False, health=True),
         route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
@@ -128,11 +130,11 @@ async def _get_model(state: ServerState, request: Request, body: Any) -> dict[st
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "radixserve",
-            "root": state.engine.model_path, "max_model_len": state.client.context_length}
+            "root": state.engine.info.model_path, "max_model_len": state.client.context_length}
 
 
 async def _model_info(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
-    path = state.engine.model_path
+    path = state.engine.info.model_path
     return {"model_path": path, "tokenizer_path": path, "is_generation": True,
             "served_model_name": state.model_name, "context_length": state.client.context_length}
 
@@ -140,48 +142,92 @@ async def _model_info(state: ServerState, request: Request, body: Any) -> dict[s
 async def _server_info(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
     info = state.config.public_dict()
     info.update({
-        "engine_config": asdict(state.engine.config),
+        "engine_config": state.engine.info.engine_config,
+        "engine_pid": state.engine.info.pid,
+        "engine_messages": state.engine.num_messages,
         "context_length": state.client.context_length,
         "max_queued_requests": state.config.max_queued_requests,
         "num_in_flight": state.client.num_in_flight,
-        "stats": state.engine.stats(),
+        "stats": await _engine_call(state, "stats"),
     })
     return info
 
 
+async def _engine_call(state: ServerState, name: str) -> Any:
+    """An engine method run between steps; 503 when there is no engine to ask."""
+    try:
+        return await state.engine.call(name)
+    except (EngineDead, asyncio.TimeoutError) as exc:
+        raise engine_unavailable(exc if str(exc) else EngineDead("no answer")) from exc
+
+
 async def _flush_cache(state: ServerState, request: Request, body: Any) -> Response:
     busy = APIError(400, "cache not flushed: requests are queued or running; retry when idle", code="busy")
-    if state.client.num_in_flight:
-        raise busy
-    # flush_cache waits for the engine thread between steps: never block the event loop on it.
-    if not await asyncio.to_thread(state.engine.flush_cache):
+    if state.client.num_in_flight or not await _engine_call(state, "flush_cache"):
         raise busy
     return PlainTextResponse("Cache flushed.\n")
 
 
+async def _abort_request(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    """SGLang's POST /abort_request {"rid": ...}: aborts that request's generations (200 even
+    if none is open, as SGLang answers); "abort_all": true aborts everything open."""
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object with \"rid\"")
+    rid, abort_all = body.get("rid"), body.get("abort_all", False)
+    if not isinstance(abort_all, bool):
+        raise bad_request("abort_all must be a boolean", "abort_all")
+    if abort_all:
+        rids = state.engine.open_rids()
+        for r in rids:
+            state.engine.abort(r)
+        return {"aborted": len(rids)}
+    if not isinstance(rid, str) or not rid:
+        raise bad_request("rid must be a non-empty string", "rid")
+    return {"aborted": state.client.abort_matching(rid)}
+
+
 async def _metrics(state: ServerState, request: Request, body: Any) -> Response:
-    text = state.metrics.render(state.engine.stats(), state.client.num_in_flight)
+    text = state.metrics.render(await _engine_call(state, "stats"), state.client.num_in_flight)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
-async def _health(state: ServerState, request: Request, body: Any) -> Response:
+def _check_health(state: ServerState) -> None:
+    """503 while draining, when the engine process is gone, or when it made no step progress
+    for --watchdog-timeout seconds while work is open."""
     if state.client.draining:
         raise APIError(503, "the server is shutting down", code="server_shutting_down")
+    if state.engine.dead:
+        raise APIError(503, "the engine process died", code="engine_dead")
+    timeout = state.config.watchdog_timeout_s
+    if state.engine.stalled(timeout):
+        raise APIError(503, f"the engine made no progress for {timeout:g}s with requests open", code="engine_stalled")
+
+
+async def _health(state: ServerState, request: Request, body: Any) -> Response:
+    _check_health(state)
     return Response(status_code=200)
 
 
 async def _health_generate(state: ServerState, request: Request, body: Any) -> Response:
-    """Runs a one-token request through the engine."""
-    await _health(state, request, body)
-    params = SamplingParams(max_new_tokens=1, temperature=0.0)
-
-    async def one_token() -> None:
-        async for _ in state.engine.generate_stream([0], params, rid=state.new_id("health")):
-            pass
-
+    """A real one-token generation through the engine: 503 if it fails or times out."""
+    _check_health(state)
+    job = Job(prompt_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0),
+              rid=state.new_id("health"))
+    timeout = min(HEALTH_GENERATE_TIMEOUT_S, state.config.watchdog_timeout_s)
     try:
-        await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
-    except Exception as exc:
+        lease = state.client.reserve(1)
+        results = await asyncio.wait_for(state.client.generate([job], lease), timeout)
+    except (APIError, asyncio.TimeoutError) as exc:
         logger.warning("health_generate failed: %r", exc)
-        raise APIError(503, f"the engine did not generate: {exc!r}", code="unhealthy") from exc
+        raise APIError(503, f"the engine did not generate: {_reason(exc)}", code="unhealthy") from exc
+    if not results or results[0].finish_reason == "abort":
+        reason = results[0].error if results else "no result"
+        logger.warning("health_generate failed: %s", reason)
+        raise APIError(503, f"the engine did not generate: {reason}", code="unhealthy")
     return Response(status_code=200)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        return exc.message
+    return f"no token within {HEALTH_GENERATE_TIMEOUT_S:g}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from radixserve.frontend.engine_client import EngineClient, Job, Lease
+    from radixserve.frontend.engine_client import Submission
     from radixserve.scheduler.req import GenerateResult
 
 logger = logging.getLogger(__name__)
@@ -67,15 +67,14 @@ class SSEResponse:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def collect(client: "EngineClient", request: Request, jobs: list["Job"], lease: "Lease"
-                  ) -> list["GenerateResult"] | None:
+async def collect(request: Request, sub: "Submission") -> list["GenerateResult"] | None:
     """Results of all jobs; None if the client disconnected first (the jobs are aborted then)."""
     try:
-        disconnected, results = await run_watching_disconnect(request, client.generate(jobs, lease))
+        disconnected, results = await run_watching_disconnect(request, sub.results())
     finally:
-        lease.close()
+        sub.close()
     if disconnected:
-        logger.info("client disconnected; aborted %d request(s)", len(jobs))
+        logger.info("client disconnected; aborted %d request(s)", len(sub.jobs))
         return None
     return results
 

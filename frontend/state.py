@@ -1,4 +1,4 @@
-"""ServerState: what every handler needs (engine, config, admission, metrics, token texts)."""
+"""ServerState: what every handler needs (the engine process, config, admission, metrics, token texts)."""
 from __future__ import annotations
 
 import random
@@ -18,7 +18,7 @@ _SEED_MAX = 2**63 - 1
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: Any  # an EngineProcess (frontend.engine_proc); its tokenizer lives in this process
     config: ServerConfig
     client: EngineClient
     metrics: ServerMetrics
@@ -29,7 +29,7 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """Unknown model names get 404; an absent `model` means the served one."""
-        if model is None or model in (self.model_name, self.engine.model_path):
+        if model is None or model in (self.model_name, self.engine.info.model_path):
             return
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
@@ -55,13 +55,14 @@ class ServerState:
         return list(ids)
 
     def make_jobs(self, prompt_ids: list[int], sampling: dict[str, Any], n: int, rid: str,
-                  seed: int | None, **overrides: Any) -> list[Job]:
+                  seed: int | None, param_names: dict[str, str], **overrides: Any) -> list[Job]:
         """n engine requests for one prompt; choice i uses seed base + i."""
         base = self.base_seed(seed)
         jobs = []
         for i in range(n):
             params = SamplingParams(**dict(sampling, seed=_wrap_seed(base + i), **overrides))
-            jobs.append(Job(prompt_ids=prompt_ids, params=params, rid=f"{rid}-{i}" if n > 1 else rid))
+            jobs.append(Job(prompt_ids=prompt_ids, params=params, rid=f"{rid}-{i}" if n > 1 else rid,
+                            param_names=param_names))
         return jobs
 
 

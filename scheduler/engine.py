@@ -13,6 +13,7 @@ from radixserve.kernels.forward_io import SeqInput
 from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.scheduler.config import EngineConfig
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
+from radixserve.scheduler.errors import RequestError
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.metrics import EngineMetrics
 from radixserve.scheduler.output import OutputProcessor
@@ -64,7 +65,6 @@ class Engine:
         self._cv = threading.Condition()
         self._step_idx = 0
         self._loop = EngineLoop(self)
-        self._stats = self._compute_stats()
         logger.info("engine ready: %s, %d KV slots (page size %d), context %d", model_path, num_slots,
                     self.config.page_size, self.context_length)
 
@@ -156,7 +156,6 @@ class Engine:
             if d.finished:
                 self._reqs.pop(d.rid, None)
         self._step_idx += 1
-        self._stats = self._compute_stats()
         self._record_profile(t0)
         return deltas
 
@@ -318,12 +317,14 @@ class Engine:
         if self.planner.running or self.planner.waiting or self._inbox:
             return False
         self.kv.flush()
-        self._stats = self._compute_stats()
         return True
 
     def stats(self) -> dict[str, Any]:
-        """A snapshot taken after the latest step (cheap; safe from any thread)."""
-        return dict(self._stats)
+        """A snapshot between steps (safe from any thread: with the loop running it is taken
+        on the loop thread; computed on demand, never per step)."""
+        if self._loop.running and not self._loop.on_loop_thread():
+            return self._loop.call(self._compute_stats)
+        return self._compute_stats()
 
     def check_integrity(self) -> None:
         """Assert the slot accounting identity (free + evictable + locked + in-flight == total)."""
@@ -367,22 +368,25 @@ class Engine:
             vocab = self.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
         else:
-            raise ValueError("prompt must be a string or a list of token ids")
+            raise RequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
-            raise ValueError("prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         return ids
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        total = len(prompt_ids) + params.max_new_tokens
+        """The one check of a request against this engine's limits (the server maps the
+        RequestError's param to its API's name and answers 400)."""
+        num, total = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
         if total > self.context_length:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens and max_new_tokens is {params.max_new_tokens}: "
-                             f"{total} exceeds the context length {self.context_length}")
+            raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
+                               f"{total} exceeds the context length {self.context_length}", "max_new_tokens",
+                               "context_length_exceeded")
         if self.kv.pages_for(total) * self.config.page_size > self.kv.total_slots:
-            raise ValueError(f"request needs {total} KV slots but the KV pool has only {self.kv.total_slots} "
-                             f"(raise kv_cache_tokens)")
-
+            raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
+                               f"{total} tokens exceed the KV cache of {self.kv.total_slots} slots "
+                               f"(raise kv_cache_tokens)", "max_new_tokens")
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:
     num_prompt = len(req.prompt_ids)

@@ -30,6 +30,9 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def on_loop_thread(self) -> bool:
+        return self._thread is threading.current_thread()
+
     def listen(self, rid: str, callback: Callable[[StreamDelta], None]) -> None:
         """Register before the request is queued (called under the engine's lock)."""
         self._listeners[rid] = callback

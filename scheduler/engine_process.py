@@ -1,0 +1,199 @@
+"""The engine process: the scheduler and the model, driven by messages from the HTTP process.
+
+One thread runs a loop (ARCHITECTURE §2):
+
+    receive every waiting message (add / abort / call / shutdown)
+    -> queue the adds (the Engine validates them: rejections go back at once)
+    -> one Engine.step() when there is work
+    -> send ONE EngineEvents with the step's admissions, replies and deltas
+
+Text is decoded once, here (each request's IncrementalDetokenizer, which stop strings need).
+The process exits when told to, when the HTTP process (its parent) goes away, or on a fatal
+error; the HTTP side notices a dead engine by its exit and fails what was in flight.
+
+A test-only fault switch, the RADIXSERVE_TEST_FAULT environment variable, makes the failure
+states reproducible: "fail-forward" makes every forward raise, "hang-forward" makes the first
+forward block forever.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from radixserve.scheduler import messages as msg
+from radixserve.scheduler.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "RADIXSERVE_TEST_FAULT"
+FAULTS = ("fail-forward", "hang-forward")
+IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+PROGRESS_EVERY_S = 0.5  # a busy engine reports progress at least this often, even without deltas
+
+
+def socket_paths(ipc_dir: str) -> tuple[str, str]:
+    """(requests: HTTP -> engine, events: engine -> HTTP) endpoints in the private directory."""
+    return f"ipc://{os.path.join(ipc_dir, 'requests')}", f"ipc://{os.path.join(ipc_dir, 'events')}"
+
+
+def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, log_level: str) -> None:
+    """Entry point of the spawned engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group: the HTTP side decides
+    _die_with_parent()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    requests_addr, events_addr = socket_paths(ipc_dir)
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(requests_addr)
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(events_addr)
+    try:
+        engine = _load(model, engine_kwargs, outbox)
+        if engine is not None:
+            EngineServer(engine, inbox, outbox, parent).run()
+    finally:
+        inbox.close(linger=0)
+        outbox.close()
+        ctx.term()
+
+
+def _load(model: str | None, engine_kwargs: dict[str, Any], outbox: zmq.Socket):
+    from radixserve.scheduler.engine import Engine
+
+    try:
+        engine = Engine(model, **engine_kwargs)
+        _install_fault(engine, os.environ.get(FAULT_ENV, ""))
+    except ValueError as exc:  # a bad checkpoint or setting: one line for the user
+        outbox.send(msg.dumps(msg.LoadFailed(str(exc).splitlines()[0] if str(exc) else repr(exc))))
+        return None
+    except Exception as exc:
+        logger.exception("the engine failed to load")
+        outbox.send(msg.dumps(msg.LoadFailed(f"the engine failed to load: {exc!r}")))
+        return None
+    cfg = engine.config
+    info = msg.EngineInfo(model_path=engine.model_path, context_length=engine.context_length,
+                          vocab_size=engine.model_config.vocab_size, total_slots=engine.kv.total_slots,
+                          page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
+                          engine_config=_config_dict(cfg), pid=os.getpid())
+    outbox.send(msg.dumps(msg.Ready(info)))
+    return engine
+
+
+def _config_dict(cfg: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+class EngineServer:
+    """The engine process's loop (single-threaded: the only caller of Engine.step())."""
+
+    def __init__(self, engine: Any, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.stopping = False
+        self._last_sent = time.monotonic()
+
+    def run(self) -> None:
+        engine = self.engine
+        while not self.stopping:
+            busy = engine.has_unfinished()
+            events = msg.EngineEvents()
+            self._receive(events, wait_ms=0 if busy else IDLE_POLL_MS)
+            if events.accepted or events.rejected or events.replies:
+                self._send(events)  # admissions first: a rejected request becomes a 400 now
+                events = msg.EngineEvents()
+            if self.stopping:
+                break
+            if engine.has_unfinished():
+                events.deltas = engine.step()
+                now = time.monotonic()
+                if events.deltas or now - self._last_sent >= PROGRESS_EVERY_S:
+                    self._send(events)
+            elif os.getppid() != self.parent_pid:
+                logger.warning("the HTTP process went away; the engine exits")
+                break
+        self._send(msg.EngineEvents(deltas=engine._drain_inbox() + engine._abort_all("engine shut down")))
+
+    def _receive(self, events: msg.EngineEvents, wait_ms: int) -> None:
+        if not self.inbox.poll(wait_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(msg.loads(data), events)
+
+    def _handle(self, message: Any, events: msg.EngineEvents) -> None:
+        engine = self.engine
+        if isinstance(message, msg.AddRequest):
+            try:
+                engine.add_request(message.prompt_ids, message.params, rid=message.rid)
+                events.accepted.append(message.rid)
+            except RequestError as exc:
+                events.rejected.append(msg.Rejected(message.rid, exc.message, exc.param, exc.code))
+            except ValueError as exc:
+                events.rejected.append(msg.Rejected(message.rid, str(exc)))
+        elif isinstance(message, msg.AbortRequest):
+            engine.abort(message.rid)
+        elif isinstance(message, msg.Call):
+            events.replies.append(self._call(message))
+        elif isinstance(message, msg.Shutdown):
+            self.stopping = True
+        else:
+            logger.error("unknown message %r", type(message).__name__)
+
+    def _call(self, call: msg.Call) -> msg.Reply:
+        calls = {"stats": self.engine.stats, "flush_cache": self.engine.flush_cache,
+                 "check_integrity": self.engine.check_integrity}
+        fn = calls.get(call.name)
+        if fn is None:
+            return msg.Reply(call.call_id, error=f"unknown call {call.name!r}")
+        try:
+            return msg.Reply(call.call_id, value=fn())
+        except Exception as exc:  # e.g. a broken integrity identity: the caller sees it
+            return msg.Reply(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _send(self, events: msg.EngineEvents) -> None:
+        events.num_steps = self.engine._step_idx
+        self.outbox.send(msg.dumps(events))
+        self._last_sent = time.monotonic()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the HTTP process dies, even mid-step (the
+    idle loop's parent check covers other systems)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _install_fault(engine: Any, fault: str) -> None:
+    """The test-only fault switch (see the module docstring)."""
+    if not fault:
+        return
+    if fault not in FAULTS:
+        raise ValueError(f"{FAULT_ENV} must be one of {', '.join(FAULTS)}, got {fault!r}")
+    logger.warning("test fault switch on: %s", fault)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected fault: the forward fails")
+
+    def hang(*args: Any, **kwargs: Any) -> Any:
+        threading.Event().wait()
+
+    engine.runner.forward = fail if fault == "fail-forward" else hang
