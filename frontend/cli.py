@@ -1,106 +1,157 @@
-"""`radixserve serve ...`: flags are ServerConfig's fields (defaults read from it)."""
+"""`radixserve serve ...`: one flag per field of ServerConfig, EngineConfig and PolicyConfig.
+
+Flags, help texts, choices and defaults are read from the dataclass fields (`option(...)` in
+scheduler/config.py), so a new engine setting is a flag without touching this file:
+
+    ServerConfig.port                       --port
+    ServerConfig.engine.page_size           --page-size          (engine fields are top-level flags)
+    ServerConfig.engine.policy.window       --policy-window      (other nested configs: prefixed)
+
+A bad value exits with status 2 and one line, `radixserve: error: ...`, on stderr.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import types
 import typing
-from dataclasses import MISSING, fields
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from radixserve.frontend.config import LOG_LEVELS, ServerConfig
-from radixserve.scheduler.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, SCHEDULE_POLICIES
+from radixserve.frontend.config import ServerConfig
 
-_CHOICES = {
-    "dtype": DTYPES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "schedule_policy": SCHEDULE_POLICIES,
-    "eviction_policy": EVICTION_POLICIES,
-    "log_level": LOG_LEVELS,
-}
-_HELP = {
-    "model": "checkpoint directory (None: the built-in demo model)",
-    "host": "address to listen on",
-    "port": "port to listen on (0: any free port, printed in the ready line)",
-    "api_key": "require 'Authorization: Bearer KEY' (health endpoints stay open)",
-    "served_model_name": "the model name clients send (None: the model path, or radixserve-demo for the demo model)",
-    "dtype": "weights and activations dtype",
-    "context_length": "cap the model's context length (None: the model's)",
-    "kv_cache_tokens": "KV cache size in token slots (None: the engine's device default)",
-    "page_size": "KV page size in tokens",
-    "chunked_prefill_size": "max prompt tokens computed per step",
-    "max_running_requests": "max requests decoding together",
-    "schedule_policy": "order of the waiting queue",
-    "disable_radix_cache": "turn prefix matching off",
-    "attention_backend": "attention kernels",
-    "eviction_policy": "which cached prefixes go first",
-    "seed": "seed for requests that give none",
-    "device": "torch device (None: cuda if available, else cpu)",
-    "num_threads": "torch intra-op threads for the model (None: the cores this process may use)",
-    "disable_shared_prefix_attention": "read shared prefixes per request instead of once per step",
-    "shared_prefix_min_tokens": "shortest shared prefix read once for all requests below it (0: any)",
-    "max_queued_requests": "requests accepted beyond --max-running-requests before 429",
-    "max_tokens_default": "chat: generate until EOS or the context end, capped by this",
-    "max_n": "the largest n (choices per prompt) a request may ask for",
-    "max_body_bytes": "larger request bodies get 413",
-    "graceful_timeout_s": "on SIGTERM, seconds running requests may take to finish",
-    "log_level": "logging level",
-}
+PROG = "radixserve"
+_UNPREFIXED = ("engine",)  # nested configs whose fields are flags without a prefix
+_DERIVED = ("engine.model_path",)  # set from another field (ServerConfig.model), never a flag
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flag:
+    path: tuple[str, ...]  # field names from ServerConfig down, e.g. ("engine", "policy", "window")
+    dest: str  # argparse dest, e.g. "policy_window"
+    field: dataclasses.Field
+    hint: Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="radixserve", description="A RadixAttention-style LLM server.")
+    parser = argparse.ArgumentParser(prog=PROG, description="A RadixAttention-style LLM server.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible and SGLang-native HTTP server",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    hints = typing.get_type_hints(ServerConfig)
-    for f in fields(ServerConfig):
-        _add_flag(serve, f.name, hints[f.name], f.default)
+    groups: dict[tuple[str, ...], Any] = {}
+    for flag in config_flags():
+        owner = flag.path[:-1]
+        if owner not in groups:
+            title = (".".join(owner) or "server") + " settings"
+            groups[owner] = serve.add_argument_group(title, _field(owner).metadata.get("help") if owner else None)
+        _add_flag(groups[owner], flag)
     return parser
 
 
+def config_flags() -> list[_Flag]:
+    """Every flag of `serve`, in field order; fails loudly on a missing help text or a clash."""
+    flags = list(_walk(ServerConfig, (), ""))
+    dests = [f.dest for f in flags]
+    clashes = sorted({d for d in dests if dests.count(d) > 1})
+    if clashes:
+        raise AssertionError(f"config fields give the same flag twice: {', '.join(clashes)}")
+    missing = [".".join(f.path) for f in flags if not f.field.metadata.get("help")]
+    if missing:
+        raise AssertionError(f"config fields without help text (use option(...)): {', '.join(missing)}")
+    return flags
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(ServerConfig)}
-    return ServerConfig(**values)
+    """The nested config from parsed flags (each dataclass validates its own fields)."""
+    dests = {flag.path: flag.dest for flag in config_flags()}
+    return _build(ServerConfig, (), {path: getattr(args, dest) for path, dest in dests.items()})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    from radixserve.frontend.launch import run_server  # torch and the engine load only to serve
+        from radixserve.frontend.launch import run_server  # the engine starts only to serve
 
-    try:
         return run_server(config)
-    except ValueError as exc:  # a bad model directory or engine setting: say so without a traceback
-        print(f"radixserve: error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # a bad setting, a busy port, no CUDA, a bad model directory: no traceback
+        print(f"{PROG}: error: {_with_flag_name(one_line(exc))}", file=sys.stderr)
         return 2
 
 
-def _add_flag(parser: argparse.ArgumentParser, name: str, hint: Any, default: Any) -> None:
-    flag = "--" + name.replace("_", "-")
-    if name == "graceful_timeout_s":
-        flag = "--graceful-timeout"
-    help_text = _HELP.get(name, name.replace("_", " "))
-    if default is MISSING:
-        default = None
-    base = _base_type(hint)
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _walk(cls: type, path: tuple[str, ...], prefix: str) -> Iterator[_Flag]:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub_path = path + (f.name,)
+        if ".".join(sub_path) in _DERIVED:
+            continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            sub_prefix = prefix if f.name in _UNPREFIXED else f"{prefix}{f.name}_"
+            yield from _walk(hints[f.name], sub_path, sub_prefix)
+        else:
+            yield _Flag(sub_path, prefix + f.name, f, hints[f.name])
+
+
+def _with_flag_name(message: str) -> str:
+    """'page_size must be >= 1, ...' -> '--page-size must be >= 1, ...' (the name the user typed)."""
+    head, sep, rest = message.partition(" ")
+    for flag in config_flags():
+        names = {flag.dest, ".".join(flag.path), ".".join(flag.path[1:]) if flag.path[0] in _UNPREFIXED else ""}
+        if head in names:
+            return _flag_name(flag) + sep + rest
+    return message
+
+
+def _field(path: tuple[str, ...]) -> dataclasses.Field:
+    cls: Any = ServerConfig
+    for name in path:
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        cls = typing.get_type_hints(cls)[name]
+    return f
+
+
+def _build(cls: type, path: tuple[str, ...], values: dict[tuple[str, ...], Any]) -> Any:
+    """cls(...) from flag values keyed by field path; nested configs built first, derived fields left out."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        sub_path = path + (f.name,)
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = _build(hints[f.name], sub_path, values)
+        elif sub_path in values:
+            kwargs[f.name] = values[sub_path]
+    return cls(**kwargs)
+
+
+def _add_flag(group: Any, flag: _Flag) -> None:
+    meta = flag.field.metadata
+    name = _flag_name(flag)
+    default = None if flag.field.default is dataclasses.MISSING else flag.field.default
+    base = _base_type(flag.hint)
     if base is bool:
-        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
-                            help=help_text)
+        group.add_argument(name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=default,
+                           help=meta["help"])
         return
-    parser.add_argument(flag, dest=name, type=base, default=default, choices=_CHOICES.get(name),
-                        metavar=None if name in _CHOICES else name.upper(), help=help_text)
+    choices = meta.get("choices")
+    group.add_argument(name, dest=flag.dest, type=base, default=default, choices=choices,
+                       metavar=None if choices else name[2:].replace("-", "_").upper(), help=meta["help"])
+
+
+def _flag_name(flag: _Flag) -> str:
+    return flag.field.metadata.get("flag") or "--" + flag.dest.replace("_", "-")
 
 
 def _base_type(hint: Any) -> type:
     """int from `int | None`, and so on."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0]
+        return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
 
 

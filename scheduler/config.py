@@ -73,7 +73,7 @@ class EngineConfig:
     chunked_prefill_size: int = option(512, "max prompt tokens computed per step")
     max_running_requests: int = option(64, "max requests decoding together")
     schedule_policy: str = option("cache-aware", "order of the waiting queue", choices=SCHEDULE_POLICIES)
-    policy: PolicyConfig = option(PolicyConfig(), "tuning of the schedule policy")
+    policy: PolicyConfig = option(PolicyConfig(), "tuning of the cache-aware schedule policies")
     disable_radix_cache: bool = option(False, "turn prefix matching off")
     attention_backend: str = option("auto", "attention kernels (auto: triton on CUDA, else torch)",
                                     choices=ATTENTION_BACKENDS)

@@ -14,6 +14,7 @@ from radixserve.frontend.protocol import parse_chat_request, parse_completion_re
 from radixserve.frontend.sse import sse_event
 from radixserve.frontend.tool_parser import StreamingToolParser, parse_tool_calls
 from radixserve.kernels.forward_io import TokenLogprob
+from radixserve.scheduler.config import EngineConfig
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -224,11 +225,12 @@ def test_cli_defaults_come_from_server_config():
                                       "--max-queued-requests", "1", "--disable-radix-cache", "--graceful-timeout", "3",
                                       "--schedule-policy", "lpm"])
     cfg = config_from_args(args)
-    assert (cfg.model, cfg.port, cfg.api_key, cfg.page_size, cfg.max_queued_requests) == ("/m", 0, "k", 4, 1)
-    assert cfg.disable_radix_cache and cfg.graceful_timeout_s == 3.0 and cfg.schedule_policy == "lpm"
+    assert (cfg.model, cfg.port, cfg.api_key, cfg.engine.page_size, cfg.max_queued_requests) == ("/m", 0, "k", 4, 1)
+    assert cfg.engine.disable_radix_cache and cfg.graceful_timeout_s == 3.0 and cfg.engine.schedule_policy == "lpm"
     assert cfg.engine_kwargs()["page_size"] == 4 and cfg.public_dict()["api_key"] == "***"
+    assert cfg.engine.model_path == "/m"
     with pytest.raises(ValueError, match="page_size"):
-        ServerConfig(page_size=0)
+        ServerConfig(engine=EngineConfig(page_size=0))
     with pytest.raises(ValueError, match="max_n"):
         ServerConfig(max_n=0)
 
