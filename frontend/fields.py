@@ -5,6 +5,7 @@ import math
 from typing import Any
 
 from radixserve.frontend.errors import bad_request, param_from_message
+from radixserve.scheduler.checks import in_range, range_message
 from radixserve.scheduler.sampling_params import SamplingParams
 
 _MISSING = object()
@@ -158,10 +159,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _check_bounds(name: str, value: float, lo: float | None, hi: float | None) -> None:
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        lo_text = lo if lo is not None else "-inf"
-        hi_text = hi if hi is not None else "inf"
-        raise bad_request(f"{name} must be in [{lo_text}, {hi_text}], got {value}", name)
+    if not in_range(value, lo, hi):
+        raise bad_request(range_message(name, value, lo, hi), name)
 
 
 def _json_type(value: Any) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from radixserve.scheduler.checks import check_int, check_number
+
 
 @dataclass
 class SamplingParams:
@@ -77,26 +79,14 @@ class SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
+            raise ValueError("stop_token_ids must be a list of integers >= 0")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError("cache_salt must be a string")
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:
-    value = getattr(p, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+    check_int(name, getattr(p, name), lo, hi)
 
 
 def _check_float(p: SamplingParams, name: str, lo: float, hi: float, lo_open: bool = False) -> None:
-    value = getattr(p, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    setattr(p, name, value)
-    bad_lo = value <= lo if lo_open else value < lo
-    if bad_lo or value > hi or value != value:
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+    setattr(p, name, check_number(name, getattr(p, name), lo, hi, lo_open))
