@@ -138,8 +138,9 @@ class EngineProcess:
             raise
 
     def abort(self, rid: str) -> None:
-        """Abort a request (no-op if it is finished or unknown); no more deltas are routed for it."""
-        if self._routes.pop(rid, None) is not None and not self.dead:
+        """Abort a request (no-op if it is finished or unknown); its final delta still arrives
+        (finish_reason "abort") and ends its route."""
+        if rid in self._routes and not self.dead:
             self._send(msg.AbortRequest(rid))
 
     def open_rids(self) -> list[str]:

@@ -42,7 +42,7 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
-            logger.warning("radixserve ready: serving %s on http://%s:%d", self.state.model_name, host, port)
+            logger.info("radixserve ready: serving %s on http://%s:%d", self.state.model_name, host, port)
 
     def _on_engine_death(self, code: int | None) -> None:
         self.engine_died = True

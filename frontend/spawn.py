@@ -22,7 +22,7 @@ class ServerProcess:
     def __init__(self, args: list[str], start_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
         cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--log-level", "warning", *args]
+               "--log-level", "info", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=full_env)
         self.lines: list[str] = []

@@ -48,13 +48,18 @@ def safetensors_files(model_path: str) -> list[str]:
 
 
 def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name."""
+    """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name.
+    A progress bar (bytes read) shows on a terminal (tqdm stays quiet when stderr is not one)."""
     files = safetensors_files(model_path)
     state: dict[str, torch.Tensor] = {}
-    for path in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 4):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    total = sum(os.path.getsize(p) for p in files)
+    with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=None) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.numel() * tensor.element_size())
+                    state[name] = tensor.to(device=device, dtype=dtype)
     logger.info("loaded %d tensors from %d file(s) in %s", len(state), len(files), model_path)
     return state
 

@@ -166,3 +166,22 @@ def test_sigterm_drains_and_stops_both_processes():
         for _ in range(50):
             os.kill(engine_pid, 0)
             time.sleep(0.1)
+
+
+def test_abort_request_ends_a_running_generation():
+    server = main_server()
+    body = {"input_ids": [3, 4, 5], "rid": "to-abort", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    events = []
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 1:
+                reply = httpx.post(server.url + "/abort_request", json={"rid": "to-abort"}, timeout=10)
+                assert reply.status_code == 200 and reply.json() == {"aborted": 1}
+    assert events[-1] == "data: [DONE]" and '"abort"' in events[-2] and len(events) < 100
+    assert httpx.post(server.url + "/abort_request", json={"rid": "gone"}, timeout=10).json() == {"aborted": 0}
+    assert httpx.post(server.url + "/abort_request", json={"rid": 5}, timeout=10).status_code == 400
+    server.wait_idle()
