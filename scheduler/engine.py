@@ -263,12 +263,6 @@ class Engine:
         m.num_requests_finished += 1
         m.num_requests_aborted += int(req.finish_reason == "abort")
         m.num_generated_tokens += len(req.output_ids)
-        if req.first_token_time is not None:
-            m.ttft.observe(req.first_token_time - req.arrival_time)
-            if len(req.output_ids) > 1 and req.finish_time is not None:
-                m.tpot.observe((req.finish_time - req.first_token_time) / (len(req.output_ids) - 1))
-        if req.finish_time is not None:
-            m.e2e.observe(req.finish_time - req.arrival_time)
 
     def _drain_inbox(self) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []

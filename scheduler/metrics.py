@@ -1,4 +1,7 @@
-"""Engine counters and latency histograms (read by stats(), /metrics and the benches)."""
+"""Engine counters (read by stats(), /metrics and the benches) and the Histogram type.
+
+Latency histograms are kept once, by the server (frontend/metrics.py), from each result's
+ttft_s / e2e_s; the engine only stamps those times on its results."""
 from __future__ import annotations
 
 import bisect
@@ -49,9 +52,6 @@ class EngineMetrics:
     num_mixed_steps: int = 0  # steps that ran prefill chunks and decodes together
     max_batch_size: int = 0  # most sequences in one forward so far
     num_forward_tokens: int = 0  # tokens actually computed (incl. re-prefills after retraction)
-    ttft: Histogram = field(default_factory=Histogram)
-    tpot: Histogram = field(default_factory=Histogram)
-    e2e: Histogram = field(default_factory=Histogram)
     # The step profile: every step's wall time split into its parts (seconds, cumulative).
     # plan: inbox + planner + radix; build: step inputs (engine + runner); forward: the model;
     # sample: sampling and logprobs; outputs: tokens appended, detokenize, stops, deltas, caching.
