@@ -1,29 +1,51 @@
-"""Tokenizer: a thin, thread-safe wrapper over a checkpoint's transformers tokenizer (local files only).
+"""Tokenizer: a checkpoint's tokenizer on the `tokenizers` library and jinja2 alone (local files only).
 
-Text is tokenized exactly as transformers would (encode(text, add_special_tokens=True)); chat messages are
-rendered with the checkpoint's own chat template and tokenized without adding special tokens, which is what
-transformers' apply_chat_template(tokenize=True) does. EOS ids come from generation_config.json (an int or a list)
-plus the tokenizer's eos token.
+The HTTP process tokenizes prompts and renders chat templates, and must not import torch; transformers always imports
+it, so this reads the checkpoint's files itself (tokenizer_files.py) and reproduces what transformers 5's
+AutoTokenizer does with them:
+
+* tokenizer.json is the pipeline (normalizer, pre-tokenizer, model, post-processor, decoder, added tokens), as the
+  generic TokenizersBackend (PreTrainedTokenizerFast) uses it; for Qwen2Tokenizer checkpoints (declared, or forced by
+  transformers for model_type qwen2) its vocabulary and merges go under Qwen2Tokenizer's own pre-tokenizer;
+* tokenizer_config.json names the special tokens (strings, or ``{"content": ...}`` dicts), may re-declare added tokens
+  (``added_tokens_decoder``), sets ``split_special_tokens`` and ``clean_up_tokenization_spaces``, and holds the chat
+  template unless chat_template.jinja does (chat_template.py); special_tokens_map.json fills in the special tokens
+  when the config has no ``added_tokens_decoder`` (transformers' legacy path);
+* special tokens missing from the vocabulary are added as transformers adds them, so ids and len() agree.
+
+encode(text, add_special_tokens) and decode(ids, skip_special_tokens) equal transformers' calls of the same names;
+chat messages are rendered with the checkpoint's template and tokenized without adding special tokens, which is what
+apply_chat_template(tokenize=True) does. EOS ids come from generation_config.json (an int or a list) plus the eos
+token.
+
+Anything else (no tokenizer.json, i.e. sentencepiece only; another model-specific tokenizer class such as
+GPT2Tokenizer or a sentencepiece LlamaTokenizer, which transformers rebuilds its own way; remote code) falls back to
+transformers' AutoTokenizer, logged at INFO, and that imports torch. Thread safety: the `tokenizers` Tokenizer is
+configured once at load (no truncation, no padding) and never mutated afterwards, so encode/decode take no lock;
+only the transformers fallback does.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+from radixserve.scheduler.chat_template import ChatRenderer, load_chat_templates, select_template
+from radixserve.scheduler.tokenizer_files import declared_class, load_tokenizer_json, pipeline_kind, read_json
 
 logger = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# apply_chat_template options of transformers that are not template variables; ours always tokenizes.
+_NOT_TEMPLATE_VARIABLES = frozenset({
+    "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "continue_final_message", "return_assistant_tokens_mask", "sanitize_control_tokens", "conversation",
+})
 
 
 class Tokenizer:
-    """Wraps AutoTokenizer.from_pretrained(path, local_files_only=True).
-
-    Fast tokenizers are not safe to call from several threads at once (encode mutates padding/truncation
-    state), and the HTTP thread and the engine thread both use this object, so every call takes a lock.
-    """
+    """The tokenizer of the checkpoint directory `path`; see the module docstring for what is read from where."""
 
     def __init__(self, path: str) -> None:
         if not os.path.isdir(path):
@@ -32,35 +54,57 @@ class Tokenizer:
             raise ValueError(
                 f"{path!r} has no tokenizer files (expected one of: {', '.join(_TOKENIZER_FILES)})"
             )
-        from transformers import AutoTokenizer
-
-        try:
-            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot load the tokenizer in {path!r}: {exc}") from exc
         self.path = path
-        self._lock = threading.RLock()
-        self.eos_token_ids: list[int] = _eos_token_ids(path, self.hf.eos_token_id)
-        self.vocab_size: int = len(self.hf)
-        self.bos_token_id: int | None = self.hf.bos_token_id
-        self.pad_token_id: int | None = self.hf.pad_token_id
-        self.special_token_ids: frozenset[int] = frozenset(self.hf.all_special_ids)
+        self._hf: Any = None
+        self._hf_lock = threading.Lock()
+        config = read_json(os.path.join(path, "tokenizer_config.json")) or {}
+        kind = pipeline_kind(path, config)
+        if kind is not None:
+            self._backend: _Backend = _RustBackend(path, config, qwen2=kind == "qwen2")
+        else:
+            why = "has no tokenizer.json" if not os.path.isfile(os.path.join(path, "tokenizer.json")) else \
+                f"declares the tokenizer class {declared_class(path, config)!r}, which transformers builds its own way"
+            logger.info("%s %s: loading transformers' AutoTokenizer (this imports torch)", path, why)
+            self._backend = _TransformersBackend(path)
+            self._hf = self._backend.hf
+        backend = self._backend
+        self._templates = load_chat_templates(path, config) if isinstance(backend, _RustBackend) \
+            else backend.hf.chat_template
+        self._renderer = ChatRenderer()
+        self.vocab_size: int = backend.size
+        self.bos_token: str | None = backend.named.get("bos_token")
+        self.eos_token: str | None = backend.named.get("eos_token")
+        self.bos_token_id: int | None = backend.token_id(self.bos_token)
+        self.pad_token_id: int | None = backend.token_id(backend.named.get("pad_token"))
+        self.special_token_ids: frozenset[int] = backend.special_ids
+        self.eos_token_ids: list[int] = _eos_token_ids(path, backend.token_id(self.eos_token))
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.hf, "chat_template", None))
+        return bool(self._templates)
+
+    @property
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The template source (or named sources), as transformers' tokenizer.chat_template."""
+        return self._templates
+
+    @property
+    def hf(self) -> Any:
+        """transformers' AutoTokenizer for the same files, loaded on first use. It imports torch: for tests and
+        tools that compare against transformers, never for the serving path."""
+        with self._hf_lock:
+            if self._hf is None:
+                self._hf = _auto_tokenizer(self.path)
+            return self._hf
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._lock:
-            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+        return self._backend.encode(text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        with self._lock:
-            return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
-        with self._lock:
-            return list(self.hf.convert_ids_to_tokens(list(ids)))
+        return self._backend.convert_ids_to_tokens([int(i) for i in ids])
 
     def render_chat(
         self,
@@ -69,14 +113,21 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """The chat template's text for messages (and tools), as transformers renders it."""
-        if not self.has_chat_template:
+        """The chat template's text for messages (and tools), as transformers renders it.
+
+        template_kwargs become template variables (e.g. enable_thinking=False), overriding the special tokens;
+        chat_template=<name or source> picks a template, like transformers' argument of that name."""
+        if not self.has_chat_template and "chat_template" not in template_kwargs:
             raise ValueError(f"the tokenizer in {self.path!r} has no chat template; send a plain prompt instead")
-        with self._lock:
-            return self.hf.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs,
-            )
+        bad = sorted(_NOT_TEMPLATE_VARIABLES.intersection(template_kwargs))
+        if bad:
+            raise TypeError(f"unsupported chat template option(s): {', '.join(bad)}")
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        tools = tools or None
+        source = select_template(self._templates, tools, template_kwargs.pop("chat_template", None))
+        variables = {**self._backend.named, **template_kwargs}
+        return self._renderer.render(source, messages, tools, add_generation_prompt, variables)
 
     def apply_chat_template(
         self,
@@ -90,19 +141,98 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
+class _Backend:
+    size: int
+    named: dict[str, str]  # the named special tokens that are set: bos_token, ..., and model-specific ones
+    special_ids: frozenset[int]
+
+    def token_id(self, token: str | None) -> int | None: ...
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
+
+
+class _RustBackend(_Backend):
+    def __init__(self, path: str, config: Mapping[str, Any], qwen2: bool = False) -> None:
+        tok, named, extra = load_tokenizer_json(path, config, qwen2)
+        self._tok = tok
+        self.size = tok.get_vocab_size(with_added_tokens=True)
+        self.named = named
+        self._unk_id = self.token_id(self.named.get("unk_token"))
+        ids = (self.token_id(t) for t in dict.fromkeys([*named.values(), *extra]))
+        self.special_ids = frozenset(i for i in ids if i is not None)
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(tok.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
+        )
+
+    def token_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        found = self._tok.token_to_id(token)
+        return found if found is not None else getattr(self, "_unk_id", None)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up else text
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(i) for i in ids]
+
+
+class _TransformersBackend(_Backend):
+    """Pipelines that tokenizer_files does not rebuild (e.g. sentencepiece only): transformers' own, with torch."""
+
+    def __init__(self, path: str) -> None:
+        self.hf = _auto_tokenizer(path)
+        self._lock = threading.Lock()  # transformers' tokenizers switch truncation/padding state per call
+        self.size = len(self.hf)
+        self.named = {key: str(value) for key, value in self.hf.special_tokens_map.items()}
+        self.special_ids = frozenset(i for i in self.hf.all_special_ids if i is not None)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.hf.convert_tokens_to_ids(token)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        with self._lock:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        with self._lock:
+            return list(self.hf.convert_ids_to_tokens(ids))
+
+
+def _auto_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the tokenizer in {path!r}: {exc}") from exc
+
+
+def _clean_up_tokenization(text: str) -> str:
+    # transformers' clean_up_tokenization (for WordPiece-style vocabularies; not applied to BPE).
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
 def _eos_token_ids(path: str, tokenizer_eos: int | None) -> list[int]:
     ids: set[int] = set() if tokenizer_eos is None else {int(tokenizer_eos)}
-    gen_path = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_path):
-        try:
-            with open(gen_path, encoding="utf-8") as f:
-                value = json.load(f).get("eos_token_id")
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read {gen_path}: {exc}") from exc
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
+    value = (read_json(os.path.join(path, "generation_config.json")) or {}).get("eos_token_id")
+    if isinstance(value, int):
+        ids.add(value)
+    elif isinstance(value, list):
+        ids.update(int(v) for v in value)
     if not ids:
         logger.warning("no EOS token id in %s (tokenizer or generation_config.json); generation stops only at limits", path)
     return sorted(ids)
