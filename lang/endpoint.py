@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
 import httpx
@@ -34,7 +35,7 @@ class Endpoint(Backend):
         self.model_info = self._get("/get_model_info")
         path = tokenizer_path or self.model_info.get("tokenizer_path") or self.model_info.get("model_path")
         try:
-            self._tokenizer: LocalTokenizer | None = LocalTokenizer.load(path)
+            self._tokenizer: LocalTokenizer | None = _load_tokenizer(path)
         except Exception as exc:  # no local copy: plain-text programs still work
             logger.warning("cannot load the tokenizer %r on the client (%s); roles and select need it; "
                            "pass tokenizer_path=", path, exc)
@@ -180,3 +181,14 @@ def _describe(prompt: str) -> str:
         return prompt
     head = prompt[:40].replace("\n", "\\n")
     return f"prompt {head!r}{'...' if len(prompt) > 40 else ''}"
+
+
+def _load_tokenizer(path: str) -> LocalTokenizer:
+    """A checkpoint directory loads with radixserve's Tokenizer (no transformers, no torch); a Hub id with
+    transformers."""
+    if path and os.path.isdir(path):
+        from radixserve.lang.runtime import local_tokenizer
+        from radixserve.scheduler.tokenizer import Tokenizer
+
+        return local_tokenizer(Tokenizer(path), path)
+    return LocalTokenizer.load(path)

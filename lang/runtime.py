@@ -102,10 +102,36 @@ class _Pending:
 
 
 def _local_tokenizer(engine: Any) -> LocalTokenizer:
-    hf = getattr(engine.tokenizer, "hf", None)
-    if hf is not None:
-        return LocalTokenizer(hf, engine.model_path)
+    tokenizer = engine.tokenizer
+    if hasattr(tokenizer, "render_chat"):  # radixserve's Tokenizer: no transformers needed
+        return local_tokenizer(tokenizer, engine.model_path)
     return LocalTokenizer.load(engine.model_path)
+
+
+def local_tokenizer(tokenizer: Any, name: str) -> LocalTokenizer:
+    """LocalTokenizer over a radixserve.scheduler.tokenizer.Tokenizer (which matches transformers' outputs)."""
+    return LocalTokenizer(_TransformersView(tokenizer, name), name)
+
+
+class _TransformersView:
+    """The part of a transformers tokenizer that LocalTokenizer and ChatTemplate.from_tokenizer read, over a
+    radixserve Tokenizer: BOS text and id, encode, chat_template and apply_chat_template(tokenize=False)."""
+
+    def __init__(self, tokenizer: Any, name: str) -> None:
+        self._tokenizer = tokenizer
+        self.name_or_path = name
+        self.bos_token = tokenizer.bos_token
+        self.bos_token_id = tokenizer.bos_token_id
+        self.chat_template = tokenizer.chat_template if tokenizer.has_chat_template else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = True,
+                            add_generation_prompt: bool = False, **kwargs: Any) -> Any:
+        if tokenize:
+            return self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self._tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
 def _describe(prompt: str) -> str:
