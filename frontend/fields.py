@@ -9,6 +9,9 @@ from radixserve.scheduler.checks import in_range, range_message
 from radixserve.scheduler.sampling_params import SamplingParams
 
 _MISSING = object()
+# Every stop string is searched for after each token, so the list is bounded (OpenAI allows 4).
+MAX_STOP_STRINGS = 64
+_MAX_EXACT_FLOAT_INT = 2**53
 
 
 class FieldReader:
@@ -42,7 +45,8 @@ class FieldReader:
         value = self.raw(key, default)
         if value is None:
             return None
-        if isinstance(value, float) and value.is_integer():
+        # JSON integers past 64 bits arrive as floats, rounded: only exactly representable ones pass.
+        if isinstance(value, float) and value.is_integer() and abs(value) <= _MAX_EXACT_FLOAT_INT:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad_request(f"{self.name(key)} must be an integer, got {_json_type(value)}", self.name(key))
@@ -65,7 +69,7 @@ class FieldReader:
             raise bad_request(f"{self.name(key)} must be a string, got {_json_type(value)}", self.name(key))
         return value
 
-    def str_list(self, key: str) -> list[str]:
+    def str_list(self, key: str, max_len: int | None = None) -> list[str]:
         """A string or a list of strings (as `stop` accepts); empty strings are refused."""
         value = self.raw(key, [])
         if isinstance(value, str):
@@ -74,6 +78,7 @@ class FieldReader:
             raise bad_request(f"{self.name(key)} must be a string or a list of strings", self.name(key))
         if any(v == "" for v in value):
             raise bad_request(f"{self.name(key)} must not contain empty strings", self.name(key))
+        check_list_len(self.name(key), value, max_len)
         return list(value)
 
     def int_list(self, key: str, lo: int = 0) -> list[int]:
@@ -130,7 +135,7 @@ def read_openai_sampling(reader: FieldReader) -> dict[str, Any]:
         "repetition_penalty": reader.number("repetition_penalty", 1.0),
         "min_new_tokens": reader.int("min_tokens", 0, lo=0),
         "ignore_eos": reader.bool("ignore_eos", False),
-        "stop": reader.str_list("stop"),
+        "stop": reader.str_list("stop", MAX_STOP_STRINGS),
         "stop_token_ids": reader.int_list("stop_token_ids"),
         "cache_salt": reader.str("cache_salt"),
         "skip_special_tokens": reader.bool("skip_special_tokens", True),
@@ -152,6 +157,11 @@ def make_sampling_params(kwargs: dict[str, Any], names: dict[str, str]) -> Sampl
             if internal and message.startswith(internal):
                 message = param + message[len(internal):]
         raise bad_request(message, param) from exc
+
+
+def check_list_len(name: str, value: Any, max_len: int | None) -> None:
+    if max_len is not None and isinstance(value, list) and len(value) > max_len:
+        raise bad_request(f"{name} has {len(value)} entries; at most {max_len} are allowed", name)
 
 
 def _is_int(value: Any) -> bool:

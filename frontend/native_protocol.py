@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.frontend.errors import bad_request
-from radixserve.frontend.fields import FieldReader, make_sampling_params
+from radixserve.frontend.fields import MAX_STOP_STRINGS, FieldReader, check_list_len, make_sampling_params
 from radixserve.scheduler.sampling_params import SamplingParams
 
 # SGLang clients (RuntimeEndpoint) send these; they are accepted and have no effect here.
@@ -108,6 +108,8 @@ def _parse_sampling(raw: Any, where: str) -> dict[str, Any]:
             continue
         if key == "sampling_seed":
             key = "seed"
+        if key == "stop":
+            check_list_len(f"{name}.stop", value, MAX_STOP_STRINGS)
         if key not in SamplingParams.__dataclass_fields__:
             raise bad_request(f"unknown sampling parameter {name}.{key}", f"{name}.{key}")
         kwargs[key] = value

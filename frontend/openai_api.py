@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.frontend.engine_client import Job, Submission
-from radixserve.frontend.errors import APIError
+from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from radixserve.frontend.protocol import (
     ChatRequest,
@@ -32,7 +32,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     common = req.common
     state.check_model(common.model)
     prompt_ids = state.render_chat(req.messages, req.tools)
-    max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens)
+    max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
     rid = state.new_id("chatcmpl")
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
                            max_new_tokens=max_new, logprobs=common.logprobs)
@@ -101,10 +101,14 @@ _CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens"}
 _COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens"}
 
 
-def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None) -> int:
+def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:
     if max_tokens is None:
         # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag.
-        return state.client.default_max_tokens(prompt_len, state.config.max_tokens_default, "messages")
+        default = state.client.default_max_tokens(prompt_len, state.config.max_tokens_default, "messages")
+        if min_tokens > default:  # parsing checked min_tokens only against an explicit max_tokens
+            raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens, whose default for this prompt "
+                              f"is {default} (the room left in the context, capped by the server)", "min_tokens")
+        return default
     return max_tokens
 
 

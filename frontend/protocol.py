@@ -148,6 +148,10 @@ def _parse_message(raw: Any, where: str) -> dict[str, Any]:
         value = reader.str(key)
         if value is not None:
             message[key] = value
+    if role == "tool" and not message.get("tool_call_id"):
+        # Templates pair a tool result with its call by this id (OpenAI requires it too).
+        raise bad_request(f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id",
+                          code="missing_required_parameter")
     return message
 
 
@@ -205,10 +209,31 @@ def _parse_tools(reader: FieldReader) -> list[dict[str, Any]] | None:
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
+        _check_function_schema(fn, f"tools[{i}].function")
         tools.append({"type": "function", "function": fn})
     if choice == "none" or not tools:
         return None
     return tools
+
+
+def _check_function_schema(fn: dict[str, Any], where: str) -> None:
+    """The shape templates rely on: a string description, parameters as a JSON Schema object
+    (its properties an object, its required list names). The schema itself is not enforced."""
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", f"{where}.description")
+    params = fn.get("parameters")
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise bad_request(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
+    if "type" in params and not isinstance(params["type"], (str, list)):
+        raise bad_request(f"{where}.parameters.type must be a string", f"{where}.parameters.type")
+    if "properties" in params and not isinstance(params["properties"], dict):
+        raise bad_request(f"{where}.parameters.properties must be an object", f"{where}.parameters.properties")
+    required = params.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        raise bad_request(f"{where}.parameters.required must be a list of strings", f"{where}.parameters.required")
 
 
 def _parse_prompts(raw: Any) -> list[str | list[int]]:
