@@ -70,15 +70,16 @@ class EngineClient:
 
     # -- admission ------------------------------------------------------------------------
 
-    def reserve(self, num: int) -> "Lease":
-        """Admit `num` engine requests or raise 503 (draining, no engine), 429 (full) or 400 (never fits)."""
+    def reserve(self, num: int, param: str | None = "n") -> "Lease":
+        """Admit `num` engine requests or raise 503 (draining, no engine), 429 (full) or 400 (never
+        fits; naming `param`, what made the count: n, or None for a batch of prompts)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.engine.dead:
             raise engine_unavailable(EngineDead("the engine process died"))
         if num > self.capacity:
             raise bad_request(f"the request asks for {num} generations but the server admits at most "
-                              f"{self.capacity} at once", "n")
+                              f"{self.capacity} at once", param)
         if self.num_in_flight + num > self.capacity:
             raise APIError(429, f"the server is at capacity ({self.num_in_flight} requests queued or running); "
                            f"retry later", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
