@@ -1,15 +1,28 @@
-"""OpenAI-format errors: `{"error": {"message", "type", "param", "code"}}` with a fitting HTTP status."""
+"""OpenAI-format errors: `{"error": {"message", "type", "param", "code"}}` with a fitting HTTP status.
+
+Every error the server sends has this body: APIError raised by handlers, Starlette's own 404 / 405
+(`exception_handlers()`), and whatever escapes an endpoint or is cancelled at a forced shutdown
+before its response started (`ErrorGuard`, which would otherwise leave uvicorn's plain-text 500).
+"""
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import Any, Callable
 
 import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "internal_error",
@@ -58,3 +71,75 @@ def param_from_message(message: str, names: dict[str, str]) -> str | None:
         if internal in message:
             return public
     return None
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutting_down")
+
+
+def exception_handlers(on_error: Callable[[int], None] | None = None) -> dict[Any, Callable]:
+    """Starlette handlers that render its HTTPExceptions (unknown path, wrong method) as OpenAI
+    errors; `on_error(status)` is called for each (metrics)."""
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        if on_error is not None:
+            on_error(exc.status_code)
+        return _http_error(request, exc).response()
+
+    return {HTTPException: http_error}
+
+
+class ErrorGuard:
+    """Pure ASGI middleware: an exception or cancellation before the response started is answered
+    with an OpenAI error (500, or 503 when a forced shutdown cancelled the request), then re-raised
+    so that the server still logs it. After the response started there is nothing left to send."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except BaseException as exc:
+            if not started:
+                await _send_quietly(_guard_error(exc), scope, receive, send)
+            raise
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def _http_error(request: Request, exc: HTTPException) -> APIError:
+    where = f"{request.method} {request.url.path}"
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        return APIError(404, f"there is no endpoint at {request.url.path}", code="not_found")
+    if exc.status_code == 405:
+        allowed = sorted(m.strip() for m in headers.get("Allow", "").split(",") if m.strip())
+        headers["Allow"] = ", ".join(allowed)
+        return APIError(405, f"{request.method} is not allowed on {request.url.path}; use {' or '.join(allowed)}",
+                        code="method_not_allowed", headers=headers)
+    return APIError(exc.status_code, exc.detail or where, headers=headers)
+
+
+def _guard_error(exc: BaseException) -> APIError:
+    if isinstance(exc, asyncio.CancelledError):
+        return APIError(503, "the server is shutting down; the request was cancelled", code="server_shutting_down")
+    return APIError(500, f"internal error: {exc!r}", code="internal_error")
+
+
+async def _send_quietly(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    try:
+        await error.response()(scope, receive, send)
+    except Exception:  # the connection is already gone
+        logger.debug("could not send the error response", exc_info=True)

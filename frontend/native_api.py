@@ -1,6 +1,7 @@
 """SGLang-native POST /generate: same request and response shapes, so RuntimeEndpoint works unchanged."""
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from typing import Any, AsyncIterator
 
@@ -8,6 +9,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.frontend.access_log import note_first_token, note_usage
 from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import TokenTexts, native_logprobs, prompt_entries
@@ -18,18 +20,23 @@ from radixserve.scheduler.req import GenerateResult
 from radixserve.scheduler.sampling_params import SamplingParams
 
 
-
 async def generate(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_generate_request(body)
-    jobs = [_make_job(state, item, i if req.is_batch else None) for i, item in enumerate(req.items)]
+    jobs = await asyncio.to_thread(_make_jobs, state, req)  # tokenizes: off the event loop
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
     if req.stream:
-        return SSEResponse(_native_events(state, req, sub), on_close=sub.close)
+        return SSEResponse(_native_events(state, req, sub, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
+    for r in results:
+        _note_usage(request, r)
     outputs = [_output(state, item, job, r) for item, job, r in zip(req.items, jobs, results)]
     return Response(orjson.dumps(outputs if req.is_batch else outputs[0]), media_type="application/json")
+
+
+def _make_jobs(state: ServerState, req: NativeRequest) -> list[Job]:
+    return [_make_job(state, item, i if req.is_batch else None) for i, item in enumerate(req.items)]
 
 
 def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
@@ -82,7 +89,8 @@ def _logprob_meta(state: ServerState, item: NativeItem, job: Job, prompt_logprob
             "input_top_logprobs": input_tops, "output_top_logprobs": output_tops}
 
 
-async def _native_events(state: ServerState, req: NativeRequest, sub: Submission) -> AsyncIterator[bytes]:
+async def _native_events(state: ServerState, req: NativeRequest, sub: Submission, request: Request
+                         ) -> AsyncIterator[bytes]:
     """Each event carries the cumulative text and output ids so far (SGLang's streaming format)."""
     jobs = sub.jobs
     texts = [""] * len(jobs)
@@ -94,7 +102,10 @@ async def _native_events(state: ServerState, req: NativeRequest, sub: Submission
                 texts[i] += delta.text
                 ids[i] += delta.token_ids
                 logprobs[i] += delta.logprobs
+                if delta.token_ids:
+                    note_first_token(request)
                 if delta.finished:
+                    _note_usage(request, delta.result)
                     out = _output(state, req.items[i], jobs[i], delta.result)
                 else:
                     out = _partial(state, req.items[i], jobs[i], texts[i], ids[i], logprobs[i])
@@ -104,6 +115,10 @@ async def _native_events(state: ServerState, req: NativeRequest, sub: Submission
     except APIError as exc:
         yield sse_event(exc.body())
     yield DONE
+
+
+def _note_usage(request: Request, r: GenerateResult) -> None:
+    note_usage(request, r.prompt_tokens, r.cached_tokens, r.completion_tokens)
 
 
 def _partial(state: ServerState, item: NativeItem, job: Job, text: str, output_ids: list[int],

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions and /v1/completions (OpenAI wire format, streamed or not)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
@@ -10,6 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixserve.frontend.access_log import note_first_token, note_openai_usage
 from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
@@ -31,7 +33,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     req = parse_chat_request(body, state.config.max_n)
     common = req.common
     state.check_model(common.model)
-    prompt_ids = state.render_chat(req.messages, req.tools)
+    prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
     max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
     rid = state.new_id("chatcmpl")
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
@@ -40,15 +42,16 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
-        return SSEResponse(_sse_events(sub, handler), on_close=sub.close)
+        return SSEResponse(_sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
         _raise_if_failed(r)
     choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
-    payload = dict(head, object="chat.completion", choices=choices,
-                   usage=_usage([len(prompt_ids)], results, len(jobs)))
+    usage = _usage([len(prompt_ids)], results, len(jobs))
+    note_openai_usage(request, usage)
+    payload = dict(head, object="chat.completion", choices=choices, usage=usage)
     if common.return_token_ids:
         payload["prompt_token_ids"] = prompt_ids
         for choice, r in zip(choices, results):
@@ -60,7 +63,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_completion_request(body, state.config.max_n)
     common = req.common
     state.check_model(common.model)
-    prompts_ids = [state.encode(p, "prompt") if isinstance(p, str) else p for p in req.prompts]
+    prompts_ids, echo_texts = await asyncio.to_thread(_tokenize_prompts, state, req.prompts, req.echo)
     rid = state.new_id("cmpl")
     echo_logprobs = req.echo and common.logprobs is not None
     jobs: list[Job] = []
@@ -69,12 +72,11 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
         jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed, _COMPLETION_NAMES,
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
-    echo_texts = [_echo_text(state, p, ids) for p, ids in zip(req.prompts, prompts_ids)] if req.echo else None
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
-        return SSEResponse(_sse_events(sub, handler), on_close=sub.close)
+        return SSEResponse(_sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
@@ -85,6 +87,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
         echo = echo_texts[i // common.n] if echo_texts is not None else None
         choices.append(_completion_choice(state, req, i, job, r, echo))
     usage = _usage([len(i) for i in prompts_ids], results, common.n)
+    note_openai_usage(request, usage)
     payload = dict(head, object="text_completion", choices=choices, usage=usage)
     if common.return_token_ids:
         payload["prompt_token_ids"] = prompts_ids if len(prompts_ids) > 1 else prompts_ids[0]
@@ -188,23 +191,28 @@ class _ChatStream:
             out.append(self.chunk(i, {}, finish=finish))
         return out
 
+    def usage(self) -> dict[str, Any]:
+        return _usage([self.prompt_len], self.results, len(self.parsers))
+
     def epilogue(self) -> list[bytes]:
         if not self.req.common.include_usage:
             return []
-        usage = _usage([self.prompt_len], self.results, len(self.parsers))
-        return [sse_event(dict(self.base, choices=[], usage=usage))]
+        return [sse_event(dict(self.base, choices=[], usage=self.usage()))]
 
 
-async def _sse_events(sub: Submission, handler: Any) -> AsyncIterator[bytes]:
+async def _sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:
     """The SSE body: handler.prologue(), events per delta, handler.epilogue(), [DONE].
 
     An engine failure mid-stream becomes an error event (the status line is already sent).
+    The first token and the final usage go to the request's access-log line.
     """
     for event in handler.prologue():
         yield event
     try:
         async with aclosing(sub.deltas()) as deltas:
             async for i, delta in deltas:
+                if delta.token_ids:
+                    note_first_token(request)
                 if delta.finished:
                     _raise_if_failed(delta.result)
                 for event in handler.on_delta(i, delta):
@@ -213,6 +221,7 @@ async def _sse_events(sub: Submission, handler: Any) -> AsyncIterator[bytes]:
         yield sse_event(exc.body())
         yield DONE
         return
+    note_openai_usage(request, handler.usage())
     for event in handler.epilogue():
         yield event
     yield DONE
@@ -224,6 +233,15 @@ def _raise_if_failed(r: GenerateResult | None) -> None:
 
 
 # -- completions ------------------------------------------------------------------------------
+
+
+def _tokenize_prompts(state: ServerState, prompts: list[str | list[int]], echo: bool
+                      ) -> tuple[list[list[int]], list[str] | None]:
+    """Each prompt's ids and, with echo, its text (runs in a worker thread: the tokenizer is slow)."""
+    prompts_ids = [state.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
+    if not echo:
+        return prompts_ids, None
+    return prompts_ids, [_echo_text(state, p, ids) for p, ids in zip(prompts, prompts_ids)]
 
 
 def _echo_text(state: ServerState, prompt: str | list[int], ids: list[int]) -> str:
@@ -295,11 +313,13 @@ class _CompletionStream:
                            delta.result)
         return [echo] + self.held[i]
 
+    def usage(self) -> dict[str, Any]:
+        return _usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
+
     def epilogue(self) -> list[bytes]:
         if not self.req.common.include_usage:
             return []
-        usage = _usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
-        return [sse_event(dict(self.base, choices=[], usage=usage))]
+        return [sse_event(dict(self.base, choices=[], usage=self.usage()))]
 
 
 def _echo_chunk(state: ServerState, chunk: Any, index: int, job: Job, echo: str, r: GenerateResult) -> bytes:

@@ -9,15 +9,17 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from radixserve.frontend import native_api, openai_api
+from radixserve.frontend import native_api, openai_api, tokenize_api
+from radixserve.frontend.access_log import AccessLog
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
 from radixserve.frontend.engine_proc import EngineDead
-from radixserve.frontend.errors import APIError, bad_request
+from radixserve.frontend.errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
 from radixserve.frontend.metrics import ServerMetrics
 from radixserve.frontend.state import ServerState
@@ -57,8 +59,14 @@ def build_app(state: ServerState) -> Starlette:
         route("/metrics", _metrics, ["GET"]),
         route("/health", _health, ["GET"], auth=False, health=True),
         route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
+        route("/tokenize", tokenize_api.tokenize, ["POST"], body=True),
+        route("/detokenize", tokenize_api.detokenize, ["POST"], body=True),
     ]
-    app = Starlette(routes=routes)
+    # Outermost first: the access log sees what ErrorGuard answers for a request that failed.
+    middleware = [] if state.config.disable_log_requests else [Middleware(AccessLog)]
+    middleware.append(Middleware(ErrorGuard))
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers=exception_handlers(state.metrics.observe_response))
     app.state.radixserve = state
     return app
 
@@ -70,7 +78,7 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
             if auth:
                 _check_api_key(state.config.api_key, request)
             if state.client.draining and not health:
-                raise APIError(503, "the server is shutting down", code="server_shutting_down")
+                raise shutting_down()
             payload = await read_json(request, state.config.max_body_bytes) if body else None
             response = await handler(state, request, payload)
         except APIError as exc:
@@ -113,7 +121,15 @@ async def read_json(request: Request, limit: int) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from exc
+        raise bad_request(_json_error(raw, exc)) from exc
+
+
+def _json_error(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"the request body is not valid UTF-8 (byte {bad.start}); send JSON encoded as UTF-8"
+    return f"the request body is not valid JSON: {exc}"
 
 
 # -- small endpoints --------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""The access log (one radixserve.access line per request, off with --disable-log-requests) and
+OpenAI-format errors for everything the server answers: 404, 405 (with Allow), 413, a bad body,
+and the request cancelled by a second shutdown signal (uvicorn would send plain text)."""
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from _http_server import START_TIMEOUT_S, shared_server, tiny_model_path
+from radixserve.frontend.spawn import ServerProcess as Spawned
+
+ACCESS = re.compile(r'radixserve\.access: \S+ "(?P<method>\w+) (?P<path>\S+)" (?P<status>\d+) '
+                    r"prompt_tokens=(?P<prompt>[\d-]+) cached_tokens=(?P<cached>[\d-]+) "
+                    r"completion_tokens=(?P<completion>[\d-]+) ttft=(?P<ttft>[\d.]+s|-) latency=(?P<latency>[\d.]+)s")
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _args() -> list[str]:
+    return ["--model", tiny_model_path(), "--context-length", "512", "--kv-cache-tokens", "4096",
+            "--max-body-bytes", "4096", "--log-level", "info"]
+
+
+@pytest.fixture(scope="module")
+def logged():
+    """A server at the default log level (info), so access lines are written."""
+    return shared_server("logged", _args())
+
+
+@pytest.fixture(scope="module")
+def http(logged):
+    with logged.client() as client:
+        yield client
+
+
+def _access_lines(server, path: str, count: int, timeout: float = 10.0) -> list[dict]:
+    """The access lines for `path` once `count` of them were written (the line follows the body)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [m.groupdict() for m in map(ACCESS.search, list(server.lines)) if m and m["path"] == path]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_access_line_for_a_completion_has_its_tokens(logged, http):
+    path = "/v1/completions"
+    before = len(_access_lines(logged, path, 0, timeout=0))
+    r = http.post(path, json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+    assert r.status_code == 200
+    usage = r.json()["usage"]
+    line = _access_lines(logged, path, before + 1)[-1]
+    assert (line["method"], line["status"]) == ("POST", "200")
+    assert int(line["prompt"]) == usage["prompt_tokens"] == 3
+    assert int(line["cached"]) == usage["prompt_tokens_details"]["cached_tokens"]
+    assert int(line["completion"]) == usage["completion_tokens"] == 4
+    assert float(line["ttft"][:-1]) <= float(line["latency"])
+
+
+def test_access_line_of_a_stream_is_written_after_it_ends(logged, http):
+    path = "/v1/chat/completions"
+    before = len(_access_lines(logged, path, 0, timeout=0))
+    with http.stream("POST", path, json={"messages": USER, "max_tokens": 6, "stream": True,
+                                         "ignore_eos": True}) as r:
+        body = b"".join(r.iter_bytes())
+    assert r.status_code == 200 and body.endswith(b"data: [DONE]\n\n")
+    line = _access_lines(logged, path, before + 1)[-1]
+    assert line["status"] == "200" and line["completion"] == "6" and int(line["prompt"]) > 0
+    assert float(line["ttft"][:-1]) <= float(line["latency"])
+
+
+def test_access_line_of_native_generate_and_of_a_plain_endpoint(logged, http):
+    r = http.post("/generate", json={"input_ids": [[5, 6], [7, 8, 9]], "sampling_params": {"max_new_tokens": 2,
+                                                                                             "ignore_eos": True}})
+    assert r.status_code == 200
+    line = _access_lines(logged, "/generate", 1)[-1]
+    assert (line["prompt"], line["completion"]) == ("5", "4")  # summed over the batch
+    assert http.get("/health").status_code == 200
+    line = _access_lines(logged, "/health", 1)[-1]
+    assert (line["status"], line["prompt"], line["ttft"]) == ("200", "-", "-")
+
+
+def test_unknown_path_is_an_openai_404(http, logged):
+    error = _error(http.get("/v1/nothing-here"), 404)
+    assert error["type"] == "not_found_error" and "/v1/nothing-here" in error["message"]
+    _error(http.post("/nope", json={}), 404)
+    assert _access_lines(logged, "/v1/nothing-here", 1)[-1]["status"] == "404"
+
+
+def test_wrong_method_is_an_openai_405_with_allow(http):
+    r = http.get("/v1/chat/completions")
+    error = _error(r, 405)
+    assert r.headers["allow"] == "POST" and "POST" in error["message"]
+    r = http.post("/v1/models", json={})
+    _error(r, 405)
+    assert r.headers["allow"] == "GET, HEAD"
+
+
+def test_body_errors_are_openai_errors(http):
+    error = _error(http.post("/v1/completions", json={"prompt": "x" * 5000}), 413)
+    assert "4096" in error["message"]
+    error = _error(http.post("/v1/completions", content=b'{"prompt": "caf\xe9"}'), 400)
+    assert error["message"].startswith("the request body is not valid UTF-8")
+    error = _error(http.post("/v1/completions", content=b'{"prompt": "\\ud800"}'), 400)
+    assert error["message"].startswith("the request body is not valid JSON")
+
+
+def test_range_errors_use_the_common_wording(http):
+    error = _error(http.post("/v1/chat/completions", json={"messages": USER, "temperature": 150}), 400)
+    assert error["message"] == "temperature must be between 0 and 100, got 150"
+    error = _error(http.post("/v1/chat/completions", json={"messages": USER, "n": 17}), 400)
+    assert error["message"] == "n must be between 1 and 16, got 17"
+    error = _error(http.post("/v1/chat/completions", json={"messages": USER, "top_p": 0}), 400)
+    assert error["message"] == "top_p must be > 0 and <= 1, got 0"
+
+
+def test_disable_log_requests_writes_no_access_line():
+    quiet = shared_server("quiet", [*_args(), "--disable-log-requests"])
+    with quiet.client() as c:
+        assert c.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+        assert c.get("/health").status_code == 200
+    time.sleep(0.5)
+    assert not [line for line in quiet.lines if "radixserve.access" in line], quiet.log()
+    assert any("radixserve ready" in line for line in quiet.lines)
+
+
+def test_request_cancelled_by_a_second_signal_gets_an_openai_503():
+    """The engine hangs (test fault switch), so the request is still waiting when the second
+    SIGTERM forces the exit; uvicorn would answer it with a plain-text 500."""
+    server = _faulty_server()
+    out: dict = {}
+
+    def request() -> None:
+        out["r"] = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(2.0)  # the request reaches the hung engine (/get_server_info would hang too: it asks the engine)
+    server.proc.send_signal(signal.SIGTERM)  # drain: the request keeps waiting
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)  # forced exit: the request is cancelled
+    thread.join(60)
+    try:
+        error = _error(out["r"], 503)
+        assert error["code"] == "server_shutting_down"
+    finally:
+        server.stop(timeout=30)
+
+
+def _faulty_server() -> Spawned:
+    return Spawned(["--model", tiny_model_path(), "--kv-cache-tokens", "1024", "--num-threads", "1",
+                    "--graceful-timeout", "1"], start_timeout_s=START_TIMEOUT_S,
+                   env={"OMP_NUM_THREADS": "1", "RADIXSERVE_TEST_FAULT": "hang-forward"})
+
