@@ -46,6 +46,7 @@ class PolicyConfig:
 
     window: int = option(256, "fresh requests ordered per step (oldest first); the rest stay fcfs")
     block_size: int = option(16, "prompt tokens per hashed block when grouping shared prefixes")
+    # Shared lengths are seen in whole blocks, so 1 means: any uncached shared block.
     dedup_min_tokens: int = option(
         1, "defer requests sharing an uncached prefix of at least this many tokens until one has cached it")
     starvation_rule: str = option("overtake", "anti-starvation rule of cache-aware", choices=STARVATION_RULES)
