@@ -184,11 +184,14 @@ class EngineProcess:
                         break
             except zmq.ZMQError:  # the socket was closed: the server is stopping
                 return
-            if batch:
-                self._loop.call_soon_threadsafe(self._dispatch, batch)
-            elif not self.proc.is_alive():
-                if not self._closing:
-                    self._loop.call_soon_threadsafe(self._died)
+            try:
+                if batch:
+                    self._loop.call_soon_threadsafe(self._dispatch, batch)
+                elif not self.proc.is_alive():
+                    if not self._closing:
+                        self._loop.call_soon_threadsafe(self._died)
+                    return
+            except RuntimeError:  # the event loop is closed: the server has stopped
                 return
 
     def _dispatch(self, batch: list[Any]) -> None:

@@ -100,7 +100,8 @@ def run_server(config: ServerConfig) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        code = engine.close(timeout=config.graceful_timeout_s + 5)
+        # After a forced exit (second signal, dead engine) nothing waits for the engine.
+        code = engine.close(timeout=2 if server.force_exit else config.graceful_timeout_s + 5)
         sock.close()
     if server.engine_died:
         logger.error("the engine process died (exit code %s)", code)

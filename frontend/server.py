@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -28,6 +28,7 @@ from radixserve.scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+ENGINE_CALL_TIMEOUT_S = 10.0  # stats / flush between steps; a stuck engine makes them 503, not hang
 Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
 
 
@@ -83,6 +84,9 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
             response = await handler(state, request, payload)
         except APIError as exc:
             response = exc.response()
+        except ClientDisconnect:  # the client left while sending its body: nobody to answer
+            logger.info("client disconnected while sending %s", request.url.path)
+            response = Response(status_code=499)
         except Exception as exc:  # a bug in one request must not take the server down
             logger.exception("unhandled error in %s", request.url.path)
             response = APIError(500, f"internal error: {exc}").response()
@@ -172,7 +176,7 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
 async def _engine_call(state: ServerState, name: str) -> Any:
     """An engine method run between steps; 503 when there is no engine to ask."""
     try:
-        return await state.engine.call(name)
+        return await state.engine.call(name, timeout=ENGINE_CALL_TIMEOUT_S)
     except (EngineDead, asyncio.TimeoutError) as exc:
         raise engine_unavailable(exc if str(exc) else EngineDead("no answer")) from exc
 
