@@ -23,7 +23,7 @@ from radixserve.scheduler.sampling_params import SamplingParams
 async def generate(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_generate_request(body)
     jobs = await asyncio.to_thread(_make_jobs, state, req)  # tokenizes: off the event loop
-    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs), None))  # a refusal is a 400 here
     if req.stream:
         return SSEResponse(_native_events(state, req, sub, request), on_close=sub.close)
     results = await collect(request, sub)

@@ -72,7 +72,8 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
         jobs += state.make_jobs(ids, common.sampling, common.n, sub_rid, common.seed, _COMPLETION_NAMES,
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
-    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
+    lease = state.client.reserve(len(jobs), "n" if len(prompts_ids) == 1 else None)
+    sub = await state.client.submit(jobs, lease)  # a refusal is a 400 here
     head = {"id": rid, "created": int(time.time()), "model": state.model_name}
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
