@@ -79,7 +79,9 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (SO_REUSEADDR, as uvicorn binds), for uvicorn's
     `server.run(sockets=[sock])`; ConfigError if the port is taken or the address unusable."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted connections only when it does,
+    # and without it every small write of a reused connection waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

@@ -175,3 +175,33 @@ def test_triton_without_cuda_or_interpreter_fails_before_the_model_loads():
 def test_bad_flag_value_is_one_line_naming_the_flag():
     out, elapsed = _serve("--port", "0", "--policy-overtake-ratio", "-1")
     _assert_failed_fast(out, elapsed, "--policy-overtake-ratio must be >= 0, got -1")
+
+
+def test_listen_socket_gives_accepted_connections_tcp_nodelay():
+    """A reused keep-alive connection must not wait for delayed ACKs (Nagle): asyncio turns
+    TCP_NODELAY on for accepted connections only if the listening socket says IPPROTO_TCP."""
+    import asyncio
+    import socket
+
+    from radixserve.frontend.preflight import bind_listen_socket
+
+    async def accepted_nodelay() -> int:
+        sock = bind_listen_socket("127.0.0.1", 0)
+        flags = []
+
+        async def on_connect(reader, writer):
+            flags.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        port = sock.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(100):
+            if flags:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        return flags[0]
+
+    assert asyncio.run(accepted_nodelay()) != 0
