@@ -11,7 +11,8 @@ num_prompts / num_prefixes different suffixes of suffix_len tokens, shuffled; th
 every run the same prompts). It runs in vLLM's venv, started through bench/_vllm_cli.py from a
 temporary directory outside the repository with PYTHONPATH stripped, and it is pointed at:
 
-  radixserve   `radixserve serve --model PATH --num-threads T --max-running-requests N --kv-cache-tokens K`
+  radixserve   `radixserve serve --model PATH --num-threads T --max-running-requests N --kv-cache-tokens K
+               --chunked-prefill-size 4096` (vLLM-CPU's per-step token budget)
   vllm-b{B}    `vllm serve PATH --dtype float32 --enable-prefix-caching --enforce-eager --block-size B
                --max-num-seqs N`, VLLM_CPU_OMP_THREADS_BIND=0-(T-1), VLLM_CPU_KVCACHE_SPACE sized like
                bench/peer_vllm.py does (every prompt + output without sharing, x1.5), VLLM_SERVER_DEV_MODE=1
@@ -86,8 +87,13 @@ class OursServer:
         from radixserve.frontend.spawn import ServerProcess
 
         self.name = OURS
+        from radixserve.bench.peer_vllm import VLLM_CPU_BATCHED_TOKENS
+
+        # The same per-step token budget as vLLM-CPU's default max_num_batched_tokens (an
+        # --radixserve-arg given later overrides it).
         self.args = ["--model", model_path, "--served-model-name", served_name, "--num-threads", str(threads),
-                     "--max-running-requests", str(max_running), "--kv-cache-tokens", str(kv_tokens), *extra_args]
+                     "--max-running-requests", str(max_running), "--kv-cache-tokens", str(kv_tokens),
+                     "--chunked-prefill-size", str(VLLM_CPU_BATCHED_TOKENS), *extra_args]
         self.proc = ServerProcess(self.args, env={"OMP_NUM_THREADS": str(threads)})
         self.url = self.proc.url
 
