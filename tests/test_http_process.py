@@ -97,16 +97,20 @@ def _open_stream(server: ServerProcess, out: dict) -> threading.Thread:
     return thread
 
 
+def _wait_first_event(out: dict) -> None:
+    deadline = time.monotonic() + 30
+    while "first" not in out and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "first" in out, "the stream never started"
+
+
 def test_engine_death_ends_streams_and_the_server_exits_nonzero():
     server = _server()
     try:
         engine_pid = server.server_info()["engine_pid"]
         out: dict = {}
         thread = _open_stream(server, out)
-        deadline = time.monotonic() + 30
-        while "first" not in out and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert "first" in out, "the stream never started"
+        _wait_first_event(out)
         killed = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
         thread.join(10)
@@ -156,9 +160,7 @@ def test_sigterm_drains_and_stops_both_processes():
     engine_pid = server.server_info()["engine_pid"]
     out: dict = {}
     thread = _open_stream(server, out)
-    deadline = time.monotonic() + 30
-    while "first" not in out and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _wait_first_event(out)
     assert server.stop(timeout=60) == 0
     thread.join(10)
     assert out["events"][-1] == "data: [DONE]" and '"length"' in out["events"][-2]
