@@ -21,14 +21,15 @@ _REPLACEMENT = "\ufffd"
 
 
 class _Decoder(Protocol):
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **kwargs: bool) -> str: ...
 
 
 class IncrementalDetokenizer:
     """add(token_id) -> new text (possibly ""); text = everything emitted so far; finish() -> the held-back rest.
 
     prompt_ids (optional) give the first output tokens their left context, for tokenizers whose decoding of a
-    token depends on what precedes it; they are never part of the output text.
+    token depends on what precedes it; they are never part of the output text. spaces_between_special_tokens=False
+    is passed on to decode (True, the default, is decode's own default and is not passed).
     """
 
     def __init__(
@@ -37,9 +38,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         prompt_ids: Sequence[int] | None = None,
         context_len: int = 5,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_kwargs = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         self.ids: list[int] = list(prompt_ids[-context_len:]) if prompt_ids else []
         self.num_prompt_ids = len(self.ids)
         self.prefix_offset = 0
@@ -87,4 +90,4 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **self._decode_kwargs)

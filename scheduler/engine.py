@@ -85,7 +85,8 @@ class Engine:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,
                       arrival_step=self._step_idx, arrival_time=time.perf_counter())
-            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                               spaces_between_special_tokens=params.spaces_between_special_tokens)
             self._reqs[rid] = req
             if on_delta is not None:
                 self._loop.listen(rid, on_delta)

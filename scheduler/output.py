@@ -1,10 +1,32 @@
-"""Per-token bookkeeping after a forward: append, detokenize, check stops, build deltas."""
+"""Per-token bookkeeping after a forward: append, detokenize, check stops, build deltas.
+
+Stop strings and `stop_regex` end a request when they appear in the output text. The text is trimmed at
+the start of the earliest match (kept up to its end with `no_stop_trim`). While a request runs, text that
+could still become part of a match is held back, so a trimmed stop never reaches a stream:
+
+* stop strings: the longest suffix of the text that is a proper prefix of a stop string;
+* stop_regex: everything from the earliest position where a match could still start. That is the start
+  of the leftmost *partial* match (the `regex` module's `partial=True`: a match attempt that reached the
+  end of the text without failing), so a pattern such as `a.*b` holds text back from an `a` until a `b`
+  comes or the request ends. Every position before the emitted end was, when emitted, not the start of a
+  complete or partial match, and extending the text cannot change that (a future match starting there
+  would have been complete or partial already), so stop_regex is searched only from the emitted end.
+  Anchors see the output text so far: `$` matches at its current end. Before min_new_tokens tokens are
+  out nothing stops the request; from then on the earliest match in the text counts.
+"""
 from __future__ import annotations
 
 import time
 
+import regex as _regex
+
 from radixserve.kernels.forward_io import SeqOutput, TokenLogprob
 from radixserve.scheduler.req import Req, StreamDelta
+from radixserve.scheduler.sampling_params import stop_regex_pattern
+
+# One stop_regex search may take this long; a pattern that takes longer (catastrophic backtracking)
+# aborts its request instead of stalling the engine.
+STOP_REGEX_TIMEOUT_S = 1.0
 
 
 class OutputProcessor:
@@ -47,10 +69,14 @@ class OutputProcessor:
             req.text += req.detok.finish()
 
     def take_delta(self, req: Req) -> StreamDelta | None:
-        """Text and tokens not yet handed out. While running, text that may be the start of
-        a stop string is held back so a trimmed stop never reaches a stream."""
+        """Text and tokens not yet handed out. While running, text that may become (part of) a
+        stop string or stop_regex match is held back so a trimmed stop never reaches a stream."""
         done = req.finish_reason is not None
-        end = len(req.text) if done else len(req.text) - _stop_prefix_overlap(req.text, req.params.stop)
+        end = len(req.text)
+        if not done:
+            end -= _stop_prefix_overlap(req.text, req.params.stop)
+            if req.params.stop_regex:
+                end = min(end, self._regex_hold_start(req))
         end = max(end, req.emitted_len)
         new_ids = req.output_ids[req.emitted_tokens:]
         if not done and end == req.emitted_len and not new_ids:
@@ -70,26 +96,64 @@ class OutputProcessor:
                 return self.finish(req, "stop", token_id)
             if token_id in p.stop_token_ids:
                 return self.finish(req, "stop", token_id)
-            if p.stop:
-                hit = _find_stop(req.text, p.stop, prev_text_len)
-                if hit is not None:
-                    idx, stop = hit
-                    req.text = req.text[:idx]
-                    return self.finish(req, "stop", stop)
+            hit = _find_stop(req.text, p.stop, prev_text_len) if p.stop else None
+            if p.stop_regex and len(req.text) > prev_text_len:
+                try:
+                    hit = _earliest(hit, _find_stop_regex(req.text, p.stop_regex, req.emitted_len))
+                except TimeoutError:
+                    return self.finish(req, "abort", error=f"stop_regex took longer than {STOP_REGEX_TIMEOUT_S} s")
+            if hit is not None:
+                start, end, matched = hit
+                req.text = req.text[:end] if p.no_stop_trim else req.text[:start]
+                return self.finish(req, "stop", matched)
         if num_out >= p.max_new_tokens:
             return self.finish(req, "length")
         if req.seq_len >= self.context_length:
             return self.finish(req, "length")
 
+    def _regex_hold_start(self, req: Req) -> int:
+        """Where a stop_regex match could still start (len(text) if nowhere): the leftmost partial match."""
+        start = len(req.text)
+        for pattern in req.params.stop_regex:
+            try:
+                m = stop_regex_pattern(pattern).search(req.text, req.emitted_len, partial=True,
+                                                       timeout=STOP_REGEX_TIMEOUT_S)
+            except TimeoutError:  # the next stop check aborts the request; hold everything until then
+                return req.emitted_len
+            if m is not None:
+                start = min(start, m.start())
+        return start
 
-def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+
+# A stop hit: (start, end, matched) — the match is text[start:end]; matched is what matched_stop reports.
+StopHit = tuple[int, int, str]
+
+
+def _find_stop(text: str, stops: list[str], prev_len: int) -> StopHit | None:
     """Earliest stop string that ends in the newly added text."""
-    best: tuple[int, str] | None = None
+    best: StopHit | None = None
     for stop in stops:
         idx = text.find(stop, max(0, prev_len - len(stop) + 1))
         if idx != -1 and (best is None or idx < best[0]):
-            best = (idx, stop)
+            best = (idx, idx + len(stop), stop)
     return best
+
+
+def _find_stop_regex(text: str, patterns: list[str], from_pos: int) -> StopHit | None:
+    """Earliest complete stop_regex match starting at or after from_pos (the emitted end: see the
+    module docstring); matched is the pattern, as SGLang reports it."""
+    best: StopHit | None = None
+    for pattern in patterns:
+        m = stop_regex_pattern(pattern).search(text, from_pos, timeout=STOP_REGEX_TIMEOUT_S)
+        if m is not None and (best is None or m.start() < best[0]):
+            best = (m.start(), m.end(), pattern)
+    return best
+
+
+def _earliest(a: StopHit | None, b: StopHit | None) -> StopHit | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a if a[0] <= b[0] else b
 
 
 def _stop_prefix_overlap(text: str, stops: list[str]) -> int:

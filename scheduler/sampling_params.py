@@ -1,8 +1,11 @@
 """SamplingParams: the per-request generation settings (SGLang/vLLM names)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import regex as _regex
 
 from radixserve.scheduler.checks import check_int, check_number
 
@@ -18,7 +21,12 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Regular expressions (searched in the output text, `regex` module syntax): a match ends the request
+    # like a stop string (scheduler/output.py); matched_stop is the pattern, as SGLang reports it.
+    stop_regex: list[str] = field(default_factory=list)
+    no_stop_trim: bool = False  # keep the matched stop string / stop_regex match in the text
     ignore_eos: bool = False
+    spaces_between_special_tokens: bool = True  # passed to decode (SGLang's default)
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -32,6 +40,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = list(self.stop_regex or [])
         self.validate()
 
     @classmethod
@@ -45,7 +56,7 @@ class SamplingParams:
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-            return cls(**value)
+            return cls(**{k: v for k, v in value.items() if v is not None})  # None = unset, for every field
         raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,8 +91,29 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of integers >= 0")
+        self._validate_stop_regex()
+        for name in ("no_stop_trim", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError("cache_salt must be a string")
+
+    def _validate_stop_regex(self) -> None:
+        if not all(isinstance(s, str) and s for s in self.stop_regex):
+            raise ValueError("stop_regex must be a non-empty string or a list of non-empty strings")
+        for pattern in self.stop_regex:
+            try:
+                compiled = stop_regex_pattern(pattern)
+            except (_regex.error, RecursionError) as exc:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
+            if compiled.fullmatch(""):
+                raise ValueError(f"stop_regex {pattern!r} matches the empty string")
+
+
+@functools.lru_cache(maxsize=1024)
+def stop_regex_pattern(pattern: str) -> "_regex.Pattern[str]":
+    """Compiled once per pattern per process (validation and the engine's stop check share it)."""
+    return _regex.compile(pattern)
 
 
 def _check_int(p: SamplingParams, name: str, lo: int | None = None, hi: int | None = None) -> None:

@@ -100,8 +100,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """As transformers' decode. spaces_between_special_tokens=False reaches only the transformers fallback
+        (its slow, sentencepiece tokenizers use it; True leaves their own default); transformers' tokenizers-library
+        backend ignores the option, and so does ours."""
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens, spaces_between_special_tokens)
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return self._backend.convert_ids_to_tokens([int(i) for i in ids])
@@ -148,7 +152,7 @@ class _Backend:
 
     def token_id(self, token: str | None) -> int | None: ...
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str: ...
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]: ...
 
 
@@ -175,7 +179,7 @@ class _RustBackend(_Backend):
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 
@@ -200,9 +204,11 @@ class _TransformersBackend(_Backend):
         with self._lock:
             return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
         with self._lock:
-            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+            if spaces_between_special_tokens:  # transformers' own default for this tokenizer class
+                return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         with self._lock:
