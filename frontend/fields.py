@@ -120,6 +120,7 @@ OPENAI_SAMPLING_NAMES = {
     "logprob_start_len": "logprob_start_len",
     "cache_salt": "cache_salt",
     "skip_special_tokens": "skip_special_tokens",
+    "json_schema": "response_format",
 }
 
 

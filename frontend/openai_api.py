@@ -101,8 +101,8 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
 
 
 # The engine's parameter names -> this API's (for the engine's refusals).
-_CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens"}
-_COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens"}
+_CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens", "json_schema": "response_format"}
+_COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_schema": "response_format"}
 
 
 def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:

@@ -2,7 +2,8 @@
 
 Every rejection is an APIError(400) naming the parameter, so clients see what to fix.
 Unknown top-level fields are ignored (clients send vendor extras); unsupported features that
-would silently change the output (constrained decoding, logit_bias, suffix) are refused.
+would silently change the output (logit_bias, suffix) are refused. ``response_format`` becomes
+the engine's ``json_schema`` (structured generation, compiled with xgrammar in the engine).
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
     include_usage = options.bool("include_usage", False) if options is not None else False
     seed = reader.int("seed", None, lo=-(2**63), hi=2**63 - 1)
     sampling = read_openai_sampling(reader)
+    sampling.update(_parse_response_format(reader))
     # Validate the whole set once (ranges, min_tokens <= max_tokens) with the client's names.
     probe = dict(sampling, max_new_tokens=max_tokens if max_tokens is not None else sampling["min_new_tokens"],
                  seed=seed, logprobs=logprobs)
@@ -112,10 +114,43 @@ def _refuse_unsupported(reader: FieldReader) -> None:
     bias = reader.raw("logit_bias")
     if bias:
         raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported_parameter")
+
+
+# response_format {"type": "json_object"}: any JSON (xgrammar's builtin JSON grammar).
+JSON_OBJECT_SCHEMA = "$$ANY$$"  # = scheduler.grammar.JSON_OBJECT (that module is engine-side)
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def _parse_response_format(reader: FieldReader) -> dict[str, Any]:
+    """OpenAI's response_format as SamplingParams kwargs: {} (text), or json_schema. The schema
+    itself is compiled by the engine; its refusal comes back as a 400 naming response_format."""
+    raw = reader.raw("response_format")
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise bad_request("response_format must be an object", "response_format")
     fmt = reader.obj("response_format")
-    if fmt is not None and fmt.raw("type", "text") != "text":
-        raise bad_request("response_format other than text needs constrained decoding, which is not "
-                          "supported", "response_format", code="unsupported_parameter")
+    kind = fmt.raw("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
+                          f"got {kind!r}", "response_format")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    spec = fmt.raw("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with name and schema",
+                          "response_format")
+    inner = FieldReader(spec, prefix="response_format.json_schema.")
+    inner.str("name")
+    inner.bool("strict", False)  # xgrammar's schema grammars are always strict
+    schema = spec.get("schema")
+    if schema is None:
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if not isinstance(schema, dict):
+        raise bad_request("response_format.json_schema.schema must be an object", "response_format")
+    return {"json_schema": schema}
 
 
 def _parse_messages(raw: Any) -> list[dict[str, Any]]:

@@ -34,6 +34,9 @@ class SeqInput:
     # tokens before it (needs the logits of the previous position). None = not requested.
     prompt_logprob_start: int | None = None
     num_top_logprobs: int = 0  # top-k alternatives returned with each logprob
+    # Structured generation: [ceil(vocab / 32)] int32 tensor, bit j of word w set = token 32 * w + j
+    # allowed (xgrammar's layout); tokens past its width are disallowed. None = unconstrained.
+    token_bitmask: Any = None
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Order of operations (per row): raw logits -> logprobs (returned, if requested)
 -> repetition penalty (prompt + output tokens) -> frequency / presence penalties (output
-token counts) -> EOS / stop-token mask while min_new_tokens is unmet -> greedy argmax, or
+token counts) -> EOS / stop-token mask while min_new_tokens is unmet (not on constrained rows:
+there the grammar decides when the stop token may come) -> the grammar's token bitmask
+(structured generation; disallowed ids and ids past the mask's width -> -inf) -> greedy argmax, or
 temperature -> top-k -> top-p (over the top-k renormalised mass) -> min-p -> draw.
 
 The draw is Gumbel-max with noise that is a pure hash of (sampling_seed, output position,
@@ -18,7 +20,7 @@ request table in a `PenaltyState` and updated with the new tokens only.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +45,8 @@ class _RowParams:
     frequency: list[float]
     presence: list[float]
     masked_ids: list[list[int]]  # ids banned this step (min_new_tokens unmet)
+    grammar_rows: list[int] = field(default_factory=list)  # rows with a token bitmask (structured generation)
+    bitmasks: list[torch.Tensor] = field(default_factory=list)  # their [ceil(vocab / 32)] int32 rows
 
     def penalised_rows(self) -> tuple[list[int], list[int]]:
         """(rows with a repetition penalty, rows with a frequency or presence penalty)."""
@@ -287,16 +291,19 @@ def _plan_adjust(up: _Upload, seqs: list[SeqInput], p: _RowParams, vocab: int,
         rows, toks = _flat_pairs(mask_rows, [p.masked_ids[i] for i in mask_rows], vocab)
         up.add_ints("mask_rows", rows)
         up.add_ints("mask_toks", toks)
+    if p.grammar_rows:
+        up.add_ints("grammar_rows", p.grammar_rows)
 
 
 def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: PenaltyState | None) -> torch.Tensor:
     has_rep, has_count, has_mask = up.has("repetition"), up.has("frequency"), up.has("mask_rows")
+    has_grammar = up.has("grammar_rows")
     if penalties is not None:
         if has_rep:
             penalties._apply("seen", up, logits)
         if has_count:
             penalties._apply("counts", up, logits)
-    if not (has_rep or has_count or has_mask):
+    if not (has_rep or has_count or has_mask or has_grammar):
         return logits  # common case: nothing to change, no copy
     out = logits.clone()
     if has_rep:
@@ -321,7 +328,25 @@ def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: Penalty
         out = out - freq * counts - pres * (counts > 0).float()
     if has_mask:
         out[up.ints("mask_rows"), up.ints("mask_toks")] = float("-inf")
+    if has_grammar:
+        rows = up.ints("grammar_rows")
+        masks = torch.stack(p.bitmasks).to(out.device, non_blocking=True)  # [num_constrained, words] int32
+        allowed = unpack_bitmask(masks, out.shape[-1])  # [num_constrained, vocab] bool
+        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [num_rows, vocab_size] bool
+    """xgrammar's packed token bitmask ([num_rows, words] int32, bit j of word w = token 32 * w + j)
+    as booleans, True = allowed; ids past the mask's 32 * words are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = ((bitmask[:, :, None] >> shifts) & 1).bool()  # [num_rows, words, 32]
+    allowed = bits.reshape(bitmask.shape[0], -1)  # [num_rows, 32 * words]
+    width = allowed.shape[1]
+    if width >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(bitmask.shape[0], vocab_size - width, dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
 
 
 def _read_params(seqs: list[SeqInput]) -> _RowParams:
@@ -339,7 +364,10 @@ def _read_params(seqs: list[SeqInput]) -> _RowParams:
         p.frequency.append(float(getattr(s, "frequency_penalty", 0.0)))
         p.presence.append(float(getattr(s, "presence_penalty", 0.0)))
         banned: list[int] = []
-        if len(seq.output_ids) < int(getattr(s, "min_new_tokens", 0)):
+        if seq.token_bitmask is not None:
+            p.grammar_rows.append(len(p.greedy) - 1)
+            p.bitmasks.append(seq.token_bitmask)
+        elif len(seq.output_ids) < int(getattr(s, "min_new_tokens", 0)):
             banned = list(seq.eos_ids) + list(getattr(s, "stop_token_ids", None) or [])
         p.masked_ids.append(banned)
     return p

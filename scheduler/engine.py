@@ -14,6 +14,7 @@ from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.scheduler.config import EngineConfig
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.errors import RequestError
+from radixserve.scheduler.grammar import GrammarBackend
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.metrics import EngineMetrics
 from radixserve.scheduler.output import OutputProcessor
@@ -58,6 +59,8 @@ class Engine:
         self.policy = SchedulePolicy(cfg.schedule_policy, self.kv, cfg.policy)
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
+        self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._bitmask: Any = None  # [max_running_requests, ceil(vocab / 32)] int32, on first use
         self.metrics = EngineMetrics()
         self._rng = random.Random(self.config.seed)
         self._reqs: dict[str, Req] = {}
@@ -76,6 +79,7 @@ class Engine:
         params = SamplingParams.from_any(sampling_params)
         prompt_ids = self._prompt_ids(prompt)
         self._validate(prompt_ids, params)
+        compiled = self.grammar.compile(params) if params.has_grammar else None  # cached by _validate
         with self._cv:
             rid = rid if rid is not None else uuid.uuid4().hex
             # A finished request's listener lives until its final delta is dispatched; reusing
@@ -87,6 +91,8 @@ class Engine:
                       arrival_step=self._step_idx, arrival_time=time.perf_counter())
             req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                spaces_between_special_tokens=params.spaces_between_special_tokens)
+            if compiled is not None:
+                req.grammar = self.grammar.matcher(compiled)
             self._reqs[rid] = req
             if on_delta is not None:
                 self._loop.listen(rid, on_delta)
@@ -192,6 +198,7 @@ class Engine:
         m.num_mixed_steps += int(batch.is_mixed)
         shared = self._order_and_share(batch)
         seqs = [self._seq_input(item) for item in batch.items]
+        self._fill_grammar_masks(batch, seqs)
         m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
         t1 = time.perf_counter()
         try:
@@ -213,6 +220,8 @@ class Engine:
             self.outputs.record_prompt_logprobs(req, seq.prefix_len, out)
             if item.sample:
                 self.outputs.append_token(req, out.next_token_id, out.next_logprob)
+                if req.grammar is not None and req.finish_reason is None:
+                    self._advance_grammar(req, out.next_token_id)
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
                 self.outputs.finish(req, "length")
 
@@ -254,7 +263,32 @@ class Engine:
             output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
             num_top_logprobs=p.logprobs or 0)
 
+    def _fill_grammar_masks(self, batch: Batch, seqs: list[SeqInput]) -> None:
+        """Each constrained request sampled this step gets its row of the step's token bitmask
+        (bit set = allowed); the sampler sends ~-inf to the rest. Prefill chunks that sample
+        nothing need none."""
+        num = 0
+        for item, seq in zip(batch.items, seqs):
+            matcher = item.req.grammar
+            if matcher is None or not item.sample:
+                continue
+            if self._bitmask is None:
+                self._bitmask = self.grammar.allocate_bitmask(self.config.max_running_requests)
+            matcher.fill_next_token_bitmask(self._bitmask, num)
+            seq.token_bitmask = self._bitmask[num]  # [ceil(vocab / 32)] int32 view
+            num += 1
+
+    def _advance_grammar(self, req: Req, token_id: int) -> None:
+        """The one place a constrained request's matcher moves: after each sampled token. A
+        grammar that is complete (its stop token accepted, also under ignore_eos) ends the request."""
+        if not req.grammar.accept_token(token_id):  # the mask allowed it, so this is a bug
+            logger.error("request %s: token %d rejected by its grammar", req.rid, token_id)
+            self.outputs.finish(req, "abort", error=f"token {token_id} was rejected by the request's grammar")
+        elif req.grammar.is_terminated():
+            self.outputs.finish(req, "stop")
+
     def _finish(self, req: Req) -> None:
+        req.grammar = None  # the matcher is released with the request
         if req.status is ReqStatus.FINISHED:
             return
         self.kv.release(req)
@@ -382,6 +416,8 @@ class Engine:
             raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
                                f"{total} tokens exceed the KV cache of {self.kv.total_slots} slots "
                                f"(raise kv_cache_tokens)", "max_new_tokens")
+        if params.has_grammar:  # compiled now (synchronously; cached), so a bad grammar is a 400
+            self.grammar.compile(params)
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:
     num_prompt = len(req.prompt_ids)

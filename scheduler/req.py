@@ -84,6 +84,10 @@ class Req:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
+    # Structured generation: the xgrammar GrammarMatcher (engine process only), advanced with every
+    # sampled token; it survives retraction (output_ids are kept) and is dropped on finish.
+    grammar: Any = None
+
     # Text state, owned by the engine's output processor.
     detok: Any = None
     text: str = ""  # full decoded output text (trimmed at a matched stop string)

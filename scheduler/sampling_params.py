@@ -9,6 +9,8 @@ import regex as _regex
 
 from radixserve.scheduler.checks import check_int, check_number
 
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
 
 @dataclass
 class SamplingParams:
@@ -34,6 +36,10 @@ class SamplingParams:
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = off
     cache_salt: str | None = None
     skip_special_tokens: bool = True
+    # Structured generation (at most one; compiled with xgrammar in the engine, scheduler/grammar.py).
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +103,24 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        self._validate_grammar()
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.regex is not None or self.json_schema is not None or self.ebnf is not None
+
+    def _validate_grammar(self) -> None:
+        """Types only (cheap, torch-free); the grammar itself is compiled by the engine."""
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of regex, json_schema and ebnf may be set, got {' and '.join(given)}")
+        for name in ("regex", "ebnf"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string")
+        schema = self.json_schema
+        if schema is not None and not (isinstance(schema, dict) or (isinstance(schema, str) and schema)):
+            raise ValueError("json_schema must be a JSON object or a non-empty string")
 
     def _validate_stop_regex(self) -> None:
         if not all(isinstance(s, str) and s for s in self.stop_regex):

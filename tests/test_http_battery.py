@@ -355,8 +355,10 @@ MESSAGES = [
     _case("chat-tool-choice-required", CHAT, chat(tool_choice="required"), param="tool_choice",
           code="unsupported_parameter"),
     _case("chat-tool-choice-number", CHAT, chat(tool_choice=5), param="tool_choice"),
-    _case("chat-response-format-json-object", CHAT, chat(response_format={"type": "json_object"}),
-          param="response_format", code="unsupported_parameter"),
+    _case("chat-response-format-unknown-type", CHAT, chat(response_format={"type": "xml"}),
+          param="response_format"),
+    _case("chat-response-format-bad-schema", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}), param="response_format"),
     _case("chat-response-format-string", CHAT, chat(response_format="json"), param="response_format"),
     _case("chat-logit-bias", CHAT, chat(logit_bias={"1": 5}), param="logit_bias", code="unsupported_parameter"),
     _case("chat-stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}),
@@ -374,7 +376,8 @@ UNKNOWN_FIELDS = [
     _case("generate-batch-unknown-sampling-param", GEN,
           gen(text=["a", "b"], sampling_params=[{"max_new_tokens": 1}, {"max_new_tokens": 1, "temp": 0}]),
           param="sampling_params[1].temp"),
-    _case("generate-constrained-regex", GEN, gen({"regex": "a+"}), param="sampling_params.regex",
+    _case("generate-invalid-regex", GEN, gen({"regex": "(a"}), param="sampling_params.regex"),
+    _case("generate-structural-tag", GEN, gen({"structural_tag": "{}"}), param="sampling_params.structural_tag",
           code="unsupported_parameter"),
 ]
 

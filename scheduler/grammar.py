@@ -1,0 +1,123 @@
+"""Structured generation: grammars compiled with xgrammar, one matcher per constrained request.
+
+Lives in the engine process only: xgrammar imports torch, so it is imported on first use (the HTTP
+process imports scheduler modules and must stay torch-free; tests/test_torch_free_imports.py).
+
+- ``GrammarBackend.compile(params)``: the request's ``regex`` / ``json_schema`` / ``ebnf`` compiled
+  against the engine's tokenizer (model vocabulary width, so ids past the tokenizer's are never
+  allowed), cached by (kind, text) — a schema dict is serialised compactly in its own key order
+  (not sorted: the order of ``properties`` is the order of the output's keys), so a repeated
+  schema costs a dict lookup. A compile error is a ``RequestError`` naming the field.
+  Compilation is synchronous in ``Engine.add_request`` for now (the cache makes repeats free).
+- ``GrammarBackend.matcher(compiled)``: a fresh ``xgr.GrammarMatcher``; the engine keeps it on
+  ``Req.grammar``, fills its row of the step's bitmask before each sampled step, accepts each
+  sampled token and drops it when the request finishes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+from radixserve.scheduler.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:47:03] /project/cpp/x.cc:94: " of xgrammar's errors
+_CACHE_LIMIT = 1024  # compiled grammars kept (oldest dropped first)
+
+
+def grammar_key(params: Any) -> tuple[str, str] | None:
+    """(kind, canonical text) of the request's grammar, or None when it has none."""
+    for kind in GRAMMAR_KINDS:
+        value = getattr(params, kind, None)
+        if value is None:
+            continue
+        if kind == "json_schema" and not isinstance(value, str):
+            # Not sort_keys: xgrammar emits properties in the schema's order, so two dicts that
+            # differ only in key order are different grammars (and must not share a cache entry).
+            value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        return kind, value
+    return None
+
+
+class GrammarBackend:
+    """Compiles and caches grammars for one tokenizer; hands out matchers. Thread-safe."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer  # scheduler.tokenizer.Tokenizer (its .hf is loaded on first compile)
+        self._vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: Any = None
+        self._cache: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # cache misses (for tests and stats)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def compile(self, params: Any) -> Any | None:
+        """The request's compiled grammar (None without one). Raises RequestError."""
+        key = grammar_key(params)
+        if key is None:
+            return None
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                return compiled
+            compiled = self._compile(*key)
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = compiled
+            self.num_compiled += 1
+            return compiled
+
+    def matcher(self, compiled: Any) -> Any:
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, num_rows: int) -> Any:  # [num_rows, ceil(vocab / 32)] int32 torch tensor
+        import xgrammar as xgr
+
+        return xgr.allocate_token_bitmask(num_rows, self._vocab_size)
+
+    # -----------------------------------------------------------------------------------------
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._get_compiler(kind)
+        try:
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "ebnf":
+                return compiler.compile_grammar(text)
+            if text == JSON_OBJECT:
+                return compiler.compile_builtin_json_grammar()
+            try:
+                json.loads(text)
+            except ValueError as exc:
+                raise RequestError(f"json_schema is not valid JSON: {exc}", "json_schema") from None
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        except RequestError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            message = _XGR_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
+            raise RequestError(f"invalid {kind}: {message}", kind) from None
+
+    def _get_compiler(self, kind: str) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+            except ImportError:
+                raise RequestError(f"{kind} needs xgrammar, which is not installed "
+                                   "(pip install 'radixserve[structured]')", kind) from None
+
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size,
+                                                      stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
