@@ -56,7 +56,8 @@ def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
         sampling["logprobs"] = item.top_logprobs_num
         sampling["logprob_start_len"] = start
     rid = item.rid if item.rid is not None else state.new_id("gen")
-    names = {"prompt": param, "max_new_tokens": f"sampling_params{where}.max_new_tokens"}
+    names = {"prompt": param, "max_new_tokens": f"sampling_params{where}.max_new_tokens",
+             **{k: f"sampling_params{where}.{k}" for k in ("regex", "json_schema", "ebnf")}}
     return Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid, param_names=names)
 
 

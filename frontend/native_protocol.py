@@ -11,8 +11,9 @@ from radixserve.scheduler.sampling_params import SamplingParams
 # SGLang clients (RuntimeEndpoint) send these; they are accepted and have no effect here.
 _IGNORED_KEYS = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval",
                            "custom_params", "dtype"})
-# Constrained decoding keys: accepted only when unset.
-_CONSTRAINT_KEYS = frozenset({"regex", "json_schema", "ebnf", "structural_tag", "logit_bias"})
+# Constrained decoding keys not supported yet: accepted only when unset (regex, json_schema and
+# ebnf are SamplingParams fields, compiled by the engine).
+_CONSTRAINT_KEYS = frozenset({"structural_tag", "logit_bias"})
 
 
 @dataclass(frozen=True)
