@@ -21,25 +21,33 @@ from radixserve.scheduler.sampling_params import SamplingParams
 
 
 async def generate(state: ServerState, request: Request, body: Any) -> Any:
-    req = parse_generate_request(body)
+    req = parse_generate_request(body, state.config.max_n)
+    # One job per result, prompt-major (prompt 0's n results, then prompt 1's), as SGLang orders them.
+    job_items = [item for item in req.items for _ in range(item.n)]
     jobs = await asyncio.to_thread(_make_jobs, state, req)  # tokenizes: off the event loop
-    sub = await state.client.submit(jobs, state.client.reserve(len(jobs), None))  # a refusal is a 400 here
+    as_list = req.is_batch or len(jobs) > 1  # n > 1 answers a list even for one prompt (SGLang)
+    lease = state.client.reserve(len(jobs), None if req.is_batch else "sampling_params.n")
+    sub = await state.client.submit(jobs, lease)  # a refusal is a 400 here
     if req.stream:
-        return SSEResponse(_native_events(state, req, sub, request), on_close=sub.close)
+        return SSEResponse(_native_events(state, job_items, as_list, sub, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
         _note_usage(request, r)
-    outputs = [_output(state, item, job, r) for item, job, r in zip(req.items, jobs, results)]
-    return Response(orjson.dumps(outputs if req.is_batch else outputs[0]), media_type="application/json")
+    outputs = [_output(state, item, job, r) for item, job, r in zip(job_items, jobs, results)]
+    return Response(orjson.dumps(outputs if as_list else outputs[0]), media_type="application/json")
 
 
 def _make_jobs(state: ServerState, req: NativeRequest) -> list[Job]:
-    return [_make_job(state, item, i if req.is_batch else None) for i, item in enumerate(req.items)]
+    jobs: list[Job] = []
+    for i, item in enumerate(req.items):
+        jobs += _make_item_jobs(state, item, i if req.is_batch else None)
+    return jobs
 
 
-def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
+def _make_item_jobs(state: ServerState, item: NativeItem, index: int | None) -> list[Job]:
+    """item.n jobs for one prompt; with n > 1, choice i samples with seed + i (as the OpenAI path)."""
     where = f"[{index}]" if index is not None else ""
     if isinstance(item.prompt, str):
         param = "text" + where
@@ -58,7 +66,10 @@ def _make_job(state: ServerState, item: NativeItem, index: int | None) -> Job:
     rid = item.rid if item.rid is not None else state.new_id("gen")
     names = {"prompt": param, "max_new_tokens": f"sampling_params{where}.max_new_tokens",
              **{k: f"sampling_params{where}.{k}" for k in ("regex", "json_schema", "ebnf")}}
-    return Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid, param_names=names)
+    if item.n > 1:
+        seed = sampling.pop("seed", None)
+        return state.make_jobs(prompt_ids, sampling, item.n, rid, seed, names)
+    return [Job(prompt_ids=prompt_ids, params=SamplingParams(**sampling), rid=rid, param_names=names)]
 
 
 def finish_reason(r: GenerateResult) -> dict[str, Any]:
@@ -90,9 +101,10 @@ def _logprob_meta(state: ServerState, item: NativeItem, job: Job, prompt_logprob
             "input_top_logprobs": input_tops, "output_top_logprobs": output_tops}
 
 
-async def _native_events(state: ServerState, req: NativeRequest, sub: Submission, request: Request
-                         ) -> AsyncIterator[bytes]:
-    """Each event carries the cumulative text and output ids so far (SGLang's streaming format)."""
+async def _native_events(state: ServerState, job_items: list[NativeItem], as_list: bool, sub: Submission,
+                         request: Request) -> AsyncIterator[bytes]:
+    """Each event carries the cumulative text and output ids so far (SGLang's streaming format); with
+    several results (a batch, n > 1) each is tagged with its result's position, "index"."""
     jobs = sub.jobs
     texts = [""] * len(jobs)
     ids: list[list[int]] = [[] for _ in jobs]
@@ -107,10 +119,10 @@ async def _native_events(state: ServerState, req: NativeRequest, sub: Submission
                     note_first_token(request)
                 if delta.finished:
                     _note_usage(request, delta.result)
-                    out = _output(state, req.items[i], jobs[i], delta.result)
+                    out = _output(state, job_items[i], jobs[i], delta.result)
                 else:
-                    out = _partial(state, req.items[i], jobs[i], texts[i], ids[i], logprobs[i])
-                if req.is_batch:
+                    out = _partial(state, job_items[i], jobs[i], texts[i], ids[i], logprobs[i])
+                if as_list:
                     out["index"] = i
                 yield sse_event(out)
     except APIError as exc:

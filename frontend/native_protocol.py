@@ -9,8 +9,7 @@ from radixserve.frontend.fields import MAX_STOP_STRINGS, FieldReader, check_list
 from radixserve.scheduler.sampling_params import SamplingParams
 
 # SGLang clients (RuntimeEndpoint) send these; they are accepted and have no effect here.
-_IGNORED_KEYS = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval",
-                           "custom_params", "dtype"})
+_IGNORED_KEYS = frozenset({"stream_interval", "custom_params", "dtype"})
 # Constrained decoding keys not supported yet: accepted only when unset (regex, json_schema and
 # ebnf are SamplingParams fields, compiled by the engine).
 _CONSTRAINT_KEYS = frozenset({"structural_tag", "logit_bias"})
@@ -20,6 +19,7 @@ _CONSTRAINT_KEYS = frozenset({"structural_tag", "logit_bias"})
 class NativeItem:
     prompt: str | list[int]
     sampling: dict[str, Any]  # SamplingParams kwargs, validated
+    n: int  # results for this prompt (SGLang's sampling_params.n); choice i samples with seed + i
     rid: str | None
     return_logprob: bool
     logprob_start_len: int  # -1 = only output logprobs (SGLang's default)
@@ -34,7 +34,8 @@ class NativeRequest:
     stream: bool
 
 
-def parse_generate_request(body: Any) -> NativeRequest:
+def parse_generate_request(body: Any, max_n: int = 1) -> NativeRequest:
+    """A /generate body; `sampling_params.n` may be up to max_n (the server's --max-n)."""
     reader = FieldReader(body)
     prompts, is_batch = _parse_inputs(reader)
     num = len(prompts)
@@ -48,9 +49,11 @@ def parse_generate_request(body: Any) -> NativeRequest:
     items = []
     for i, prompt in enumerate(prompts):
         where = f"[{i}]" if is_batch else ""
+        kwargs, n = _parse_sampling(sampling[i], where, max_n)
         items.append(NativeItem(
             prompt=prompt,
-            sampling=_parse_sampling(sampling[i], where),
+            sampling=kwargs,
+            n=n,
             rid=_check_type(rids[i], str, "rid" + where, "a string", optional=True),
             return_logprob=_check_type(return_logprob[i], bool, "return_logprob" + where, "a boolean"),
             logprob_start_len=_check_int(start_lens[i], "logprob_start_len" + where, lo=-1),
@@ -92,33 +95,34 @@ def _per_item(reader: FieldReader, key: str, num: int, is_batch: bool, default: 
     return list(value)
 
 
-def _parse_sampling(raw: Any, where: str) -> dict[str, Any]:
+def _parse_sampling(raw: Any, where: str, max_n: int) -> tuple[dict[str, Any], int]:
+    """SamplingParams kwargs and n. A null value means unset, for every key (SGLang's
+    SglSamplingParams sends most keys, many as null); unknown keys are a 400 naming them."""
     name = "sampling_params" + where
     reader = FieldReader(raw, prefix=name + ".")
+    n = reader.int("n", 1, lo=1, hi=max_n)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        if value is None or key in _IGNORED_KEYS:
+        if key == "n" or key in _IGNORED_KEYS:
+            continue
+        field_name = "seed" if key == "sampling_seed" else key
+        if field_name not in SamplingParams.__dataclass_fields__ and key not in _CONSTRAINT_KEYS:
+            raise bad_request(f"unknown sampling parameter {name}.{key}", f"{name}.{key}")
+        if value is None:  # unset: the one place the native API decides it
             continue
         if key in _CONSTRAINT_KEYS:
             if value:
                 raise bad_request(f"{name}.{key} needs constrained decoding, which is not supported",
                                   f"{name}.{key}", code="unsupported_parameter")
             continue
-        if key == "n":
-            reader.int("n", 1, lo=1, hi=1)
-            continue
-        if key == "sampling_seed":
-            key = "seed"
-        if key == "stop":
-            check_list_len(f"{name}.stop", value, MAX_STOP_STRINGS)
-        if key not in SamplingParams.__dataclass_fields__:
-            raise bad_request(f"unknown sampling parameter {name}.{key}", f"{name}.{key}")
-        kwargs[key] = value
+        if key in ("stop", "stop_regex"):
+            check_list_len(f"{name}.{key}", value, MAX_STOP_STRINGS)
+        kwargs[field_name] = value
     if kwargs.get("top_k") == 0:
         kwargs["top_k"] = -1
     names = {k: f"{name}.{k}" for k in SamplingParams.__dataclass_fields__}
     make_sampling_params(kwargs, names)
-    return kwargs
+    return kwargs, n
 
 
 def _check_type(value: Any, kind: type, name: str, what: str, optional: bool = False) -> Any:

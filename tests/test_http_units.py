@@ -107,7 +107,9 @@ def test_generate_request_single_and_batch():
     single = parse_generate_request({"text": "hi", "sampling_params": {"max_new_tokens": 3, "top_k": 0,
                                                                        "spaces_between_special_tokens": True,
                                                                        "regex": None}})
-    assert not single.is_batch and single.items[0].sampling == {"max_new_tokens": 3, "top_k": -1}
+    assert not single.is_batch and single.items[0].sampling == {"max_new_tokens": 3, "top_k": -1,
+                                                                "spaces_between_special_tokens": True}
+    assert single.items[0].n == 1
     assert single.items[0].logprob_start_len == -1 and not single.items[0].return_logprob
     batch = parse_generate_request({"input_ids": [[1, 2], [3]], "sampling_params": [{"temperature": 0}, {}],
                                     "return_logprob": True, "logprob_start_len": [0, 0], "rid": ["a", "b"],
@@ -115,6 +117,21 @@ def test_generate_request_single_and_batch():
     assert batch.is_batch and batch.stream and [i.prompt for i in batch.items] == [[1, 2], [3]]
     assert [i.rid for i in batch.items] == ["a", "b"] and batch.items[1].top_logprobs_num == 2
     assert batch.items[0].sampling == {"temperature": 0}
+
+
+def test_generate_request_sglang_sampling_params():
+    """What SGLang's SglSamplingParams.to_srt_kwargs() sends (RuntimeEndpoint.generate), nulls included."""
+    sent = {"skip_special_tokens": True, "spaces_between_special_tokens": False, "max_new_tokens": 8,
+            "min_new_tokens": 0, "n": 3, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "ignore_eos": False, "regex": None, "json_schema": None, "ebnf": None, "no_stop_trim": True}
+    item = parse_generate_request({"text": "hi", "sampling_params": sent}, max_n=4).items[0]
+    assert item.n == 3 and "regex" not in item.sampling and "n" not in item.sampling
+    assert item.sampling["no_stop_trim"] is True and item.sampling["spaces_between_special_tokens"] is False
+    nulls = parse_generate_request({"text": "hi", "sampling_params": {k: None for k in sent}}).items[0]
+    assert nulls.sampling == {} and nulls.n == 1
+    one = parse_generate_request({"text": "hi", "sampling_params": {"stop_regex": r"\d+"}}).items[0]
+    assert one.sampling["stop_regex"] == r"\d+"
 
 
 @pytest.mark.parametrize("body, param", [
@@ -131,9 +148,20 @@ def test_generate_request_single_and_batch():
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
     ({"text": "a", "top_logprobs_num": -1}, "top_logprobs_num"),
     ({"text": "a", "stream": "yes"}, "stream"),
+    ({"text": "a", "sampling_params": {"bogus": None}}, "sampling_params.bogus"),
+    ({"text": "a", "sampling_params": {"stop_regex": "("}}, "sampling_params.stop_regex"),
+    ({"text": "a", "sampling_params": {"stop_regex": ["a", 3]}}, "sampling_params.stop_regex"),
+    ({"text": "a", "sampling_params": {"stop_regex": "x*"}}, "sampling_params.stop_regex"),
+    ({"text": "a", "sampling_params": {"stop_regex": ["a"] * 65}}, "sampling_params.stop_regex"),
+    ({"text": "a", "sampling_params": {"no_stop_trim": "yes"}}, "sampling_params.no_stop_trim"),
+    ({"text": "a", "sampling_params": {"spaces_between_special_tokens": 1}},
+     "sampling_params.spaces_between_special_tokens"),
+    ({"text": "a", "sampling_params": {"n": 5}}, "sampling_params.n"),
+    ({"text": "a", "sampling_params": {"n": 0}}, "sampling_params.n"),
+    ({"text": ["a", "b"], "sampling_params": [{}, {"n": "2"}]}, "sampling_params[1].n"),
 ])
 def test_generate_rejections(body, param):
-    err = _error(parse_generate_request, body)
+    err = _error(lambda b: parse_generate_request(b, max_n=4), body)
     assert err.status == 400 and err.param == param, err.message
 
 
