@@ -90,6 +90,9 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = option(
         False, "read shared prefixes per request instead of once per step")
     shared_prefix_min_tokens: int = option(32, "shortest shared prefix read once for all requests below it (0: any)")
+    disable_jump_forward: bool = option(
+        False, "structured generation: decode a grammar's forced continuations token by token instead of "
+               "appending them at once and computing them in one extend step")
 
     def __post_init__(self) -> None:
         if isinstance(self.policy, dict):  # Engine(policy={"window": 64}) and JSON configs

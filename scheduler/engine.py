@@ -15,6 +15,7 @@ from radixserve.scheduler.config import EngineConfig
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.errors import RequestError
 from radixserve.scheduler.grammar import GrammarBackend
+from radixserve.scheduler.jump_forward import CONTEXT_IDS, jump_forward_ids
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.metrics import EngineMetrics
 from radixserve.scheduler.output import OutputProcessor
@@ -61,6 +62,8 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
         self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self._bitmask: Any = None  # [max_running_requests, ceil(vocab / 32)] int32, on first use
+        # Forced continuations never hold these (the grammar's stop tokens end it; others are not text).
+        self._special_ids = frozenset(self.tokenizer.special_token_ids) | frozenset(self.eos_token_ids)
         self.metrics = EngineMetrics()
         self._rng = random.Random(self.config.seed)
         self._reqs: dict[str, Req] = {}
@@ -219,9 +222,10 @@ class Engine:
             req.kv_len += item.num_tokens
             self.outputs.record_prompt_logprobs(req, seq.prefix_len, out)
             if item.sample:
-                self.outputs.append_token(req, out.next_token_id, out.next_logprob)
-                if req.grammar is not None and req.finish_reason is None:
-                    self._advance_grammar(req, out.next_token_id)
+                if req.grammar is None:
+                    self.outputs.append_token(req, out.next_token_id, out.next_logprob)
+                else:
+                    self._append_constrained(req, out.next_token_id, out.next_logprob)
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
                 self.outputs.finish(req, "length")
 
@@ -278,14 +282,42 @@ class Engine:
             seq.token_bitmask = self._bitmask[num]  # [ceil(vocab / 32)] int32 view
             num += 1
 
-    def _advance_grammar(self, req: Req, token_id: int) -> None:
-        """The one place a constrained request's matcher moves: after each sampled token. A
-        grammar that is complete (its stop token accepted, also under ignore_eos) ends the request."""
-        if not req.grammar.accept_token(token_id):  # the mask allowed it, so this is a bug
+    def _append_constrained(self, req: Req, token_id: int, logprob: Any) -> None:
+        """The one place a constrained request's matcher moves: it accepts each sampled token before the
+        output processor appends it, so that a forced continuation (jump-forward, scheduler/jump_forward.py)
+        can be appended with it, or replace it, while that token has no KV and was never streamed; the
+        next step computes the forced tokens as one extend. A grammar that is complete (its stop token
+        accepted, also under ignore_eos) ends the request."""
+        matcher = req.grammar
+        accepted = matcher.accept_token(token_id)
+        ids = [token_id]
+        if accepted and not matcher.is_terminated() and self._may_jump(req):
+            room = min(req.params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len)
+            jump = jump_forward_ids(matcher, self.tokenizer, _tail_ids(req, CONTEXT_IDS), token_id, room,
+                                    self._special_ids)
+            if jump is not None:
+                ids, replaced = jump
+                m = self.metrics
+                m.num_jump_forward_steps += 1
+                m.num_jump_forward_tokens += len(ids) - 1
+                m.num_jump_forward_retokenized += int(replaced)
+        self.outputs.append_token(req, ids[0], logprob if ids[0] == token_id else None)
+        for tok in ids[1:]:  # forced: each checked for stops, max_new_tokens and the context as sampled ones
+            if req.finish_reason is not None:
+                break
+            self.outputs.append_token(req, tok, None)
+        if req.finish_reason is not None:
+            return
+        if not accepted:  # the mask allowed it, so this is a bug
             logger.error("request %s: token %d rejected by its grammar", req.rid, token_id)
             self.outputs.finish(req, "abort", error=f"token {token_id} was rejected by the request's grammar")
-        elif req.grammar.is_terminated():
+        elif matcher.is_terminated():
             self.outputs.finish(req, "stop")
+
+    def _may_jump(self, req: Req) -> bool:
+        # Forced tokens are never sampled, so they have no logprobs: requests that ask for any decode on.
+        p = req.params
+        return not self.config.disable_jump_forward and p.logprobs is None and p.logprob_start_len is None
 
     def _finish(self, req: Req) -> None:
         req.grammar = None  # the matcher is released with the request
@@ -372,6 +404,9 @@ class Engine:
             "num_requests_aborted": m.num_requests_aborted, "num_retractions": self.planner.num_retractions,
             "num_steps": m.num_steps, "num_mixed_steps": m.num_mixed_steps, "max_batch_size": m.max_batch_size,
             "num_forward_tokens": m.num_forward_tokens,
+            "num_jump_forward_steps": m.num_jump_forward_steps,
+            "num_jump_forward_tokens": m.num_jump_forward_tokens,
+            "num_jump_forward_retokenized": m.num_jump_forward_retokenized,
             "num_shared_prefix_steps": m.num_shared_prefix_steps,
             "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
             "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
@@ -418,6 +453,13 @@ class Engine:
                                f"(raise kv_cache_tokens)", "max_new_tokens")
         if params.has_grammar:  # compiled now (synchronously; cached), so a bad grammar is a 400
             self.grammar.compile(params)
+
+def _tail_ids(req: Req, num: int) -> list[int]:
+    """The last num ids of the sequence, without concatenating prompt and output."""
+    if len(req.output_ids) >= num:
+        return req.output_ids[-num:]
+    return req.prompt_ids[len(req.output_ids) - num:] + req.output_ids
+
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:
     num_prompt = len(req.prompt_ids)

@@ -52,6 +52,11 @@ class EngineMetrics:
     num_mixed_steps: int = 0  # steps that ran prefill chunks and decodes together
     max_batch_size: int = 0  # most sequences in one forward so far
     num_forward_tokens: int = 0  # tokens actually computed (incl. re-prefills after retraction)
+    # Jump-forward (scheduler/jump_forward.py): jumps made (one request in one step each), forced
+    # tokens they appended beyond the sampled one, and jumps whose retokenization replaced it.
+    num_jump_forward_steps: int = 0
+    num_jump_forward_tokens: int = 0
+    num_jump_forward_retokenized: int = 0
     # The step profile: every step's wall time split into its parts (seconds, cumulative).
     # plan: inbox + planner + radix; build: step inputs (engine + runner); forward: the model;
     # sample: sampling and logprobs; outputs: tokens appended, detokenize, stops, deltas, caching.
