@@ -2,7 +2,8 @@
 
 Order of operations (per row): raw logits -> logprobs (returned, if requested)
 -> repetition penalty (prompt + output tokens) -> frequency / presence penalties (output
-token counts) -> EOS / stop-token mask while min_new_tokens is unmet (not on constrained rows:
+token counts) -> logit_bias (OpenAI's: its (row, id, bias) entries added in one index_put, ids past
+the logits ignored) -> EOS / stop-token mask while min_new_tokens is unmet (not on constrained rows:
 there the grammar decides when the stop token may come) -> the grammar's token bitmask
 (structured generation; disallowed ids and ids past the mask's width -> -inf) -> greedy argmax, or
 temperature -> top-k -> top-p (over the top-k renormalised mass) -> min-p -> draw.
@@ -47,6 +48,10 @@ class _RowParams:
     masked_ids: list[list[int]]  # ids banned this step (min_new_tokens unmet)
     grammar_rows: list[int] = field(default_factory=list)  # rows with a token bitmask (structured generation)
     bitmasks: list[torch.Tensor] = field(default_factory=list)  # their [ceil(vocab / 32)] int32 rows
+    # logit_bias as flat (row, token id, bias) triples; a few entries per biased row, never the vocabulary.
+    bias_rows: list[int] = field(default_factory=list)
+    bias_toks: list[int] = field(default_factory=list)
+    bias_vals: list[float] = field(default_factory=list)
 
     def penalised_rows(self) -> tuple[list[int], list[int]]:
         """(rows with a repetition penalty, rows with a frequency or presence penalty)."""
@@ -291,19 +296,29 @@ def _plan_adjust(up: _Upload, seqs: list[SeqInput], p: _RowParams, vocab: int,
         rows, toks = _flat_pairs(mask_rows, [p.masked_ids[i] for i in mask_rows], vocab)
         up.add_ints("mask_rows", rows)
         up.add_ints("mask_toks", toks)
+    if p.bias_rows:
+        keep = [k for k, t in enumerate(p.bias_toks) if t < vocab]  # ids past the logits are ignored
+        if len(keep) < len(p.bias_toks):
+            p.bias_rows = [p.bias_rows[k] for k in keep]
+            p.bias_toks = [p.bias_toks[k] for k in keep]
+            p.bias_vals = [p.bias_vals[k] for k in keep]
+        if p.bias_rows:
+            up.add_ints("bias_rows", p.bias_rows)
+            up.add_ints("bias_toks", p.bias_toks)
+            up.add_floats("bias_vals", p.bias_vals)
     if p.grammar_rows:
         up.add_ints("grammar_rows", p.grammar_rows)
 
 
 def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: PenaltyState | None) -> torch.Tensor:
     has_rep, has_count, has_mask = up.has("repetition"), up.has("frequency"), up.has("mask_rows")
-    has_grammar = up.has("grammar_rows")
+    has_grammar, has_bias = up.has("grammar_rows"), up.has("bias_rows")
     if penalties is not None:
         if has_rep:
             penalties._apply("seen", up, logits)
         if has_count:
             penalties._apply("counts", up, logits)
-    if not (has_rep or has_count or has_mask or has_grammar):
+    if not (has_rep or has_count or has_mask or has_grammar or has_bias):
         return logits  # common case: nothing to change, no copy
     out = logits.clone()
     if has_rep:
@@ -326,6 +341,9 @@ def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: Penalty
         freq = up.floats("frequency")[:, None]
         pres = up.floats("presence")[:, None]
         out = out - freq * counts - pres * (counts > 0).float()
+    if has_bias:  # before the masks, so a banned id stays -inf whatever its bias
+        out.index_put_((up.ints("bias_rows"), up.ints("bias_toks")), up.floats("bias_vals").to(out.dtype),
+                       accumulate=True)
     if has_mask:
         out[up.ints("mask_rows"), up.ints("mask_toks")] = float("-inf")
     if has_grammar:
@@ -363,6 +381,12 @@ def _read_params(seqs: list[SeqInput]) -> _RowParams:
         p.repetition.append(float(getattr(s, "repetition_penalty", 1.0)))
         p.frequency.append(float(getattr(s, "frequency_penalty", 0.0)))
         p.presence.append(float(getattr(s, "presence_penalty", 0.0)))
+        bias = getattr(s, "logit_bias", None)
+        if bias:
+            row = len(p.greedy) - 1
+            p.bias_rows += [row] * len(bias)
+            p.bias_toks += bias.keys()
+            p.bias_vals += bias.values()
         banned: list[int] = []
         if seq.token_bitmask is not None:
             p.grammar_rows.append(len(p.greedy) - 1)

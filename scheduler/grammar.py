@@ -25,7 +25,7 @@ from radixserve.scheduler.errors import RequestError
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_KINDS = ("regex", "json_schema", "ebnf")
+GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:47:03] /project/cpp/x.cc:94: " of xgrammar's errors
 _CACHE_LIMIT = 1024  # compiled grammars kept (oldest dropped first)
@@ -37,7 +37,7 @@ def grammar_key(params: Any) -> tuple[str, str] | None:
         value = getattr(params, kind, None)
         if value is None:
             continue
-        if kind == "json_schema" and not isinstance(value, str):
+        if kind in ("json_schema", "structural_tag") and not isinstance(value, str):
             # Not sort_keys: xgrammar emits properties in the schema's order, so two dicts that
             # differ only in key order are different grammars (and must not share a cache entry).
             value = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
@@ -96,6 +96,8 @@ class GrammarBackend:
                 return compiler.compile_regex(text)
             if kind == "ebnf":
                 return compiler.compile_grammar(text)
+            if kind == "structural_tag":  # xgrammar's format; its JSON schemas are strict, as json_schema's
+                return compiler.compile_structural_tag(text)
             if text == JSON_OBJECT:
                 return compiler.compile_builtin_json_grammar()
             try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -9,7 +10,8 @@ import regex as _regex
 
 from radixserve.scheduler.checks import check_int, check_number
 
-GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 
 
 @dataclass
@@ -40,6 +42,12 @@ class SamplingParams:
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
+    # xgrammar's structural tag ({"type": "structural_tag", "format": ...}, a dict or its JSON text):
+    # what the OpenAI layer builds for forced tool calls (frontend/tool_grammar.py).
+    structural_tag: str | dict[str, Any] | None = None
+    # OpenAI logit_bias: token id -> bias in [-100, 100], added to that id's logit before sampling
+    # (kernels/sampling.py; -100 effectively bans the id, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +57,8 @@ class SamplingParams:
         if isinstance(self.stop_regex, str):
             self.stop_regex = [self.stop_regex]
         self.stop_regex = list(self.stop_regex or [])
+        if self.logit_bias is not None:
+            self.logit_bias = _normalise_bias(self.logit_bias)
         self.validate()
 
     @classmethod
@@ -107,13 +117,14 @@ class SamplingParams:
 
     @property
     def has_grammar(self) -> bool:
-        return self.regex is not None or self.json_schema is not None or self.ebnf is not None
+        return any(getattr(self, name) is not None for name in GRAMMAR_FIELDS)
 
     def _validate_grammar(self) -> None:
         """Types only (cheap, torch-free); the grammar itself is compiled by the engine."""
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"at most one of regex, json_schema and ebnf may be set, got {' and '.join(given)}")
+            raise ValueError(f"at most one of regex, json_schema, ebnf and structural_tag may be set, "
+                             f"got {' and '.join(given)}")
         for name in ("regex", "ebnf"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -121,6 +132,9 @@ class SamplingParams:
         schema = self.json_schema
         if schema is not None and not (isinstance(schema, dict) or (isinstance(schema, str) and schema)):
             raise ValueError("json_schema must be a JSON object or a non-empty string")
+        tag = self.structural_tag
+        if tag is not None and not (isinstance(tag, dict) or (isinstance(tag, str) and tag)):
+            raise ValueError("structural_tag must be a JSON object or a non-empty string")
 
     def _validate_stop_regex(self) -> None:
         if not all(isinstance(s, str) and s for s in self.stop_regex):
@@ -132,6 +146,25 @@ class SamplingParams:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {exc}") from None
             if compiled.fullmatch(""):
                 raise ValueError(f"stop_regex {pattern!r} matches the empty string")
+
+
+def _normalise_bias(bias: Any) -> dict[int, float]:
+    """logit_bias as {int id: float bias}; ids may be given as decimal strings (JSON object keys)."""
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().isdigit():
+            token = int(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be numbers between -100 and 100, got {value!r} "
+                             f"for token {key}")
+        out[token] = float(value)
+    return out
 
 
 @functools.lru_cache(maxsize=1024)
