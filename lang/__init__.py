@@ -9,16 +9,19 @@
 
     state = qa.run(question="...", backend=Runtime())
     print(state["answer"])
+
+Constrained gens: gen("n", regex=r"[0-9]{1,3}"), gen("obj", json_schema={...}), and typed gens
+gen("age", dtype=int) / gen_int / gen_string, whose value is state.get_typed("age").
 """
 from radixserve.lang.backend import Backend, BackendError, GenOutput, RequestRecord
 from radixserve.lang.endpoint import Endpoint
-from radixserve.lang.ir import assistant, gen, select, system, user
+from radixserve.lang.ir import assistant, gen, gen_int, gen_string, select, system, user
 from radixserve.lang.program import SglFunction, function, get_default_backend, set_default_backend
 from radixserve.lang.runtime import Runtime
 from radixserve.lang.state import ProgramState, ProgramStateGroup
 
 __all__ = [
     "Backend", "BackendError", "Endpoint", "GenOutput", "ProgramState", "ProgramStateGroup", "RequestRecord",
-    "Runtime", "SglFunction", "assistant", "function", "gen", "get_default_backend", "select",
-    "set_default_backend", "system", "user",
+    "Runtime", "SglFunction", "assistant", "function", "gen", "gen_int", "gen_string", "get_default_backend",
+    "select", "set_default_backend", "system", "user",
 ]

@@ -129,6 +129,9 @@ class Endpoint(Backend):
 
 def _payload(prompt: str, params: dict[str, Any]) -> dict[str, Any]:
     sampling = {k: v for k, v in params.items() if k not in _LOGPROB_KEYS}
+    if isinstance(sampling.get("json_schema"), dict):
+        # SGLang's /generate takes the schema as a JSON string; its key order is the output's.
+        sampling["json_schema"] = json.dumps(sampling["json_schema"], ensure_ascii=False)
     payload: dict[str, Any] = {"text": prompt, "sampling_params": sampling}
     start = params.get("logprob_start_len")
     if start is not None:

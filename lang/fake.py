@@ -4,18 +4,28 @@ Token ids are the characters' code points. The "model" continues a prompt with w
 a hash of the prompt; a choice's logprob is a hash of (recent context, character). A prefix
 cache over every prompt + output it saw reports cached_tokens the way the engine does (capped at
 len - 1 and at logprob_start_len).
+
+Structured gens, simply: for a typed gen's regex (ir.TYPE_REGEXES) the default "model" answers a
+value of that type chosen by the prompt's hash. The fake never constrains anything else: any other
+`regex` must be fully matched (Python `re`) by what `respond` returns, and a `json_schema` gen's
+answer must parse as JSON (the schema itself is not checked), else the request is rejected with a
+ValueError saying so (pass `respond=` that answers such prompts); `ebnf` is always rejected.
 """
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 import zlib
 from typing import Any, Callable
 
 from radixserve.lang.backend import Backend, GenOutput, TextCallback
+from radixserve.lang.ir import TYPE_REGEXES
 from radixserve.lang.roles import ChatTemplate
 
 WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta")
+_DTYPE_OF_REGEX = {regex: dtype for dtype, regex in TYPE_REGEXES.items()}
 
 RespondFn = Callable[[str, dict[str, Any]], str]
 ScoreFn = Callable[[str, str], float]
@@ -27,13 +37,55 @@ def chatml(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
 
 
 def default_respond(prompt: str, params: dict[str, Any]) -> str:
-    """Words chosen by the prompt's hash, a newline after every third."""
+    """Words chosen by the prompt's hash, a newline after every third; for a typed gen's regex, a
+    value of that type chosen by the hash."""
     seed = zlib.crc32(prompt.encode())
+    dtype = _DTYPE_OF_REGEX.get(params.get("regex"))
+    if dtype is not None:
+        return _typed_text(dtype, seed)
     words = []
     for i in range(64):
         seed = (seed * 1103515245 + 12345) & 0x7FFFFFFF
         words.append(" " + WORDS[seed % len(WORDS)] + ("\n" if i % 3 == 2 else ""))
     return "".join(words)
+
+
+def _typed_text(dtype: str, seed: int) -> str:
+    if dtype == "int":
+        return str(seed % 20001 - 10000)
+    if dtype == "float":
+        return f"{'-' if seed & 1 else ''}{(seed >> 1) % 1000}.{(seed >> 11) % 100:02d}"
+    if dtype == "bool":
+        return "True" if seed & 1 else "False"
+    return '"' + WORDS[seed % len(WORDS)] + '"'
+
+
+def check_constraint(text: str, params: dict[str, Any]) -> None:
+    """Reject a response that does not meet the request's regex / json_schema (see the module doc)."""
+    if params.get("ebnf") is not None:
+        raise ValueError("the fake backend does not support ebnf")
+    regex = params.get("regex")
+    if regex is not None:
+        try:
+            matched = re.fullmatch(regex, text)
+        except re.error as exc:
+            raise ValueError(f"invalid regex: {exc}") from None
+        if matched is None:
+            raise ValueError(f"the fake backend does not constrain generation, and its answer {text[:40]!r} does "
+                             f"not match regex {regex!r}; pass FakeBackend(respond=...) that answers with a match")
+    schema = params.get("json_schema")
+    if schema is not None:
+        if isinstance(schema, str):
+            try:
+                json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"json_schema is not valid JSON: {exc}") from None
+        try:
+            json.loads(text)
+        except ValueError:
+            raise ValueError(f"the fake backend does not constrain generation, and its answer {text[:40]!r} is not "
+                             "JSON (it checks only that the answer parses, not the schema); pass "
+                             "FakeBackend(respond=...) that answers with JSON") from None
 
 
 def default_score(context: str, char: str) -> float:
@@ -96,6 +148,7 @@ class FakeBackend(Backend):
     def _continue(self, prompt: str, params: dict[str, Any]) -> tuple[str, str, str | None]:
         max_new = params.get("max_new_tokens", 128)
         full = self._respond(prompt, params)
+        check_constraint(full, params)
         text = full[:max_new]
         hits = [(text.find(stop), stop) for stop in params.get("stop", []) if stop in text]
         if hits:

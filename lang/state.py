@@ -14,7 +14,7 @@ import threading
 from typing import Any, Iterator
 
 from radixserve.lang.backend import Backend, BackendError, RequestRecord
-from radixserve.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, flatten
+from radixserve.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, convert_typed, flatten
 from radixserve.lang.roles import Conversation
 
 logger = logging.getLogger(__name__)
@@ -25,13 +25,14 @@ class ProgramState:
 
     def __init__(self, backend: Backend, defaults: dict[str, Any], text: str = "",
                  conversation: Conversation | None = None, variables: dict[str, Any] | None = None,
-                 stream: bool = False) -> None:
+                 stream: bool = False, typed: dict[str, Any] | None = None) -> None:
         self.backend = backend
         self._stream = stream  # stream gen text as it arrives (else each gen appends once, at its end)
         self._defaults = dict(defaults)
         self._conv = conversation if conversation is not None else Conversation(backend.chat_template)
         self._text = text
         self._variables: dict[str, Any] = dict(variables or {})
+        self._typed: dict[str, Any] = dict(typed or {})  # typed gens' values (s[name] stays the text)
         self._meta: dict[str, dict[str, Any]] = {}
         self._requests: list[RequestRecord] = []
         self._num_calls = 0  # backend calls made, for RequestRecord.call_idx
@@ -78,6 +79,16 @@ class ProgramState:
     def set_var(self, name: str, value: Any) -> None:
         self.sync()
         self._variables[name] = value
+        self._typed.pop(name, None)
+
+    def get_typed(self, name: str) -> Any:
+        """The value of a typed gen (`gen(name, dtype=int)`, `gen_int`, ...): an int, float, bool or
+        the str between the quotes; `s[name]` is its text, as in SGLang. After a fork's join, the
+        list of the branches' values. Any other variable is returned as `s[name]` returns it."""
+        self.sync()
+        if name in self._typed:
+            return self._typed[name]
+        return self[name]
 
     def __setitem__(self, name: str, value: Any) -> None:
         self.set_var(name, value)
@@ -138,7 +149,7 @@ class ProgramState:
             out = _call(self.backend, "fork prefix", lambda: self.backend.prefill_only(self._text))
             self._record([RequestRecord("prefix", self._text, out)])
         branches = [ProgramState(self.backend, self._defaults, self._text, self._conv.copy(), self._variables,
-                                 self._stream) for _ in range(num_branches)]
+                                 self._stream, self._typed) for _ in range(num_branches)]
         return ProgramStateGroup(self, branches)
 
     # --- runner hooks ---------------------------------------------------------------------
@@ -211,11 +222,25 @@ class ProgramState:
         else:  # the stream disagreed with the final text; the final text wins
             self._replace(prompt + out.text)
         self._record([RequestRecord("gen", prompt, out)])
+        typed = None
+        if expr.dtype is not None:
+            try:
+                typed = convert_typed(expr.dtype, out.text)
+            except ValueError as exc:
+                raise ValueError(f"{label} with dtype={expr.dtype} on {self.backend.name}: the output {exc} "
+                                 f"(finish_reason {out.finish_reason!r}, {out.completion_tokens} tokens; "
+                                 "is max_tokens too small?)") from None
         if expr.name:
             self._variables[expr.name] = out.text
+            if expr.dtype is not None:
+                self._typed[expr.name] = typed
+            else:
+                self._typed.pop(expr.name, None)
             self._meta[expr.name] = {"finish_reason": out.finish_reason, "matched_stop": out.matched_stop,
                                      "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
                                      "completion_tokens": out.completion_tokens}
+            if expr.dtype is not None:
+                self._meta[expr.name]["dtype"] = expr.dtype
 
     def _run_select(self, expr: Select) -> None:
         label = f"select({expr.name!r})" if expr.name else "select"
@@ -226,6 +251,7 @@ class ProgramState:
         self._append(expr.choices[best], expr.name)
         if expr.name:
             self._variables[expr.name] = expr.choices[best]
+            self._typed.pop(expr.name, None)
             self._meta[expr.name] = {"choices": scores.choices, "sum_logprobs": scores.sum_logprobs,
                                      "normalized_logprobs": scores.normalized_logprobs,
                                      "num_tokens": scores.num_tokens, "method": expr.method}
@@ -293,6 +319,10 @@ class ProgramStateGroup:
                      if name not in self._fork_vars or value is not self._fork_vars[name]}
             for name in sorted(names):
                 parent._variables[name] = [b._variables.get(name) for b in self._branches]
+                if any(name in b._typed for b in self._branches):
+                    parent._typed[name] = [b._typed.get(name, b._variables.get(name)) for b in self._branches]
+                else:
+                    parent._typed.pop(name, None)
         else:
             parent += "".join(b._text[self._fork_text_len:] for b in self._branches)
 
