@@ -121,6 +121,8 @@ OPENAI_SAMPLING_NAMES = {
     "cache_salt": "cache_salt",
     "skip_special_tokens": "skip_special_tokens",
     "json_schema": "response_format",
+    "structural_tag": "tools",  # built from tools + tool_choice (frontend/tool_grammar.py)
+    "logit_bias": "logit_bias",
 }
 
 

@@ -18,6 +18,7 @@ from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prom
 from radixserve.frontend.protocol import (
     ChatRequest,
     CompletionRequest,
+    check_logit_bias,
     parse_chat_request,
     parse_completion_request,
 )
@@ -33,6 +34,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     req = parse_chat_request(body, state.config.max_n)
     common = req.common
     state.check_model(common.model)
+    check_logit_bias(common.sampling, state.client.vocab_size)
     prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
     max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
     rid = state.new_id("chatcmpl")
@@ -63,6 +65,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_completion_request(body, state.config.max_n)
     common = req.common
     state.check_model(common.model)
+    check_logit_bias(common.sampling, state.client.vocab_size)
     prompts_ids, echo_texts = await asyncio.to_thread(_tokenize_prompts, state, req.prompts, req.echo)
     rid = state.new_id("cmpl")
     echo_logprobs = req.echo and common.logprobs is not None
@@ -101,8 +104,10 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
 
 
 # The engine's parameter names -> this API's (for the engine's refusals).
-_CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens", "json_schema": "response_format"}
-_COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_schema": "response_format"}
+_CHAT_NAMES = {"prompt": "messages", "max_new_tokens": "max_tokens", "json_schema": "response_format",
+               "structural_tag": "tools", "logit_bias": "logit_bias"}
+_COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_schema": "response_format",
+                     "logit_bias": "logit_bias"}
 
 
 def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:

@@ -2,8 +2,10 @@
 
 Every rejection is an APIError(400) naming the parameter, so clients see what to fix.
 Unknown top-level fields are ignored (clients send vendor extras); unsupported features that
-would silently change the output (logit_bias, suffix) are refused. ``response_format`` becomes
-the engine's ``json_schema`` (structured generation, compiled with xgrammar in the engine).
+would silently change the output (suffix, vLLM's guided_* / structured_outputs) are refused.
+``response_format`` becomes the engine's ``json_schema`` and a forced ``tool_choice`` its
+``structural_tag`` (frontend/tool_grammar.py; both compiled with xgrammar in the engine);
+``logit_bias`` becomes SamplingParams.logit_bias (ids checked against the vocabulary by the handler).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from radixserve.frontend.fields import (
     make_sampling_params,
     read_openai_sampling,
 )
+from radixserve.frontend.tool_grammar import forced_calls_tag, strict_calls_tag
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
@@ -64,8 +67,8 @@ def parse_chat_request(body: Any, max_n: int) -> ChatRequest:
     if top_logprobs and not logprobs_on:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     _refuse_unsupported(reader)
-    tools = _parse_tools(reader)
-    common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None)
+    tools, tool_grammar = _parse_tools(reader)
+    common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None, tool_grammar)
     return ChatRequest(common=common, messages=messages, tools=tools)
 
 
@@ -90,7 +93,7 @@ class _Missing:
 
 
 def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
-                  logprobs: int | None) -> CommonOptions:
+                  logprobs: int | None, tool_grammar: tuple[dict[str, Any], bool] | None = None) -> CommonOptions:
     n = reader.int("n", 1, lo=1, hi=max_n)
     stream = reader.bool("stream", False)
     options = reader.obj("stream_options")
@@ -100,6 +103,17 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
     seed = reader.int("seed", None, lo=-(2**63), hi=2**63 - 1)
     sampling = read_openai_sampling(reader)
     sampling.update(_parse_response_format(reader))
+    if tool_grammar is not None:
+        tag, forced = tool_grammar
+        if "json_schema" not in sampling:
+            sampling["structural_tag"] = tag
+        elif forced:  # one grammar per request
+            raise bad_request("response_format cannot be combined with tool_choice \"required\" or a named "
+                              "function (the tool call's format is the response's)", "response_format")
+        # else: tool_choice auto with strict tools and a response_format: response_format wins
+    bias = _parse_logit_bias(reader)
+    if bias:
+        sampling["logit_bias"] = bias
     # Validate the whole set once (ranges, min_tokens <= max_tokens) with the client's names.
     probe = dict(sampling, max_new_tokens=max_tokens if max_tokens is not None else sampling["min_new_tokens"],
                  seed=seed, logprobs=logprobs)
@@ -110,10 +124,53 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
                          return_token_ids=reader.bool("return_token_ids", False), sampling=sampling)
 
 
+# Other servers' constrained-decoding fields: refused, so a client never gets unconstrained output.
+UNSUPPORTED_FIELDS = {
+    "structured_outputs": "vLLM's structured_outputs",
+    "guided_json": "vLLM's guided_json",
+    "guided_regex": "vLLM's guided_regex",
+    "guided_choice": "vLLM's guided_choice",
+    "guided_grammar": "vLLM's guided_grammar",
+    "guided_decoding_backend": "vLLM's guided_decoding_backend",
+    "guided_whitespace_pattern": "vLLM's guided_whitespace_pattern",
+}
+MAX_LOGIT_BIAS = 1024  # entries (each costs host work per step)
+
+
 def _refuse_unsupported(reader: FieldReader) -> None:
-    bias = reader.raw("logit_bias")
-    if bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", code="unsupported_parameter")
+    for name, what in UNSUPPORTED_FIELDS.items():
+        if reader.has(name):
+            raise bad_request(f"{name} ({what}) is not supported; use response_format (json_object or "
+                              "json_schema) or tool_choice", name, code="unsupported_parameter")
+
+
+def _parse_logit_bias(reader: FieldReader) -> dict[int, float] | None:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Ids are checked against the vocabulary
+    by the handler (check_logit_bias), which knows it."""
+    raw = reader.raw("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise bad_request("logit_bias must be an object mapping token ids (as strings) to biases", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias has {len(raw)} entries; at most {MAX_LOGIT_BIAS} are allowed", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                              "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"logit_bias[{key!r}] must be a number between -100 and 100, got {value!r}",
+                              "logit_bias")
+        out[int(key)] = float(value)
+    return out or None
+
+
+def check_logit_bias(sampling: dict[str, Any], vocab_size: int) -> None:
+    bias = sampling.get("logit_bias")
+    bad = next((t for t in bias or () if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})", "logit_bias")
 
 
 # response_format {"type": "json_object"}: any JSON (xgrammar's builtin JSON grammar).
@@ -131,6 +188,9 @@ def _parse_response_format(reader: FieldReader) -> dict[str, Any]:
         raise bad_request("response_format must be an object", "response_format")
     fmt = reader.obj("response_format")
     kind = fmt.raw("type")
+    if kind == "structural_tag":
+        raise bad_request("response_format type structural_tag (SGLang's) is not supported; use json_schema, "
+                          "or tools with tool_choice for tool calls", "response_format", code="unsupported_parameter")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise bad_request(f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, "
                           f"got {kind!r}", "response_format")
@@ -225,30 +285,67 @@ def _parse_message_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _parse_tools(reader: FieldReader) -> list[dict[str, Any]] | None:
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+def _parse_tools(reader: FieldReader) -> tuple[list[dict[str, Any]] | None, tuple[dict[str, Any], bool] | None]:
+    """(tools for the template and the parser, or None; (structural tag, forced) or None).
+
+    tool_choice "none" keeps the tools out of the prompt and never parses calls; "required" and a named
+    function force calls (the grammar of frontend/tool_grammar.py); "auto" constrains calls only when a
+    tool is strict."""
     raw_tools = reader.raw("tools")
     choice = reader.raw("tool_choice", "auto")
-    if isinstance(choice, dict) or choice == "required":
-        raise bad_request("tool_choice \"required\" or a named function needs constrained decoding, which "
-                          "is not supported; use \"auto\" or \"none\"", "tool_choice", code="unsupported_parameter")
-    if choice not in ("auto", "none"):
-        raise bad_request(f"tool_choice must be \"auto\" or \"none\", got {choice!r}", "tool_choice")
+    parallel = reader.bool("parallel_tool_calls", True)
+    named = _tool_choice_name(choice)
     if raw_tools is None:
-        return None
-    if not isinstance(raw_tools, list):
+        tools_in: list[Any] = []
+    elif not isinstance(raw_tools, list):
         raise bad_request("tools must be an array", "tools")
+    else:
+        tools_in = raw_tools
     tools = []
-    for i, tool in enumerate(raw_tools):
+    for i, tool in enumerate(tools_in):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
         _check_function_schema(fn, f"tools[{i}].function")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise bad_request(f"tools[{i}].function.strict must be a boolean", f"tools[{i}].function.strict")
         tools.append({"type": "function", "function": fn})
     if choice == "none" or not tools:
+        if choice == "required" or named is not None:
+            raise bad_request(f"tool_choice {'required' if named is None else repr(named)} needs tools, and none "
+                              "were given", "tool_choice")
+        return None, None
+    if named is not None:
+        if named not in {t["function"]["name"] for t in tools}:
+            known = ", ".join(t["function"]["name"] for t in tools)
+            raise bad_request(f"tool_choice names the function {named!r}, which is not in tools ({known})",
+                              "tool_choice")
+        return tools, (forced_calls_tag(tools, [named], parallel=False), True)
+    if choice == "required":
+        return tools, (forced_calls_tag(tools, None, parallel=parallel), True)
+    tag = strict_calls_tag(tools)
+    return tools, ((tag, False) if tag is not None else None)
+
+
+def _tool_choice_name(choice: Any) -> str | None:
+    """The function a tool_choice object names (None for the string modes); a bad value is a 400."""
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise bad_request(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or "
+                              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {choice!r}",
+                              "tool_choice")
         return None
-    return tools
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(fn, dict) \
+            or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    return fn["name"]
 
 
 def _check_function_schema(fn: dict[str, Any], where: str) -> None:

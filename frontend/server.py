@@ -62,6 +62,7 @@ def build_app(state: ServerState) -> Starlette:
         route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
         route("/tokenize", tokenize_api.tokenize, ["POST"], body=True),
         route("/detokenize", tokenize_api.detokenize, ["POST"], body=True),
+        route("/concate_and_append_request", _not_supported, ["POST", "GET"]),
     ]
     # Outermost first: the access log sees what ErrorGuard answers for a request that failed.
     middleware = [] if state.config.disable_log_requests else [Middleware(AccessLog)]
@@ -204,6 +205,13 @@ async def _abort_request(state: ServerState, request: Request, body: Any) -> dic
     if not isinstance(rid, str) or not rid:
         raise bad_request("rid must be a non-empty string", "rid")
     return {"aborted": state.client.abort_matching(rid)}
+
+
+async def _not_supported(state: ServerState, request: Request, body: Any) -> Response:
+    """Endpoints other servers have that this one deliberately does not: a clear 400, not a bare 404."""
+    raise APIError(400, f"{request.url.path} is not supported by this server (it has no endpoint that "
+                   "concatenates requests' KV; a program's forks share their prefix through the radix cache)",
+                   code="unsupported_endpoint")
 
 
 async def _metrics(state: ServerState, request: Request, body: Any) -> Response:

@@ -1,5 +1,10 @@
 """Tool calls in generated text: the `<tool_call>{json}</tool_call>` convention (Qwen / Hermes templates).
 
+``TOOL_CALL_SYNTAX`` is the one definition of that syntax (the tags, the body's JSON shape, what
+separates consecutive calls, as the test checkpoints' chat template renders them): this parser reads
+it, and frontend/tool_grammar.py builds the grammar of forced calls (tool_choice required / named)
+from it, so what the engine is made to write is what this parser reads back.
+
 The streaming parser sees text deltas and releases content as soon as it cannot be the start of a
 tool call; a complete `<tool_call>...</tool_call>` block becomes one ToolCall. A block whose body
 is not `{"name": ..., "arguments": ...}` JSON stays content, so nothing the model wrote is lost.
@@ -11,8 +16,33 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCallSyntax:
+    """How a chat template writes one call: ``open + {"name": NAME, "arguments": ARGS} + close``,
+    consecutive calls joined by ``separator``."""
+
+    open: str = "<tool_call>"
+    close: str = "</tool_call>"
+    separator: str = ""
+
+    def call_prefix(self, name: str) -> str:
+        """The text of a call to `name` up to its arguments' JSON."""
+        return self.open + '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+
+    @property
+    def call_suffix(self) -> str:
+        """The text after the arguments' JSON."""
+        return "}" + self.close
+
+    def render(self, name: str, arguments_json: str) -> str:
+        return self.call_prefix(name) + arguments_json + self.call_suffix
+
+
+TOOL_CALL_SYNTAX = ToolCallSyntax()
+TOOL_CALL_OPEN = TOOL_CALL_SYNTAX.open
+TOOL_CALL_CLOSE = TOOL_CALL_SYNTAX.close
 
 
 @dataclass(frozen=True)
@@ -102,7 +132,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
 
 def parse_tool_call_body(body: str) -> ToolCall | None:
     try:
-        obj = json.loads(body)
+        obj = json.loads(body, strict=False)  # raw control characters in strings (xgrammar allows them)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:

@@ -357,15 +357,14 @@ MESSAGES = [
     _case("chat-tool-schema-ok", CHAT, status=200, json=tool(
         {"name": "get_weather", "description": "the weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}})),
-    _case("chat-tool-choice-required", CHAT, chat(tool_choice="required"), param="tool_choice",
-          code="unsupported_parameter"),
+    _case("chat-tool-choice-required-without-tools", CHAT, chat(tool_choice="required"), param="tool_choice"),
     _case("chat-tool-choice-number", CHAT, chat(tool_choice=5), param="tool_choice"),
     _case("chat-response-format-unknown-type", CHAT, chat(response_format={"type": "xml"}),
           param="response_format"),
     _case("chat-response-format-bad-schema", CHAT, chat(response_format={
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}), param="response_format"),
     _case("chat-response-format-string", CHAT, chat(response_format="json"), param="response_format"),
-    _case("chat-logit-bias", CHAT, chat(logit_bias={"1": 5}), param="logit_bias", code="unsupported_parameter"),
+    _case("chat-logit-bias-out-of-range", CHAT, chat(logit_bias={"1": 500}), param="logit_bias"),
     _case("chat-stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}),
           param="stream_options"),
 ]
