@@ -451,6 +451,11 @@ class Engine:
             raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
                                f"{total} tokens exceed the KV cache of {self.kv.total_slots} slots "
                                f"(raise kv_cache_tokens)", "max_new_tokens")
+        if params.logit_bias:
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in params.logit_bias if t >= vocab), None)
+            if bad is not None:
+                raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
         if params.has_grammar:  # compiled now (synchronously; cached), so a bad grammar is a 400
             self.grammar.compile(params)
 

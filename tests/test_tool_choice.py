@@ -280,6 +280,22 @@ def test_sampler_adds_logit_bias_before_the_masks():
     assert tokens[:3] == [5, 7, 7] and tokens[3] != 7
 
 
+def test_engine_refuses_logit_bias_outside_the_vocabulary():
+    from radixserve.scheduler import Engine
+    from radixserve.scheduler.errors import RequestError
+
+    engine = Engine(tiny_model_path(), num_threads=1, kv_cache_tokens=1024)
+    try:
+        with pytest.raises(RequestError) as err:
+            engine.add_request("hi", {"max_new_tokens": 2, "logit_bias": {10**6: 1.0}})
+        assert err.value.param == "logit_bias"
+        forced = engine.generate("hi", {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                                        "logit_bias": {"65": 100}})[0]
+        assert forced.output_ids == [65, 65, 65]
+    finally:
+        engine.shutdown()
+
+
 def test_logit_bias_forces_and_bans(server):
     plain = _completion_ids(server)
     assert len(plain) == 6
