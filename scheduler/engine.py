@@ -96,6 +96,7 @@ class Engine:
                                                spaces_between_special_tokens=params.spaces_between_special_tokens)
             if compiled is not None:
                 req.grammar = self.grammar.matcher(compiled)
+                req.grammar_ban = self.grammar.extra_ban(params)
             self._reqs[rid] = req
             if on_delta is not None:
                 self._loop.listen(rid, on_delta)
@@ -279,6 +280,8 @@ class Engine:
             if self._bitmask is None:
                 self._bitmask = self.grammar.allocate_bitmask(self.config.max_running_requests)
             matcher.fill_next_token_bitmask(self._bitmask, num)
+            if item.req.grammar_ban is not None:
+                self._bitmask[num] &= item.req.grammar_ban
             seq.token_bitmask = self._bitmask[num]  # [ceil(vocab / 32)] int32 view
             num += 1
 

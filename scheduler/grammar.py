@@ -56,6 +56,8 @@ class GrammarBackend:
         self._cache: dict[tuple[str, str], Any] = {}
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses (for tests and stats)
+        self._info: Any = None
+        self._json_ban: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,6 +83,20 @@ class GrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled)
+
+    def extra_ban(self, params: Any) -> Any | None:
+        """A bitmask row to AND into a JSON-schema request's mask, or None: xgrammar's JSON strings
+        admit raw control characters (U+0000-U+001F), which strict JSON parsers (Python's
+        json.loads, the OpenAI SDKs) refuse; with no free whitespace between JSON tokens
+        (any_whitespace=False), no valid output needs a token holding one."""
+        key = grammar_key(params)
+        if key is None or key[0] != "json_schema":
+            return None
+        with self._lock:
+            if self._json_ban is None:
+                self._get_compiler(key[0])
+                self._json_ban = _ban_row(self._vocab_size, self._info.decoded_vocab)
+            return self._json_ban
 
     def allocate_bitmask(self, num_rows: int) -> Any:  # [num_rows, ceil(vocab / 32)] int32 torch tensor
         import xgrammar as xgr
@@ -121,5 +137,18 @@ class GrammarBackend:
 
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size,
                                                       stop_token_ids=self._stop_token_ids)
+            self._info = info
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
+
+
+def _ban_row(vocab_size: int, decoded_vocab: list[bytes]) -> Any:
+    """[ceil(vocab / 32)] int32: every bit set except the tokens whose bytes hold a control character."""
+    import torch
+
+    allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    for token_id, raw in enumerate(decoded_vocab[:vocab_size]):
+        if any(b < 0x20 for b in raw):
+            allowed[token_id] = False
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+    return bits.sum(1).to(torch.int64).add(2**31).remainder(2**32).sub(2**31).to(torch.int32)

@@ -87,6 +87,7 @@ class Req:
     # Structured generation: the xgrammar GrammarMatcher (engine process only), advanced with every
     # sampled token; it survives retraction (output_ids are kept) and is dropped on finish.
     grammar: Any = None
+    grammar_ban: Any = None  # a bitmask row ANDed into its mask (GrammarBackend.extra_ban), or None
 
     # Text state, owned by the engine's output processor.
     detok: Any = None

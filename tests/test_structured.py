@@ -114,7 +114,7 @@ def check_output(text: str, kind: str, spec) -> None:
     elif kind == "ebnf":
         assert re.fullmatch(EBNF_RE, text), text
     else:
-        validate(json.loads(text, strict=False), spec)
+        validate(json.loads(text), spec)  # strict: no raw control characters inside strings
 
 
 CASES = [("regex", r) for r in REGEXES] + [("json_schema", s) for s in SCHEMAS] + [("ebnf", EBNF)]
@@ -288,6 +288,15 @@ def test_grammar_with_chunked_prefill():
 
 
 # -- the mask in the sampler ---------------------------------------------------------------------------
+
+
+def test_json_ban_row_clears_exactly_the_control_character_tokens():
+    from radixserve.scheduler.grammar import _ban_row
+
+    vocab = [b"a", b"\x00", b"b\nc", b"\x1f", b" ", b'"'] + [b"x"] * 30 + [b"\t"]
+    row = _ban_row(len(vocab), vocab)
+    bits = [(int(row[i // 32]) >> (i % 32)) & 1 for i in range(len(vocab))]
+    assert bits == [0 if any(b < 0x20 for b in t) else 1 for t in vocab]
 
 
 def test_unpack_bitmask_matches_xgrammar():
