@@ -12,10 +12,10 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from radixserve.kernels.forward_io import SeqInput
 from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.scheduler.config import EngineConfig
+from radixserve.scheduler.constrained import ConstrainedDecoding
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.errors import RequestError
 from radixserve.scheduler.grammar import GrammarBackend
-from radixserve.scheduler.jump_forward import CONTEXT_IDS, jump_forward_ids
 from radixserve.scheduler.kv_ops import PrefixKV
 from radixserve.scheduler.metrics import EngineMetrics
 from radixserve.scheduler.output import OutputProcessor
@@ -61,10 +61,10 @@ class Engine:
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
         self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self._bitmask: Any = None  # [max_running_requests, ceil(vocab / 32)] int32, on first use
-        # Forced continuations never hold these (the grammar's stop tokens end it; others are not text).
-        self._special_ids = frozenset(self.tokenizer.special_token_ids) | frozenset(self.eos_token_ids)
         self.metrics = EngineMetrics()
+        self.constrained = ConstrainedDecoding(self.grammar, self.tokenizer, self.outputs, self.metrics,
+                                               self.eos_token_ids, cfg.max_running_requests, self.context_length,
+                                               cfg.disable_jump_forward)
         self._rng = random.Random(self.config.seed)
         self._reqs: dict[str, Req] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -81,8 +81,7 @@ class Engine:
         """Queue one request (thread-safe). Raises ValueError on bad input."""
         params = SamplingParams.from_any(sampling_params)
         prompt_ids = self._prompt_ids(prompt)
-        self._validate(prompt_ids, params)
-        compiled = self.grammar.compile(params) if params.has_grammar else None  # cached by _validate
+        compiled = self._validate(prompt_ids, params)
         with self._cv:
             rid = rid if rid is not None else uuid.uuid4().hex
             # A finished request's listener lives until its final delta is dispatched; reusing
@@ -95,8 +94,7 @@ class Engine:
             req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                spaces_between_special_tokens=params.spaces_between_special_tokens)
             if compiled is not None:
-                req.grammar = self.grammar.matcher(compiled)
-                req.grammar_ban = self.grammar.extra_ban(params)
+                self.constrained.attach(req, compiled, params)
             self._reqs[rid] = req
             if on_delta is not None:
                 self._loop.listen(rid, on_delta)
@@ -202,7 +200,7 @@ class Engine:
         m.num_mixed_steps += int(batch.is_mixed)
         shared = self._order_and_share(batch)
         seqs = [self._seq_input(item) for item in batch.items]
-        self._fill_grammar_masks(batch, seqs)
+        self.constrained.fill_masks([it.req for it in batch.items], [it.sample for it in batch.items], seqs)
         m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
         t1 = time.perf_counter()
         try:
@@ -226,7 +224,7 @@ class Engine:
                 if req.grammar is None:
                     self.outputs.append_token(req, out.next_token_id, out.next_logprob)
                 else:
-                    self._append_constrained(req, out.next_token_id, out.next_logprob)
+                    self.constrained.append(req, out.next_token_id, out.next_logprob)
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
                 self.outputs.finish(req, "length")
 
@@ -267,60 +265,6 @@ class Engine:
             sample=item.sample, sampling=p, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
             output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
             num_top_logprobs=p.logprobs or 0)
-
-    def _fill_grammar_masks(self, batch: Batch, seqs: list[SeqInput]) -> None:
-        """Each constrained request sampled this step gets its row of the step's token bitmask
-        (bit set = allowed); the sampler sends ~-inf to the rest. Prefill chunks that sample
-        nothing need none."""
-        num = 0
-        for item, seq in zip(batch.items, seqs):
-            matcher = item.req.grammar
-            if matcher is None or not item.sample:
-                continue
-            if self._bitmask is None:
-                self._bitmask = self.grammar.allocate_bitmask(self.config.max_running_requests)
-            matcher.fill_next_token_bitmask(self._bitmask, num)
-            if item.req.grammar_ban is not None:
-                self._bitmask[num] &= item.req.grammar_ban
-            seq.token_bitmask = self._bitmask[num]  # [ceil(vocab / 32)] int32 view
-            num += 1
-
-    def _append_constrained(self, req: Req, token_id: int, logprob: Any) -> None:
-        """The one place a constrained request's matcher moves: it accepts each sampled token before the
-        output processor appends it, so that a forced continuation (jump-forward, scheduler/jump_forward.py)
-        can be appended with it, or replace it, while that token has no KV and was never streamed; the
-        next step computes the forced tokens as one extend. A grammar that is complete (its stop token
-        accepted, also under ignore_eos) ends the request."""
-        matcher = req.grammar
-        accepted = matcher.accept_token(token_id)
-        ids = [token_id]
-        if accepted and not matcher.is_terminated() and self._may_jump(req):
-            room = min(req.params.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len)
-            jump = jump_forward_ids(matcher, self.tokenizer, _tail_ids(req, CONTEXT_IDS), token_id, room,
-                                    self._special_ids)
-            if jump is not None:
-                ids, replaced = jump
-                m = self.metrics
-                m.num_jump_forward_steps += 1
-                m.num_jump_forward_tokens += len(ids) - 1
-                m.num_jump_forward_retokenized += int(replaced)
-        self.outputs.append_token(req, ids[0], logprob if ids[0] == token_id else None)
-        for tok in ids[1:]:  # forced: each checked for stops, max_new_tokens and the context as sampled ones
-            if req.finish_reason is not None:
-                break
-            self.outputs.append_token(req, tok, None)
-        if req.finish_reason is not None:
-            return
-        if not accepted:  # the mask allowed it, so this is a bug
-            logger.error("request %s: token %d rejected by its grammar", req.rid, token_id)
-            self.outputs.finish(req, "abort", error=f"token {token_id} was rejected by the request's grammar")
-        elif matcher.is_terminated():
-            self.outputs.finish(req, "stop")
-
-    def _may_jump(self, req: Req) -> bool:
-        # Forced tokens are never sampled, so they have no logprobs: requests that ask for any decode on.
-        p = req.params
-        return not self.config.disable_jump_forward and p.logprobs is None and p.logprob_start_len is None
 
     def _finish(self, req: Req) -> None:
         req.grammar = None  # the matcher is released with the request
@@ -442,9 +386,10 @@ class Engine:
             raise RequestError("the prompt is empty", "prompt")
         return ids
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> Any | None:
         """The one check of a request against this engine's limits (the server maps the
-        RequestError's param to its API's name and answers 400)."""
+        RequestError's param to its API's name and answers 400); returns the compiled grammar
+        (or None), compiled here so that a bad grammar is a 400 too."""
         num, total = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
         if total > self.context_length:
             raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
@@ -459,15 +404,7 @@ class Engine:
             bad = next((t for t in params.logit_bias if t >= vocab), None)
             if bad is not None:
                 raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
-        if params.has_grammar:  # compiled now (synchronously; cached), so a bad grammar is a 400
-            self.grammar.compile(params)
-
-def _tail_ids(req: Req, num: int) -> list[int]:
-    """The last num ids of the sequence, without concatenating prompt and output."""
-    if len(req.output_ids) >= num:
-        return req.output_ids[-num:]
-    return req.prompt_ids[len(req.output_ids) - num:] + req.output_ids
-
+        return self.grammar.compile(params) if params.has_grammar else None  # synchronous; cached
 
 def _token_slice(req: Req, start: int, end: int) -> list[int]:
     num_prompt = len(req.prompt_ids)
