@@ -204,8 +204,8 @@ class EngineProcess:
             for rid in events.accepted:
                 _resolve(self._admissions.pop(rid, None), None)
             for rej in events.rejected:
-                _fail(self._admissions.pop(rid := rej.rid, None), RequestError(rej.message, rej.param, rej.code))
-                self._routes.pop(rid, None)
+                _fail(self._admissions.pop(rej.rid, None), RequestError(rej.message, rej.param, rej.code))
+                self._routes.pop(rej.rid, None)
             for reply in events.replies:
                 future = self._calls.pop(reply.call_id, None)
                 if reply.error is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 
-import regex as _regex
 
 from radixserve.kernels.forward_io import SeqOutput, TokenLogprob
 from radixserve.scheduler.req import Req, StreamDelta

@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from radixserve.bench import http_bench, peer_serve
+from radixserve.bench import http_bench, peer_serve, report_serve
 from radixserve.bench.http_bench import Timing, percentile, summarize_run
 from radixserve.bench.report_peer import OURS
 
@@ -120,7 +120,7 @@ def _serve_records():
 
 def test_peer_serve_summary_picks_the_best_vllm_per_concurrency(tmp_path):
     records = _serve_records()
-    rows = peer_serve.summarize(records)
+    rows = report_serve.summarize(records)
     cell = {(r["concurrency"], r["server"]): r for r in rows}
     ours = cell[(64, OURS)]
     assert ours["request_throughput"] == 31.0 and (ours["req_per_s_min"], ours["req_per_s_max"]) == (30.0, 32.0)
@@ -128,7 +128,7 @@ def test_peer_serve_summary_picks_the_best_vllm_per_concurrency(tmp_path):
     assert ours["vs_best_vllm"] == pytest.approx(31.0 / 21.0)
     assert cell[(64, "vllm-b32")]["vs_best_vllm"] == 1.0
     assert cell[(64, "vllm-b128")]["hit_rate"] == 0.75
-    ratios = peer_serve.ratios(rows)
+    ratios = report_serve.ratios(rows)
     assert ratios[64]["best_vllm"] == "vllm-b32" and ratios[64]["ours_over_best"] == pytest.approx(31 / 21)
     assert ratios[64]["tpot_p50_ours_over_best"] == pytest.approx(0.8)
     assert ratios[8]["ours_over_best"] == pytest.approx(0.8)
@@ -140,9 +140,9 @@ def test_peer_serve_summary_picks_the_best_vllm_per_concurrency(tmp_path):
     servers = {OURS: {"command": "radixserve serve --model /root/.cache/radixserve/ckpt-x --num-threads 2"},
                "vllm-b32": {"command": "vllm serve /root/.cache/radixserve/ckpt-x --block-size 32",
                             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "startup_s": 21.0}}
-    report = peer_serve.build_report(records, meta, servers)
+    report = report_serve.build_report(records, meta, servers)
     assert report["runs"] == 3 and len(report["records"]) == len(records)
-    peer_serve.write_report(report, str(tmp_path))
+    report_serve.write_report(report, str(tmp_path))
     saved = json.loads((tmp_path / "peer_serve_S.json").read_text())
     assert saved["ratios"]["64"]["best_vllm"] == "vllm-b32"
     md = (tmp_path / "peer_serve_S.md").read_text()
