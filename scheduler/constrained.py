@@ -35,13 +35,14 @@ class ConstrainedDecoding:
         req.grammar = self.grammar.matcher(compiled)
         req.grammar_ban = self.grammar.extra_ban(params)
 
-    def fill_masks(self, reqs: Sequence[Req], samples: Sequence[bool], seqs: Sequence[SeqInput]) -> None:
+    def fill_masks(self, items: Sequence[Any], seqs: Sequence[SeqInput]) -> None:
         """Each constrained request sampled this step gets its row of the step's token bitmask
         (bit set = allowed); the sampler sends ~-inf to the rest. Prefill chunks that sample
-        nothing need none."""
+        nothing need none. `items` are the batch's planner.BatchItems (req, sample)."""
         num = 0
-        for req, sample, seq in zip(reqs, samples, seqs):
-            if req.grammar is None or not sample:
+        for item, seq in zip(items, seqs):
+            req = item.req
+            if req.grammar is None or not item.sample:
                 continue
             if self._bitmask is None:
                 self._bitmask = self.grammar.allocate_bitmask(self.max_rows)

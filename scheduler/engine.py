@@ -200,7 +200,7 @@ class Engine:
         m.num_mixed_steps += int(batch.is_mixed)
         shared = self._order_and_share(batch)
         seqs = [self._seq_input(item) for item in batch.items]
-        self.constrained.fill_masks([it.req for it in batch.items], [it.sample for it in batch.items], seqs)
+        self.constrained.fill_masks(batch.items, seqs)
         m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
         t1 = time.perf_counter()
         try:

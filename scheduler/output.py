@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 
-
 from radixserve.kernels.forward_io import SeqOutput, TokenLogprob
 from radixserve.scheduler.req import Req, StreamDelta
 from radixserve.scheduler.sampling_params import stop_regex_pattern
