@@ -60,6 +60,9 @@ Action 2: calculator[168 * 60]
 Observation 2: 10080
 Answer: 10080"""
 
+# The thought after which the agent stops acting and answers (the demo model writes it once it has the result).
+ANSWERED_THOUGHT = "I have the answer."
+
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.Pow: operator.pow}
 
@@ -81,12 +84,14 @@ TOOLS: dict[str, Callable[[str], str]] = {"calculator": calculator, "lookup": lo
 
 
 @function
-def react_agent(s, question: str, num_steps: int = 6, thought_tokens: int = 12, input_tokens: int = 6):
+def react_agent(s, question: str, num_steps: int = 6, thought_tokens: int = 32, input_tokens: int = 16):
     s += system(SYSTEM_PROMPT)
     s += user(f"Question: {question}")
     with s.assistant():
         for i in range(1, num_steps + 1):
             s += f"Thought {i}:" + gen(f"thought_{i}", max_tokens=thought_tokens, stop="\n") + "\n"
+            if s[f"thought_{i}"].strip() == ANSWERED_THOUGHT:
+                break
             s += f"Action {i}: " + select(f"action_{i}", list(TOOLS)) + "["
             s += gen(f"input_{i}", max_tokens=input_tokens, stop=["]", "\n"]) + "]\n"
             observation = TOOLS[s[f"action_{i}"]](s[f"input_{i}"])
@@ -94,8 +99,18 @@ def react_agent(s, question: str, num_steps: int = 6, thought_tokens: int = 12, 
         s += "Answer:" + gen("answer", max_tokens=thought_tokens, stop="\n")
 
 
-def run_agents(backend: Backend, num_agents: int = 8, num_steps: int = 6, thought_tokens: int = 12,
-               input_tokens: int = 6, progress_bar: bool = False) -> tuple[list, CacheReport]:
+def tool_calls(state) -> list[tuple[str, str, str]]:
+    """(tool, input, observation) of each step an agent acted on."""
+    calls, i = [], 1
+    while state.get_var(f"input_{i}") is not None:
+        tool, arg = state[f"action_{i}"], state[f"input_{i}"]
+        calls.append((tool, arg, TOOLS[tool](arg)))
+        i += 1
+    return calls
+
+
+def run_agents(backend: Backend, num_agents: int = 8, num_steps: int = 6, thought_tokens: int = 32,
+               input_tokens: int = 16, progress_bar: bool = False) -> tuple[list, CacheReport]:
     """Run `num_agents` agents side by side (greedy); return their states and the cache report."""
     batch = [{"question": QUESTIONS[i % len(QUESTIONS)], "num_steps": num_steps,
               "thought_tokens": thought_tokens, "input_tokens": input_tokens} for i in range(num_agents)]
@@ -109,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     add_backend_args(parser)
     parser.add_argument("--agents", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--thought-tokens", type=int, default=12)
+    parser.add_argument("--thought-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     backend = make_backend(args)
     try:
         states, report = run_agents(backend, args.agents, args.steps, args.thought_tokens, progress_bar=True)
         for idx, state in enumerate(states):
-            actions = [state[f"action_{i}"] for i in range(1, args.steps + 1)]
-            print(f"agent {idx}: {state.messages()[1]['content']!r} actions={actions} "
+            calls = [f"{tool}[{arg}] -> {result}" for tool, arg, result in tool_calls(state)]
+            print(f"agent {idx}: {state.messages()[1]['content']!r} calls={calls} "
                   f"answer={state['answer'].strip()!r}")
         print(f"hit rate:         {report.hit_rate:.1%}")
         print(f"optimal hit rate: {report.optimal_hit_rate:.1%}  (same prompts; round k = every agent's k-th call)")
