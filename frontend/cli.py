@@ -33,11 +33,30 @@ class _Flag:
     hint: Any
 
 
+SERVE_EXAMPLES = """examples:
+  radixserve serve                                  # the built-in demo model on http://127.0.0.1:30000
+  radixserve serve --model ./my-checkpoint --port 8000 --api-key secret
+  radixserve serve --model ./base-model --chat-template chatml.jinja --served-model-name base
+"""
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject), or "unknown" when run from a bare source tree."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("radixserve")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="A RadixAttention-style LLM server.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"{PROG} {version()}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible and SGLang-native HTTP server",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Serve a checkpoint directory (or the built-in demo model) over HTTP.",
+                           epilog=SERVE_EXAMPLES, formatter_class=_HelpFormatter)
     groups: dict[tuple[str, ...], Any] = {}
     for flag in config_flags():
         owner = flag.path[:-1]
@@ -68,7 +87,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `radixserve` alone: what there is to run
+        parser.print_help()
+        return 0
     try:
         config = config_from_args(args)
         from radixserve.frontend.launch import run_server  # the engine starts only to serve
@@ -84,6 +107,10 @@ def one_line(exc: BaseException) -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help, and the examples epilog as written."""
 
 
 def _walk(cls: type, path: tuple[str, ...], prefix: str) -> Iterator[_Flag]:

@@ -6,6 +6,7 @@ nested `engine.model_path` always equals it.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -25,7 +26,10 @@ class ServerConfig:
     port: int = option(30000, "port to listen on (0: any free port, printed in the ready line)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (health endpoints stay open)")
     served_model_name: str | None = option(
-        None, f"the model name clients send (None: the model path, or {DEMO_MODEL_NAME} for the demo model)")
+        None, f"the model name clients send (None: the checkpoint directory's name, or {DEMO_MODEL_NAME} for the "
+              "demo model)")
+    chat_template: str | None = option(
+        None, "a Jinja chat template file, for a checkpoint without one (or to replace its own)")
     engine: EngineConfig = option(EngineConfig(), "how the engine loads the model, caches prefixes and schedules requests")
     max_queued_requests: int = option(256, "requests accepted beyond --max-running-requests before 429")
     max_tokens_default: int = option(2048, "chat: generate until EOS or the context end, capped by this")
@@ -66,7 +70,11 @@ class ServerConfig:
 
     def model_name(self) -> str:
         """The name clients pass as `model` (and /v1/models lists)."""
-        return self.served_model_name or self.model or DEMO_MODEL_NAME
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEMO_MODEL_NAME
+        return os.path.basename(os.path.normpath(self.model)) or self.model  # ./m and ./m/ are both "m"
 
     def public_dict(self) -> dict[str, Any]:
         """Server and engine settings as one flat dict for /get_server_info, the API key masked."""

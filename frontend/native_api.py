@@ -56,6 +56,9 @@ def _make_item_jobs(state: ServerState, item: NativeItem, index: int | None) -> 
         param = "input_ids" + where
         prompt_ids = item.prompt
     sampling = dict(item.sampling)
+    default_max_new = state.engine.tokenizer.default_max_new_tokens  # generation_config.json's, if any
+    if default_max_new is not None:
+        sampling.setdefault("max_new_tokens", default_max_new)
     if item.return_logprob:
         start = item.logprob_start_len if item.logprob_start_len >= 0 else len(prompt_ids) - 1
         if start >= len(prompt_ids):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -112,8 +113,10 @@ _COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_s
 
 def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:
     if max_tokens is None:
-        # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag.
-        default = state.client.default_max_tokens(prompt_len, state.config.max_tokens_default, "messages")
+        # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag and by the
+        # checkpoint's generation_config.json max_new_tokens.
+        cap = min(state.config.max_tokens_default, state.engine.tokenizer.default_max_new_tokens or sys.maxsize)
+        default = state.client.default_max_tokens(prompt_len, cap, "messages")
         if min_tokens > default:  # parsing checked min_tokens only against an explicit max_tokens
             raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens, whose default for this prompt "
                               f"is {default} (the room left in the context, capped by the server)", "min_tokens")

@@ -52,9 +52,25 @@ class ConfigError(ValueError):
 
 def check_before_load(config: ServerConfig) -> None:
     """Raise ConfigError for a model path, device or attention backend that cannot work here."""
-    if config.model is not None and not os.path.isdir(config.model):
-        raise ConfigError(f"--model {config.model!r} is not a directory (give a checkpoint directory)")
+    if config.model is not None:
+        check_model_dir(config.model)
+    if config.chat_template is not None and not os.path.isfile(config.chat_template):
+        raise ConfigError(f"--chat-template {config.chat_template!r} is not a file (give a Jinja template file)")
     check_device_and_backend(config.engine)
+
+
+def check_model_dir(model: str) -> None:
+    """A local checkpoint directory, or a one-line reason: missing, a file, or what looks like a hub id."""
+    if os.path.isdir(model):
+        return
+    if os.path.exists(model):
+        raise ConfigError(f"--model {model!r} is a file; give the checkpoint directory that holds config.json")
+    owner, slash, name = model.partition("/")
+    if slash and owner and name and "/" not in name and not model.startswith(".") and not os.path.isabs(model):
+        raise ConfigError(f"--model {model!r} looks like a Hugging Face hub id, and there is no such local "
+                          "directory: radixserve loads local checkpoints only (download it first, e.g. "
+                          f"`huggingface-cli download {model} --local-dir DIR`, then --model DIR)")
+    raise ConfigError(f"--model {model!r}: no such directory (give a local checkpoint directory)")
 
 
 def check_device_and_backend(engine: EngineConfig) -> None:

@@ -36,10 +36,22 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     """`engine` is a started frontend.engine_proc.EngineProcess."""
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
+    _use_chat_template(tokenizer, config.chat_template)
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(), texts=texts,
                        created=int(time.time()))
+
+
+def _use_chat_template(tokenizer: Any, path: str | None) -> None:
+    """--chat-template FILE replaces the checkpoint's template; without either, say at start-up that chat fails."""
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            tokenizer.set_chat_template(f.read())
+        logger.info("chat template: %s", path)
+    elif not tokenizer.has_chat_template:
+        logger.warning("the checkpoint %s has no chat template: /v1/chat/completions will answer 400 (plain "
+                       "/v1/completions and /generate work); pass --chat-template FILE to supply one", tokenizer.path)
 
 
 def build_app(state: ServerState) -> Starlette:

@@ -1,6 +1,7 @@
 """ServerState: what every handler needs (the engine process, config, admission, metrics, token texts)."""
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """Unknown model names get 404; an absent `model` means the served one."""
-        if model is None or model in (self.model_name, self.engine.info.model_path):
+        path = self.engine.info.model_path
+        if model is None or model in (self.model_name, path) or os.path.normpath(model) == os.path.normpath(path):
             return
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")

@@ -1,5 +1,5 @@
 """Checkpoints built locally, with no download: seeded random Llama-family models for tests and benchmarks, the
-built-in demo model, and (in demo_scripted) checkpoints that emit fixed scripts.
+path of the built-in (trained, shipped) demo model, and (in demo_scripted) checkpoints that emit fixed scripts.
 
 Every builder writes a directory that transformers loads as is: config.json, model.safetensors,
 generation_config.json (eos_token_id = [<|im_end|>, <|endoftext|>]) and the tokenizer of demo_tokenizer.
@@ -36,6 +36,7 @@ __all__ = [
     "cached_checkpoint",
     "cached_scripted_checkpoint",
     "demo_model_path",
+    "random_demo_model_path",
     "scripted_model_path",
     "SCRIPTS",
     "special_token_ids",
@@ -48,7 +49,10 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The built-in demo model (a small random Llama). Bump _DEMO_VERSION when the builder's output changes in a way
+# The trained demo model shipped in the package (package data; kernels/demo_train.py writes it).
+DEMO_CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_checkpoint")
+
+# A random-weight model of the same size as the demo (random_demo_model_path). Bump _DEMO_VERSION when the builder's output changes in a way
 # the fingerprint below (config + corpus + template source) does not see.
 DEMO_CONFIG: dict[str, Any] = dict(
     arch="llama", seed=0, vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -135,13 +139,22 @@ def scripted_model_path() -> str:
 
 
 def demo_model_path() -> str:
-    """The built-in demo model's directory: built on first use under cache_root(), reused afterwards."""
+    """The built-in demo model: the small trained Llama shipped in the package (kernels/demo_checkpoint/, see its
+    MODEL_CARD.md; kernels/demo_train.py writes it). What Engine(None) and `radixserve serve` load."""
+    if not os.path.isfile(os.path.join(DEMO_CHECKPOINT_DIR, "model.safetensors")):
+        raise ValueError(f"the built-in demo model is missing from {DEMO_CHECKPOINT_DIR} (a broken install?); "
+                         "reinstall radixserve or run `python -m radixserve.kernels.demo_train`")
+    logger.info("using the built-in demo model (%s): a tiny model trained on a synthetic corpus, for trying "
+                "radixserve out; pass a checkpoint directory to serve a real model", DEMO_CHECKPOINT_DIR)
+    return DEMO_CHECKPOINT_DIR
+
+
+def random_demo_model_path() -> str:
+    """The random-weight model of the demo's size (DEMO_CONFIG): built on first use under cache_root(), reused
+    afterwards. For tests and benchmarks that need the demo's shapes without its trained weights."""
     fingerprint = _fingerprint(DEMO_CONFIG, demo_corpus.corpus(), CHAT_TEMPLATE)
     path = _cached_dir(f"{_DEMO_VERSION}-{fingerprint}", lambda d: build_checkpoint(d, **DEMO_CONFIG))
-    logger.warning(
-        "Using the built-in demo model (%s): a small Llama with RANDOM weights, so its text is gibberish. "
-        "Pass a checkpoint directory to serve a real model.", path,
-    )
+    logger.warning("using a demo-sized Llama with RANDOM weights (%s): its text is gibberish", path)
     return path
 
 

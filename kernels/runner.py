@@ -49,12 +49,11 @@ from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve
 from radixserve.kernels.model import CausalLM
 from radixserve.kernels.model_config import ModelConfig, load_model_config
 from radixserve.kernels.sampling import PenaltyState, sample_next_tokens, token_logprobs
+from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-DEFAULT_CPU_KV_TOKENS = 16384  # small on the CPU: several test servers share one machine
-CUDA_KV_MEMORY_FRACTION = 1 / 3  # of the free memory before loading; weights and activations need the rest
 
 
 @dataclass

@@ -64,12 +64,19 @@ class PolicyConfig:
         check_choice("policy.starvation_rule", self.starvation_rule, STARVATION_RULES)
 
 
+# The KV pool when kv_cache_tokens is None (kernels/runner.py default_kv_slots applies them).
+DEFAULT_CPU_KV_TOKENS = 16384  # small on the CPU: several test servers share one machine
+CUDA_KV_MEMORY_FRACTION = 1 / 3  # of the free memory before loading; weights and activations need the rest
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = option(None, "checkpoint directory (None: the built-in demo model)")
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
     context_length: int | None = option(None, "cap the model's context length (None: the model's)")
-    kv_cache_tokens: int | None = option(None, "KV cache size in token slots (None: the engine's device default)")
+    kv_cache_tokens: int | None = option(
+        None, f"KV cache size in token slots (None: {DEFAULT_CPU_KV_TOKENS} on the CPU; on CUDA, "
+              f"{CUDA_KV_MEMORY_FRACTION:.2g} of the GPU memory free before the weights load)")
     page_size: int = option(1, "KV page size in tokens")
     chunked_prefill_size: int = option(512, "max prompt tokens computed per step")
     max_running_requests: int = option(64, "max requests decoding together")

@@ -79,7 +79,7 @@ class Engine:
     def add_request(self, prompt: Prompt, sampling_params: ParamsLike = None, rid: str | None = None,
                     on_delta: Callable[[StreamDelta], None] | None = None) -> str:
         """Queue one request (thread-safe). Raises ValueError on bad input."""
-        params = SamplingParams.from_any(sampling_params)
+        params = SamplingParams.from_any(sampling_params, self.tokenizer.default_max_new_tokens)
         prompt_ids = self._prompt_ids(prompt)
         compiled = self._validate(prompt_ids, params)
         with self._cv:
@@ -125,7 +125,7 @@ class Engine:
             params_list = [sampling_params] * len(prompt_list)
         # Check every prompt before queueing any, so a bad one leaves nothing behind.
         prompt_list = [self._prompt_ids(p) for p in prompt_list]
-        params_list = [SamplingParams.from_any(sp) for sp in params_list]
+        params_list = [SamplingParams.from_any(sp, self.tokenizer.default_max_new_tokens) for sp in params_list]
         for ids, params in zip(prompt_list, params_list):
             self._validate(ids, params)
         if self._loop.running:

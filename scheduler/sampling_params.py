@@ -62,9 +62,13 @@ class SamplingParams:
         self.validate()
 
     @classmethod
-    def from_any(cls, value: "SamplingParams | dict[str, Any] | None") -> "SamplingParams":
+    def from_any(cls, value: "SamplingParams | dict[str, Any] | None",
+                 default_max_new_tokens: int | None = None) -> "SamplingParams":
+        """None, a dict (None values = unset) or SamplingParams itself. default_max_new_tokens (the checkpoint's
+        generation_config.json) replaces the class default when None or the dict leaves max_new_tokens unset."""
+        defaults = {} if default_max_new_tokens is None else {"max_new_tokens": default_max_new_tokens}
         if value is None:
-            return cls()
+            return cls(**defaults)
         if isinstance(value, SamplingParams):
             return value
         if isinstance(value, dict):
@@ -72,7 +76,7 @@ class SamplingParams:
             unknown = sorted(set(value) - known)
             if unknown:
                 raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-            return cls(**{k: v for k, v in value.items() if v is not None})  # None = unset, for every field
+            return cls(**{**defaults, **{k: v for k, v in value.items() if v is not None}})
         raise ValueError(f"sampling_params must be a SamplingParams or a dict, got {type(value).__name__}")
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,7 +16,7 @@ AutoTokenizer does with them:
 encode(text, add_special_tokens) and decode(ids, skip_special_tokens) equal transformers' calls of the same names;
 chat messages are rendered with the checkpoint's template and tokenized without adding special tokens, which is what
 apply_chat_template(tokenize=True) does. EOS ids come from generation_config.json (an int or a list) plus the eos
-token.
+token; so does default_max_new_tokens (its max_new_tokens), the reply length of a request that sets none.
 
 Anything else (no tokenizer.json, i.e. sentencepiece only; another model-specific tokenizer class such as
 GPT2Tokenizer or a sentencepiece LlamaTokenizer, which transformers rebuilds its own way; remote code) falls back to
@@ -78,6 +78,8 @@ class Tokenizer:
         self.pad_token_id: int | None = backend.token_id(backend.named.get("pad_token"))
         self.special_token_ids: frozenset[int] = backend.special_ids
         self.eos_token_ids: list[int] = _eos_token_ids(path, backend.token_id(self.eos_token))
+        # generation_config.json's max_new_tokens: the default reply length wherever a request sets none.
+        self.default_max_new_tokens: int | None = generation_max_new_tokens(path)
 
     @property
     def has_chat_template(self) -> bool:
@@ -87,6 +89,13 @@ class Tokenizer:
     def chat_template(self) -> str | dict[str, str] | None:
         """The template source (or named sources), as transformers' tokenizer.chat_template."""
         return self._templates
+
+    def set_chat_template(self, source: str) -> None:
+        """Use `source` (Jinja) instead of the checkpoint's own template (`serve --chat-template FILE`).
+        Call before serving: rendering reads the template without a lock."""
+        if not source.strip():
+            raise ValueError("the chat template is empty")
+        self._templates = source
 
     @property
     def hf(self) -> Any:
@@ -230,6 +239,17 @@ def _clean_up_tokenization(text: str) -> str:
                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(before, after)
     return text
+
+
+def generation_max_new_tokens(path: str) -> int | None:
+    """max_new_tokens of path/generation_config.json (a positive int), else None (a bad value is logged)."""
+    value = (read_json(os.path.join(path, "generation_config.json")) or {}).get("max_new_tokens")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        logger.warning("ignoring max_new_tokens=%r in %s/generation_config.json (not a positive integer)", value, path)
+        return None
+    return value
 
 
 def _eos_token_ids(path: str, tokenizer_eos: int | None) -> list[int]:

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve.kernels import demo
-from radixserve.kernels.demo import build_checkpoint, cached_checkpoint, demo_model_path, special_token_ids
+from radixserve.kernels.demo import build_checkpoint, cached_checkpoint, random_demo_model_path, special_token_ids
 
 TINY = dict(vocab_size=300, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -63,10 +63,10 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     assert not os.path.exists(os.path.join(path, "tokenizer.json"))
 
 
-def test_demo_model_is_built_once_and_reused(tmp_path, monkeypatch, caplog):
+def test_random_demo_model_is_built_once_and_reused(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="radixserve.kernels.demo"):
-        path = demo_model_path()
+        path = random_demo_model_path()
     assert "RANDOM weights" in caplog.text
     assert os.path.dirname(path) == str(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -80,7 +80,7 @@ def test_demo_model_is_built_once_and_reused(tmp_path, monkeypatch, caplog):
         raise AssertionError("the demo model was rebuilt")
 
     monkeypatch.setattr(demo, "build_checkpoint", fail)
-    assert demo_model_path() == path
+    assert random_demo_model_path() == path
     assert os.stat(os.path.join(path, "model.safetensors")).st_mtime_ns == stamp
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temp dirs left behind
 

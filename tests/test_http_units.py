@@ -277,5 +277,6 @@ def test_error_body_shape():
 
 def test_served_model_name_defaults():
     assert ServerConfig().model_name() == "radixserve-demo"  # the demo's cache path is no name to type
-    assert ServerConfig(model="/ckpt/qwen").model_name() == "/ckpt/qwen"
+    assert ServerConfig(model="/ckpt/qwen").model_name() == "qwen"  # the directory's name
+    assert ServerConfig(model="./m/").model_name() == ServerConfig(model="./m").model_name() == "m"
     assert ServerConfig(model="/ckpt/qwen", served_model_name="qwen").model_name() == "qwen"

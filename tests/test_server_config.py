@@ -103,8 +103,14 @@ def test_engine_takes_policy_and_reuse_bonus_from_its_config():
 
 def test_preflight_in_process():
     check_before_load(ServerConfig())  # the demo model, torch on the CPU: nothing to refuse
-    with pytest.raises(ConfigError, match="not a directory"):
+    with pytest.raises(ConfigError, match="no such directory"):
         check_before_load(ServerConfig(model="/no/such/checkpoint"))
+    with pytest.raises(ConfigError, match="looks like a Hugging Face hub id"):
+        check_before_load(ServerConfig(model="Qwen/Qwen2.5-0.5B-Instruct"))
+    with pytest.raises(ConfigError, match="is a file"):
+        check_before_load(ServerConfig(model=__file__))
+    with pytest.raises(ConfigError, match="--chat-template .* is not a file"):
+        check_before_load(ServerConfig(chat_template="/no/such/template.jinja"))
     sock = bind_listen_socket("127.0.0.1", 0)
     try:
         port = sock.getsockname()[1]
