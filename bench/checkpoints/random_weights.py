@@ -1,5 +1,5 @@
-"""Checkpoints built locally, with no download: seeded random Llama-family models for tests and benchmarks, the
-path of the built-in (trained, shipped) demo model, and (in demo_scripted) checkpoints that emit fixed scripts.
+"""Checkpoints built locally, with no download, for tests and benchmarks: seeded random Llama-family models, a
+random-weight model of the demo model's size, and (scripted.py) checkpoints that emit fixed scripts.
 
 Every builder writes a directory that transformers loads as is: config.json, model.safetensors,
 generation_config.json (eos_token_id = [<|im_end|>, <|endoftext|>]) and the tokenizer of demo_tokenizer.
@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from radixserve.bench.checkpoints.scripted import build_scripted_checkpoint
 from radixserve.kernels import demo_corpus
-from radixserve.kernels.demo_scripted import build_scripted_checkpoint
 from radixserve.kernels.demo_tokenizer import (
     CHAT_TEMPLATE,
     MIN_VOCAB_SIZE,
@@ -36,7 +36,6 @@ __all__ = [
     "cache_root",
     "cached_checkpoint",
     "cached_scripted_checkpoint",
-    "demo_model_path",
     "random_demo_model_path",
     "scripted_model_path",
     "SCRIPTS",
@@ -50,11 +49,8 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The trained demo model shipped in the package (package data; kernels/demo_train.py writes it).
-DEMO_CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_checkpoint")
-
-# A random-weight model of the same size as the demo (random_demo_model_path). Bump _DEMO_VERSION when the builder's output changes in a way
-# the fingerprint below (config + corpus + template source) does not see.
+# A random-weight model of the demo model's size (random_demo_model_path). Bump _DEMO_VERSION when the builder's
+# output changes in a way the fingerprint below (config + corpus + template source) does not see.
 DEMO_CONFIG: dict[str, Any] = dict(
     arch="llama", seed=0, vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
     intermediate_size=688, max_position_embeddings=4096,
@@ -143,17 +139,6 @@ def scripted_model_path() -> str:
     return cached_scripted_checkpoint(SCRIPTS, priority=SCRIPT_PRIORITY)
 
 
-def demo_model_path() -> str:
-    """The built-in demo model: the small trained Llama shipped in the package (kernels/demo_checkpoint/, see its
-    MODEL_CARD.md; kernels/demo_train.py writes it). What Engine(None) and `radixserve serve` load."""
-    if not os.path.isfile(os.path.join(DEMO_CHECKPOINT_DIR, "model.safetensors")):
-        raise ValueError(f"the built-in demo model is missing from {DEMO_CHECKPOINT_DIR} (a broken install?); "
-                         "reinstall radixserve or run `python -m radixserve.kernels.demo_train`")
-    logger.info("using the built-in demo model (%s): a tiny model trained on a synthetic corpus, for trying "
-                "radixserve out; pass a checkpoint directory to serve a real model", DEMO_CHECKPOINT_DIR)
-    return DEMO_CHECKPOINT_DIR
-
-
 def random_demo_model_path() -> str:
     """The random-weight model of the demo's size (DEMO_CONFIG): built on first use under cache_root(), reused
     afterwards. For tests and benchmarks that need the demo's shapes without its trained weights."""
@@ -175,9 +160,9 @@ def cached_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
 
 def cached_scripted_checkpoint(chains: dict[str, Any], **kwargs: Any) -> str:
     """build_scripted_checkpoint(dir, chains, **kwargs) into the cache, keyed by the arguments."""
-    from radixserve.kernels import demo_scripted
+    from radixserve.bench.checkpoints import scripted
 
-    key = _fingerprint(dict(chains=chains, **kwargs), inspect.getsource(demo_scripted), demo_corpus.corpus())
+    key = _fingerprint(dict(chains=chains, **kwargs), inspect.getsource(scripted), demo_corpus.corpus())
     return _cached_dir(f"scripted-{key}", lambda d: build_scripted_checkpoint(d, chains, **kwargs))
 
 
