@@ -29,7 +29,7 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
 
 def bench_model_path(name: str) -> str:
     """Directory of bench model `name` (S, M or tiny), built once into the radixserve cache."""
-    from radixserve.kernels.demo import cached_checkpoint
+    from radixserve.bench.checkpoints import cached_checkpoint
 
     if name not in BENCH_MODELS:
         raise ValueError(f"unknown bench model {name!r}; choose from {', '.join(BENCH_MODELS)}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.kernels.demo import build_checkpoint
+from radixserve.bench.checkpoints import build_checkpoint
 
 
 def make_checkpoint(tmp_path_factory, name: str, arch: str = "llama", **overrides) -> str:

@@ -57,7 +57,7 @@ def _stop_all() -> None:
 
 
 def tiny_model_path() -> str:
-    from radixserve.kernels.demo import cached_checkpoint
+    from radixserve.bench.checkpoints import cached_checkpoint
 
     return cached_checkpoint("llama", **TINY_MODEL)
 
@@ -81,7 +81,7 @@ def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
 
 
 def scripted_model_path() -> str:
-    from radixserve.kernels.demo import cached_scripted_checkpoint
+    from radixserve.bench.checkpoints import cached_scripted_checkpoint
 
     return cached_scripted_checkpoint(scripted_chains(), priority=SCRIPT_PRIORITY)
 

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixserve.kernels import demo
-from radixserve.kernels.demo import build_checkpoint, cached_checkpoint, random_demo_model_path, special_token_ids
+from radixserve.bench.checkpoints import random_weights as demo
+from radixserve.bench.checkpoints import build_checkpoint, cached_checkpoint, random_demo_model_path, special_token_ids
 
 TINY = dict(vocab_size=300, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -65,7 +65,7 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 def test_random_demo_model_is_built_once_and_reused(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="radixserve.kernels.demo"):
+    with caplog.at_level(logging.WARNING, logger="radixserve.bench.checkpoints.random_weights"):
         path = random_demo_model_path()
     assert "RANDOM weights" in caplog.text
     assert os.path.dirname(path) == str(tmp_path)

@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixserve.kernels.demo import SCRIPT_PRIORITY, SCRIPTS, TOOL_RESULT_TRIGGER, build_scripted_checkpoint, special_token_ids
+from radixserve.bench.checkpoints import SCRIPT_PRIORITY, SCRIPTS, TOOL_RESULT_TRIGGER, build_scripted_checkpoint, special_token_ids
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.tokenizer import Tokenizer
 

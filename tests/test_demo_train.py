@@ -69,7 +69,7 @@ def test_generation_config_max_new_tokens_is_the_default(tmp_path):
 
 def test_chat_template_flag_and_the_missing_template_warning(tmp_path, caplog):
     from radixserve.frontend.server import _use_chat_template
-    from radixserve.kernels.demo import cached_checkpoint
+    from radixserve.bench.checkpoints import cached_checkpoint
     from radixserve.scheduler.tokenizer import Tokenizer
 
     import shutil

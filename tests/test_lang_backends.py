@@ -23,7 +23,7 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def ckpt() -> str:
-    from radixserve.kernels.demo import cached_checkpoint
+    from radixserve.bench.checkpoints import cached_checkpoint
 
     return cached_checkpoint("llama", **CKPT_ARGS)
 

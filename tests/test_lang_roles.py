@@ -30,7 +30,7 @@ DROPS_REASONING = (
 def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    from radixserve.kernels.demo import cached_checkpoint
+    from radixserve.bench.checkpoints import cached_checkpoint
 
     # The HTTP and lang backend tests' tiny checkpoint: CI builds it once.
     path = cached_checkpoint("llama", vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from radixserve.kernels.demo import build_tokenizer, special_token_ids, write_generation_config
+from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, write_generation_config
 from radixserve.kernels.demo_tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, TOOL_TOKENS
 from radixserve.scheduler.tokenizer import Tokenizer
 
@@ -190,7 +190,8 @@ from hypothesis import HealthCheck  # noqa: E402
 import _tokenizer_variants as variants  # noqa: E402
 from _http_server import scripted_model_path as http_scripted_model_path  # noqa: E402
 from _http_server import tiny_model_path  # noqa: E402
-from radixserve.kernels.demo import ARCHITECTURES, cached_checkpoint, demo_model_path, scripted_model_path  # noqa: E402
+from radixserve.bench.checkpoints import ARCHITECTURES, cached_checkpoint, scripted_model_path  # noqa: E402
+from radixserve.kernels.demo import demo_model_path  # noqa: E402
 
 # One tiny checkpoint per architecture, with vocabularies from the smallest the tokenizer allows to one with
 # reserved special tokens (the corpus fills ~4150 ids with merges).

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from _http_server import tiny_model_path
-from radixserve.kernels.demo import cached_checkpoint, scripted_model_path
+from radixserve.bench.checkpoints import cached_checkpoint, scripted_model_path
 
 HTTP_MODULES = [
     "radixserve.frontend.server",
