@@ -41,7 +41,7 @@ def test_chat_nonstream_and_stream_agree(client):
     assert choice.message.role == "assistant" and choice.finish_reason in ("length", "stop")
     assert full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 0
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
-    assert full.usage.prompt_tokens_details.cached_tokens >= 0
+    assert 0 <= full.usage.prompt_tokens_details.cached_tokens < full.usage.prompt_tokens  # the last token is computed
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -54,10 +54,10 @@ def test_chat_nonstream_and_stream_agree(client):
 
 
 def test_chat_default_max_tokens_is_the_server_cap(client):
-    out = client.chat.completions.create(model=MODEL, messages=_chat(_unique("Go on")), temperature=0)
-    assert out.usage.completion_tokens <= 32  # --max-tokens-default 32
-    if out.choices[0].finish_reason == "length":
-        assert out.usage.completion_tokens == 32
+    # min_tokens bans EOS up to the cap, so the default (--max-tokens-default 32) is what ends the reply.
+    out = client.chat.completions.create(model=MODEL, messages=_chat(_unique("Go on")), temperature=0,
+                                         extra_body={"min_tokens": 32})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 32
 
 
 def test_completion_defaults_to_16_tokens(client):

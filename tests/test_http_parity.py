@@ -61,5 +61,6 @@ def test_greedy_http_output_equals_engine_generate(http_outputs):
     for out, result in zip(http_outputs, results):
         choice = out["choices"][0]
         assert choice["token_ids"] == result.output_ids
-        if choice["finish_reason"] != "tool_calls":
-            assert choice["message"]["content"] == result.text
+        # ignore_eos and 12 tokens of a random model: always "length", plain content (no tool call parsed out)
+        assert choice["finish_reason"] == result.finish_reason == "length"
+        assert choice["message"]["content"] == result.text
