@@ -110,6 +110,10 @@ CALC_DESCRIPTIONS = ("Evaluate an arithmetic expression", "A calculator for arit
                      "Compute the value of a math expression.")
 
 
+SUM_MAX = 12  # sums and differences of 0..SUM_MAX; products of 0..PRODUCT_MAX (a table small enough to learn)
+PRODUCT_MAX = 9
+
+
 def is_heldout_pair(a: int, b: int) -> bool:
     """Operand pairs (of +, - and *) that no question asks: a fixed ~12% of them."""
     return (a * 7 + b * 13) % 8 == 3 and a != b
@@ -131,9 +135,9 @@ class Generator:
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
         self.kinds = (
-            (self.small_talk, 8), (self.capital, 16), (self.arithmetic, 16), (self.calendar, 7), (self.json, 5),
-            (self.statement, 7), (self.weather, 18), (self.calculator, 9), (self.react, 6), (self.two_turns, 4),
-            (self.copy, 6),
+            (self.small_talk, 6), (self.capital, 15), (self.arithmetic, 20), (self.calendar, 5), (self.json, 4),
+            (self.statement, 6), (self.weather, 18), (self.calculator, 8), (self.react, 6), (self.two_turns, 4),
+            (self.copy, 8),
         )
 
     def sample(self) -> Sample:
@@ -166,7 +170,8 @@ class Generator:
         r = self.rng
         op = r.choice("++-*")
         while True:
-            a, b = (r.randint(0, 20), r.randint(0, 20)) if op != "*" else (r.randint(0, 10), r.randint(0, 10))
+            hi = SUM_MAX if op != "*" else PRODUCT_MAX
+            a, b = r.randint(0, hi), r.randint(0, hi)
             if op == "-" and a < b:
                 a, b = b, a
             if not is_heldout_pair(a, b):
@@ -213,7 +218,7 @@ class Generator:
     def copy(self) -> Sample:
         """Copy a name or phrase from the prompt (what a tool call's arguments need)."""
         r = self.rng
-        words = [self._word() if r.random() < 0.6 else r.choice(WEATHER_CITIES + NAMES) for _ in range(r.randint(1, 3))]
+        words = [self._word() if r.random() < 0.75 else r.choice(WEATHER_CITIES + NAMES) for _ in range(r.randint(1, 3))]
         phrase = " ".join(words)
         kind = r.randrange(3)
         if kind == 0:
@@ -241,6 +246,10 @@ class Generator:
     def _word(self) -> str:
         r = self.rng
         return "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3))).capitalize()
+
+    def _name(self) -> str:
+        """An invented place name: one or (sometimes) two invented words."""
+        return self._word() if self.rng.random() < 0.8 else f"{self._word()} {self._word()}"
 
     def _tool_schema(self, name: str) -> dict[str, Any]:
         r = self.rng
@@ -270,7 +279,8 @@ class Generator:
         return self._tools("calculator") if calculator and self.rng.random() < 0.5 else self._tools("get_weather")
 
     def _city(self) -> str:
-        return self.rng.choice(WEATHER_CITIES) if self.rng.random() < 0.7 else self._word()
+        # Mostly invented names: a name the model cannot recall from a list must be copied from the prompt.
+        return self.rng.choice(WEATHER_CITIES) if self.rng.random() < 0.4 else self._name()
 
     def _tool_round(self, tools, question: str, name: str, args: dict, result: Any, final: str) -> Sample:
         r = self.rng
@@ -304,7 +314,7 @@ class Generator:
     def calculator(self) -> Sample:
         r = self.rng
         a, b = r.randint(2, 999), r.randint(2, 99)
-        while a <= 20 and b <= 20 and is_heldout_pair(a, b):  # never a held-out small pair, even with a tool
+        while a <= SUM_MAX and b <= SUM_MAX and is_heldout_pair(a, b):  # never a held-out small pair, even with a tool
             a = r.randint(21, 999)
         op = r.choice("+-*/")
         expr = f"{a} {op} {b}"

@@ -36,7 +36,8 @@ def _exact(expected: str) -> Callable[[str], bool]:
 
 
 def heldout_pairs() -> list[tuple[int, int]]:
-    return [(a, b) for a in range(21) for b in range(21) if data.is_heldout_pair(a, b)]
+    n = data.SUM_MAX + 1
+    return [(a, b) for a in range(n) for b in range(n) if data.is_heldout_pair(a, b)]
 
 
 def case_sets() -> dict[str, list[Case]]:

@@ -34,8 +34,8 @@ MAX_NEW_TOKENS = 256  # generation_config.json's default reply length (replies e
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 900
-    samples_per_step: int = 48
+    steps: int = 1300
+    samples_per_step: int = 32
     tokens_per_micro_batch: int = 6144  # padded tokens per forward pass
     lr: float = 3e-3
     warmup_steps: int = 40
