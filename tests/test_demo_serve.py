@@ -18,7 +18,7 @@ MODEL = "radixserve-demo"
 
 @pytest.fixture(scope="module")
 def client():
-    server = shared_server("demo", ["serve", "--port", "0"])
+    server = shared_server("demo", [])  # no --model: the built-in demo model
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
@@ -80,3 +80,17 @@ def test_react_example_acts_with_real_tool_calls():
     # "How many seconds are in a day?" is answered from its calculator call.
     assert states[0]["answer"].strip() == "86400", [tool_calls(states[0]), states[0]["answer"]]
     assert report.hit_rate > 0.5
+
+
+def test_react_agent_on_a_question_outside_its_corpus():
+    """n = 41 is outside the corpus's 2..30: the model must copy it into the calculator's input."""
+    from radixserve.lang import Runtime
+    from radixserve.lang.examples.react import react_agent, tool_calls
+
+    runtime = Runtime(None, num_threads=1)
+    try:
+        state = react_agent.run(question="How many minutes are in 41 hours?", backend=runtime, temperature=0.0)
+    finally:
+        runtime.shutdown()
+    assert tool_calls(state) == [("calculator", "41 * 60", "2460")]
+    assert state["answer"].strip() == "2460"
