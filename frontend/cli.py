@@ -67,6 +67,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return _build(ServerConfig, (), {path: getattr(args, dest) for path, dest in dests.items()})
 
 
+def config_argv(config: ServerConfig) -> list[str]:
+    """The `serve` flags that rebuild `config` (fields left at their defaults are not named); the
+    inverse of config_from_args, used to start replica workers (frontend/replicas.py)."""
+    argv: list[str] = []
+    for flag in config_flags():
+        value: Any = config
+        for name in flag.path:
+            value = getattr(value, name)
+        if value == flag.field.default or value is None:
+            continue
+        name = _flag_name(flag)
+        if _base_type(flag.hint) is bool:
+            argv.append(name if value else "--no-" + name[2:])
+        else:
+            argv += [name, str(value)]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -140,7 +158,7 @@ def _add_flag(group: Any, flag: _Flag) -> None:
                            help=meta["help"])
         return
     choices = meta.get("choices")
-    group.add_argument(name, dest=flag.dest, type=base, default=default, choices=choices,
+    group.add_argument(name, *meta.get("aliases", ()), dest=flag.dest, type=base, default=default, choices=choices,
                        metavar=None if choices else name[2:].replace("-", "_").upper(), help=meta["help"])
 
 

@@ -6,13 +6,16 @@ nested `engine.model_path` always equals it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from radixserve.scheduler.checks import check_choice, check_int, check_number
 from radixserve.scheduler.config import EngineConfig, option
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# sglang-router's routing policies (`--policy`); cache_aware routes by prefix match, manual by the
+# x-smg-routing-key header (README "Replicas and routing").
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 
 # What /v1/models lists for the built-in demo model (its cache path is no name to type).
 DEMO_MODEL_NAME = "radixserve-demo"
@@ -37,6 +40,11 @@ class ServerConfig:
                                               "before /health returns 503", flag="--watchdog-timeout")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
     log_level: str = option("info", "logging level", choices=LOG_LEVELS)
+    replicas: int = field(default=1, metadata={
+        "help": "engine workers behind sglang-router (pip install 'radixserve[router]'); each its own process, "
+                "port and GPU (or cores // N torch threads on the CPU); --dp-size is SGLang's name",
+        "flag": "--replicas", "aliases": ("--dp-size",)})
+    router_policy: str = option("cache_aware", "with --replicas > 1: the router's policy", choices=ROUTER_POLICIES)
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
@@ -47,6 +55,8 @@ class ServerConfig:
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
         check_number("watchdog_timeout_s", self.watchdog_timeout_s, lo=0, lo_open=True)
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
+        check_int("replicas", self.replicas, lo=1)
+        check_choice("router_policy", self.router_policy, ROUTER_POLICIES)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         object.__setattr__(self, "engine", self._engine_with_model())

@@ -54,7 +54,10 @@ def build_app(state: ServerState) -> Starlette:
         route("/v1/models/{model:path}", _get_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"], body=True),
         route("/get_model_info", _model_info, ["GET"]),
+        route("/model_info", _model_info, ["GET"]),  # SGLang's newer names, probed first by sglang-router
         route("/get_server_info", _server_info, ["GET"]),
+        route("/server_info", _server_info, ["GET"]),
+        route("/get_load", _get_load, ["GET"]),
         route("/flush_cache", _flush_cache, ["POST", "GET"]),
         route("/abort_request", _abort_request, ["POST"], body=True),
         route("/metrics", _metrics, ["GET"]),
@@ -172,6 +175,19 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
         "stats": await _engine_call(state, "stats"),
     })
     return info
+
+
+async def _get_load(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    """What a router balances on: requests queued and running (`load`, read by sglang-router's
+    load monitor) and the KV pool's use (slots held by live requests; cached prefixes not counted)."""
+    stats = await _engine_call(state, "stats")
+    running, waiting = stats["num_running"], stats["num_waiting"]
+    total = stats["total_slots"]
+    used = total - stats["free_slots"] - stats["evictable_slots"]
+    return {"load": running + waiting, "num_reqs": running + waiting, "num_running_reqs": running,
+            "num_waiting_reqs": waiting, "num_in_flight": state.client.num_in_flight,
+            "num_used_tokens": used, "num_cached_tokens": stats["evictable_slots"],
+            "kv_usage": used / total if total else 0.0, "cache_hit_rate": stats["cache_hit_rate"]}
 
 
 async def _engine_call(state: ServerState, name: str) -> Any:
