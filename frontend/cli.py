@@ -18,6 +18,7 @@ import types
 import typing
 from typing import Any, Iterator, Sequence
 
+from radixserve.frontend import deploy
 from radixserve.frontend.config import ServerConfig
 
 PROG = "radixserve"
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
             title = (".".join(owner) or "server") + " settings"
             groups[owner] = serve.add_argument_group(title, _field(owner).metadata.get("help") if owner else None)
         _add_flag(groups[owner], flag)
+    deploy.add_parser(sub)
     return parser
 
 
@@ -88,6 +90,8 @@ def config_argv(config: ServerConfig) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "deploy":
+            return deploy.run(args)
         config = config_from_args(args)
         from radixserve.frontend.launch import run_server  # the engine starts only to serve
 
