@@ -28,6 +28,7 @@ import os
 import platform
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -37,8 +38,8 @@ from radixserve.bench.http_bench import RESULTS_DIR, percentile
 logger = logging.getLogger(__name__)
 
 SIDES = ("single", "cache_aware", "round_robin")
-# Words per system prompt / question and output tokens per model (the tiny test model has a 512-token
-# context and a byte-level vocabulary: a word is several tokens).
+# Words per system prompt / question and output tokens per bench model (4096-token context; with the
+# demo tokenizer a word of these syllables is about two tokens).
 PRESETS: dict[str, dict[str, int]] = {
     "S": dict(num_groups=16, per_group=8, system_words=300, question_words=12, output_len=32),
     "tiny": dict(num_groups=8, per_group=4, system_words=40, question_words=3, output_len=2),
@@ -174,3 +175,110 @@ def _x(v: float | None) -> str:
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{1000 * v:.0f}"
+
+
+# -- driver ------------------------------------------------------------------------------------
+
+
+def run_side(side: str, url: str, worker_urls: Sequence[str], requests: Sequence[TextRequest], model: str,
+             concurrency: int) -> dict[str, Any]:
+    """One side from emptied caches: warm-up request excluded, counters read around the stream."""
+    for u in worker_urls:
+        _flush(u)
+    before = [_stats(u) for u in worker_urls]
+    timings, wall_s = asyncio.run(run_stream(url, requests, model, concurrency))
+    row = summarize(side, timings, wall_s, computed_tokens(before, [_stats(u) for u in worker_urls]))
+    logger.info("%s: hit rate %.3f, %d prompt tokens computed, %.2f req/s", side, row["hit_rate"],
+                row["computed_tokens"], row["req_per_s"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    from radixserve.bench.harness import bench_model_path
+    from radixserve.frontend.router_proc import RouterProcess, free_port
+    from radixserve.frontend.spawn import ServerProcess
+
+    started = time.perf_counter()
+    requests = text_gsp(**args.workload, seed=args.seed)
+    model_path = args.model_path or bench_model_path(args.model)
+    common = ["--model", model_path, "--served-model-name", "bench", "--disable-log-requests",
+              "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-running-requests", str(args.concurrency)]
+    env = {"OMP_NUM_THREADS": str(max(1, args.threads // args.replicas))}
+    rows = []
+    single = ServerProcess([*common, "--num-threads", str(args.threads)], env={"OMP_NUM_THREADS": str(args.threads)})
+    try:
+        asyncio.run(run_stream(single.url, requests[:2], "bench", 2))  # warm-up, flushed away below
+        rows.append(run_side("single", single.url, [single.url], requests, "bench", args.concurrency))
+    finally:
+        single.stop()
+    replicas = ServerProcess([*common, "--replicas", str(args.replicas)], env=env, start_timeout_s=900)
+    try:
+        worker_urls = re.findall(r"worker \d+ ready on (http://[\d.]+:\d+)", replicas.log())
+        asyncio.run(run_stream(replicas.url, requests[:2], "bench", 2))
+        rows.append(run_side("cache_aware", replicas.url, worker_urls, requests, "bench", args.concurrency))
+        rr = RouterProcess(worker_urls, "127.0.0.1", free_port(), "round_robin", None)
+        try:
+            rr.wait_ready(len(worker_urls))
+            rows.append(run_side("round_robin", rr.url, worker_urls, requests, "bench", args.concurrency))
+        finally:
+            rr.stop(timeout=10)
+    finally:
+        replicas.stop()
+    config = _config(args, model_path)
+    config["elapsed_s"] = time.perf_counter() - started
+    report = build_report(rows, config)
+    write_report(report, args.out)
+    return report
+
+
+def _stats(url: str) -> dict:
+    import httpx
+
+    return httpx.get(url + "/get_server_info", timeout=60).json()["stats"]
+
+
+def _flush(url: str, timeout_s: float = 60.0) -> None:
+    from radixserve.bench.http_bench import _flush_server
+
+    _flush_server(url, timeout_s)
+
+
+def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    import importlib.metadata
+
+    return {"command": "python -m radixserve.bench.router_bench " + " ".join(args.argv), "model": args.model,
+            "model_path": model_path, "replicas": args.replicas, "workload": args.workload, "seed": args.seed,
+            "concurrency": args.concurrency, "threads": args.threads,
+            "worker_threads": max(1, args.threads // args.replicas), "kv_cache_tokens": args.kv_cache_tokens,
+            "router_version": importlib.metadata.version("sglang-router"), "note": args.note, "out": args.out,
+            "endpoint": "/v1/chat/completions (text, streamed)",
+            "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="S", choices=tuple(PRESETS), help="bench model (ARCHITECTURE §8)")
+    p.add_argument("--model-path", default=None, help="use this checkpoint instead of the bench model")
+    p.add_argument("--replicas", type=int, default=4, help="workers behind the router")
+    for key in PRESETS["S"]:
+        p.add_argument("--" + key.replace("_", "-").replace("num-groups", "groups"), dest=key, type=int,
+                       help=f"gsp {key.replace('_', ' ')} (default: the model's preset)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads of the single worker; each replica gets threads // replicas")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool per worker")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--note", default="", help="a sentence for the report (e.g. why a smaller configuration)")
+    p.add_argument("--out", default=None, help="output path without extension (default results/router_bench_MODEL)")
+    args = p.parse_args(argv)
+    args.workload = {k: getattr(args, k) or v for k, v in PRESETS[args.model].items()}
+    args.out = args.out or os.path.join(RESULTS_DIR, f"router_bench_{args.model}")
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    return args
+
+
+if __name__ == "__main__":
+    main()

@@ -192,10 +192,32 @@ def test_a_killed_worker_fails_its_requests_fast_and_comes_back(replicas):
     while workers(replicas)[victim][0] == before[victim][0]:
         assert time.monotonic() < deadline, "the killed worker did not come back:\n" + replicas.log()[-3000:]
         time.sleep(0.5)
-    new_url = workers(replicas)[victim][0]
+    current = sorted(u for u, _ in workers(replicas).values())  # the dead URL is gone from the router too
     deadline = time.monotonic() + 30
-    while not any(w["url"] == new_url and w["is_healthy"]
-                  for w in httpx.get(replicas.url + "/workers", headers=AUTH, timeout=30).json()["workers"]):
-        assert time.monotonic() < deadline, "the router did not take the restarted worker back"
+    while sorted((w["url"], w["is_healthy"]) for w in httpx.get(
+            replicas.url + "/workers", headers=AUTH, timeout=30).json()["workers"]) != [(u, True) for u in current]:
+        assert time.monotonic() < deadline, "the router did not swap the dead worker for the restarted one"
         time.sleep(0.2)
+    new_url = workers(replicas)[victim][0]
     assert chat(new_url, "direct to the restarted worker").status_code == 200
+
+
+def test_sigterm_drains_the_workers_then_stops_the_router(replicas):
+    """Last (it ends the set): a request running at SIGTERM still completes through the router,
+    then the supervisor exits 0 with every worker and the router gone."""
+    results: dict = {}
+    thread = threading.Thread(target=_long_request, args=(replicas.url, 99, False, results))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not any(stats(u)["num_running"] for u, _ in workers(replicas).values()):
+        assert time.monotonic() < deadline, "the request did not start"
+        time.sleep(0.05)
+    pids = [pid for _, pid in workers(replicas).values()]
+    replicas.proc.send_signal(signal.SIGTERM)
+    thread.join(timeout=60)
+    assert results[99][0] == "ok", results
+    assert replicas.proc.wait(timeout=60) == 0, replicas.log()[-3000:]
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(replicas.url + "/liveness", timeout=5)
