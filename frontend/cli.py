@@ -8,6 +8,7 @@ scheduler/config.py), so a new engine setting is a flag without touching this fi
     ServerConfig.engine.policy.window       --policy-window      (other nested configs: prefixed)
 
 A bad value exits with status 2 and one line, `radixserve: error: ...`, on stderr.
+`radixserve deploy kubernetes ...` (frontend/deploy/) is the one subcommand with hand-written flags.
 """
 from __future__ import annotations
 

@@ -104,15 +104,18 @@ class Supervisor:
         argv = worker_argv(config, gpus)
         self.workers = [Worker(i, argv, env) for i, env in enumerate(worker_envs(config, gpus))]
         self.router: RouterProcess | None = None
+        self._lock = threading.Lock()  # a restart never starts a worker after shutdown() stopped them
 
     def run(self) -> int:
         for worker in self.workers:  # all load their models at once
             worker.start()
         for worker in self.workers:
             if not worker.wait_ready(WORKER_START_TIMEOUT_S, self.stop):
-                logger.error("worker %d did not start (its log is above)", worker.index)
+                stopped = self.stop.is_set()  # a signal while the models load
+                if not stopped:
+                    logger.error("worker %d did not start (its log is above)", worker.index)
                 self.shutdown()
-                return 1
+                return 0 if stopped else 1
             logger.info("worker %d ready on %s (pid %d)", worker.index, worker.url, worker.proc.pid)
         port = self.config.port or free_port(self.config.host)
         self.router = RouterProcess([w.url for w in self.workers], self.config.host, port,
@@ -142,18 +145,23 @@ class Supervisor:
             if not worker.exited():
                 time.sleep(POLL_S)
                 continue
+            if time.monotonic() - worker.started_at > STABLE_S:
+                backoff = BACKOFF_S[0]
             logger.error("worker %d (%s) exited with status %s; restarting in %.0fs", worker.index,
                          worker.url, worker.proc.returncode, backoff)
             self._router_call(self.router.remove_worker, worker.url)
-            if time.monotonic() - worker.started_at > STABLE_S:
-                backoff = BACKOFF_S[0]
             if self.stop.wait(backoff):
                 return
             backoff = min(backoff * 2, BACKOFF_S[1])
-            worker.start()
+            with self._lock:
+                if self.stop.is_set():
+                    return
+                worker.start()
             if worker.wait_ready(WORKER_START_TIMEOUT_S, self.stop):
                 self._router_call(self.router.add_worker, worker.url)
                 logger.warning("worker %d is back on %s (pid %d)", worker.index, worker.url, worker.proc.pid)
+            elif not self.stop.is_set() and not worker.exited():
+                worker.proc.kill()  # alive but not ready in time: the next round restarts it
 
     def _router_call(self, call: Any, url: str) -> None:
         try:
@@ -163,9 +171,10 @@ class Supervisor:
 
     def shutdown(self) -> None:
         """Drain the workers (the router relays their last answers), then stop the router."""
-        self.stop.set()
-        for worker in self.workers:
-            worker.terminate()
+        with self._lock:
+            self.stop.set()
+            for worker in self.workers:
+                worker.terminate()
         for worker in self.workers:
             worker.wait(self.config.graceful_timeout_s + 10)
         if self.router is not None:
