@@ -177,17 +177,17 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
     return info
 
 
-async def _get_load(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
-    """What a router balances on: requests queued and running (`load`, read by sglang-router's
-    load monitor) and the KV pool's use (slots held by live requests; cached prefixes not counted)."""
+async def _get_load(state: ServerState, request: Request, body: Any) -> list[dict[str, Any]]:
+    """What a router balances on, in SGLang's shape: one entry per data-parallel rank (one here).
+    sglang-router 0.3.2 sums `num_tokens` (KV slots held by live requests; cached prefixes not
+    counted) as the worker's load and reads `num_waiting_reqs`."""
     stats = await _engine_call(state, "stats")
     running, waiting = stats["num_running"], stats["num_waiting"]
     total = stats["total_slots"]
     used = total - stats["free_slots"] - stats["evictable_slots"]
-    return {"load": running + waiting, "num_reqs": running + waiting, "num_running_reqs": running,
-            "num_waiting_reqs": waiting, "num_in_flight": state.client.num_in_flight,
-            "num_used_tokens": used, "num_cached_tokens": stats["evictable_slots"],
-            "kv_usage": used / total if total else 0.0, "cache_hit_rate": stats["cache_hit_rate"]}
+    return [{"dp_rank": 0, "num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+             "num_tokens": used, "num_in_flight": state.client.num_in_flight,
+             "token_usage": used / total if total else 0.0, "cache_hit_rate": stats["cache_hit_rate"]}]
 
 
 async def _engine_call(state: ServerState, name: str) -> Any:

@@ -69,10 +69,12 @@ def test_worker_surface_the_router_probes(replicas):
         assert info["served_model_name"] == "tiny" and info["replicas"] == 1 and info["num_threads"] == 1
     for path in ("/model_info", "/get_model_info"):
         assert httpx.get(url + path, headers=AUTH, timeout=30).json()["served_model_name"] == "tiny"
-    load = httpx.get(url + "/get_load", headers=AUTH, timeout=30).json()
-    assert load["load"] == load["num_running_reqs"] + load["num_waiting_reqs"] == 0
-    assert 0.0 <= load["kv_usage"] < 1.0 and load["num_used_tokens"] >= 0
+    (load,) = httpx.get(url + "/get_load", headers=AUTH, timeout=30).json()  # one entry per DP rank
+    assert load["dp_rank"] == 0 and load["num_reqs"] == load["num_running_reqs"] + load["num_waiting_reqs"] == 0
+    assert load["num_tokens"] == 0 and load["token_usage"] == 0.0
     assert httpx.get(url + "/get_load", timeout=30).status_code == 401
+    router_loads = httpx.get(replicas.url + "/get_loads", headers=AUTH, timeout=30).json()["workers"]
+    assert [w["load"] for w in router_loads] == [0, 0]  # the router reads it (-1: it could not)
     listed = httpx.get(replicas.url + "/workers", headers=AUTH, timeout=30).json()["workers"]
     assert sorted(w["url"] for w in listed) == sorted(u for u, _ in workers(replicas).values())
     assert all(w["is_healthy"] and w["model_id"] == "tiny" for w in listed)
