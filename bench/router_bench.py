@@ -249,7 +249,10 @@ def _flush(url: str, timeout_s: float = 60.0) -> None:
 def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     import importlib.metadata
 
-    return {"command": "python -m radixserve.bench.router_bench " + " ".join(args.argv), "model": args.model,
+    argv = list(args.argv)
+    if "--note" in argv[:-1]:
+        argv[argv.index("--note") + 1] = "'(the note below)'"
+    return {"command": "python -m radixserve.bench.router_bench " + " ".join(argv), "model": args.model,
             "model_path": model_path, "replicas": args.replicas, "workload": args.workload, "seed": args.seed,
             "concurrency": args.concurrency, "threads": args.threads,
             "worker_threads": max(1, args.threads // args.replicas), "kv_cache_tokens": args.kv_cache_tokens,
