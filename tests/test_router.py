@@ -1,6 +1,6 @@
 """`serve --replicas 2` behind the real sglang-router (0.3.2) on loopback: what passes through,
-what cache-aware routing saves against round robin, session pinning with the manual policy, and a
-worker killed mid-run (frontend/replicas.py, frontend/router_proc.py).
+what cache-aware routing saves against round robin, session pinning with the manual policy, a
+worker killed mid-run, and the SIGTERM drain (frontend/replicas.py, frontend/router_proc.py).
 
 One module-scoped set: a supervisor with 2 tiny workers (an API key on, so the router's own probes
 and the pass-through of the Authorization header are exercised) and its cache_aware router; the
