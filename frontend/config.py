@@ -35,6 +35,11 @@ class ServerConfig:
                                        flag="--graceful-timeout")
     watchdog_timeout_s: float = option(300.0, "seconds without engine step progress while work is queued "
                                               "before /health returns 503", flag="--watchdog-timeout")
+    response_store: str | None = option(None, "SQLite file of stored /v1/responses (WAL mode: replicas may share "
+                                              "it); None: in memory, lost at exit")
+    response_store_max_items: int = option(10000, "stored responses kept; the oldest go first")
+    response_store_ttl_s: float = option(30 * 86400.0, "seconds a stored response is kept",
+                                         flag="--response-store-ttl")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
     log_level: str = option("info", "logging level", choices=LOG_LEVELS)
 
@@ -46,6 +51,8 @@ class ServerConfig:
         check_int("max_body_bytes", self.max_body_bytes, lo=1)
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
         check_number("watchdog_timeout_s", self.watchdog_timeout_s, lo=0, lo_open=True)
+        check_int("response_store_max_items", self.response_store_max_items, lo=1)
+        check_number("response_store_ttl_s", self.response_store_ttl_s, lo=0, lo_open=True)
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")

@@ -34,8 +34,9 @@ def test_http_process_never_maps_libtorch():
                                                      "max_tokens": 4})
         gen = c.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
         tok = c.post("/tokenize", json={"prompt": "hello world"})
+        resp = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})
         engine_pid = server.server_info()["engine_pid"]
-    assert chat.status_code == 200 and gen.status_code == 200
+    assert chat.status_code == 200 and gen.status_code == 200 and resp.status_code == 200
     assert tok.status_code == 200 and tok.json()["count"] == len(tok.json()["tokens"])
     assert "libtorch" not in _mapped_libraries(server.proc.pid)
     assert "libtorch" in _mapped_libraries(engine_pid)  # the check can see libtorch where it is
