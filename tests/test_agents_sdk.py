@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import pytest
 
 agents = pytest.importorskip("agents")
@@ -16,8 +17,12 @@ from _http_server import SCRIPTS, TOOL_RESULT_TRIGGER, scripted_server  # noqa: 
 agents.set_tracing_disabled(True)  # otherwise the SDK uploads traces to a public service
 
 
-def _run(make_model, streamed: bool = False) -> tuple[str, list[str]]:
+def _run(make_model, streamed: bool = False) -> tuple[str, list[str], list[tuple[str, dict, int]]]:
     calls: list[str] = []
+    sent: list[tuple[str, dict, int]] = []  # (path, body, status) of every request the SDK made
+
+    async def record(response: httpx.Response) -> None:
+        sent.append((response.request.url.path, json.loads(response.request.content), response.status_code))
 
     @agents.function_tool
     def get_forecast(city: str) -> str:
@@ -26,7 +31,8 @@ def _run(make_model, streamed: bool = False) -> tuple[str, list[str]]:
         return json.dumps({"city": city, "sky": "clear"})
 
     async def main() -> str:
-        client = AsyncOpenAI(base_url=scripted_server().url + "/v1", api_key="unused", max_retries=0)
+        http = httpx.AsyncClient(event_hooks={"response": [record]})
+        client = AsyncOpenAI(base_url=scripted_server().url + "/v1", api_key="unused", max_retries=0, http_client=http)
         agent = agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_forecast],
                              model=make_model(client))
         if not streamed:
@@ -36,7 +42,7 @@ def _run(make_model, streamed: bool = False) -> tuple[str, list[str]]:
         assert "raw_response_event" in kinds
         return run.final_output
 
-    return asyncio.run(main()), calls
+    return asyncio.run(main()), calls, sent
 
 
 @pytest.mark.parametrize("make_model, streamed", [
@@ -45,6 +51,14 @@ def _run(make_model, streamed: bool = False) -> tuple[str, list[str]]:
     (lambda c: agents.OpenAIChatCompletionsModel("scripted", c), False),
 ], ids=["responses", "responses-streamed", "chat-completions"])
 def test_agent_calls_the_tool_and_answers(make_model, streamed):
-    final, calls = _run(make_model, streamed)
+    final, calls, sent = _run(make_model, streamed)
     assert calls == ["Paris"]
     assert final == SCRIPTS[TOOL_RESULT_TRIGGER]
+    # Two model calls (the tool call, then the answer), both accepted as the SDK really sends them.
+    assert len(sent) == 2 and all(status == 200 for _, _, status in sent), sent
+    path, body, _ = sent[1]
+    if path.endswith("/responses"):
+        assert "include" in body and [i.get("type") for i in body["input"]][-2:] == ["function_call",
+                                                                                     "function_call_output"]
+    else:
+        assert [m["role"] for m in body["messages"]][-2:] == ["assistant", "tool"]
