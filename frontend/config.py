@@ -37,7 +37,8 @@ class ServerConfig:
                                               "before /health returns 503", flag="--watchdog-timeout")
     response_store: str | None = option(None, "SQLite file of stored /v1/responses (WAL mode: replicas may share "
                                               "it); None: in memory, lost at exit")
-    response_store_max_items: int = option(1000, "stored responses kept (each holds its whole conversation); the oldest go first")
+    response_store_max_items: int = option(1000, "stored responses kept (each holds its whole conversation); "
+                                                 "the oldest go first")
     response_store_ttl_s: float = option(30 * 86400.0, "seconds a stored response is kept",
                                          flag="--response-store-ttl")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
