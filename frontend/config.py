@@ -38,6 +38,12 @@ class ServerConfig:
                                        flag="--graceful-timeout")
     watchdog_timeout_s: float = option(300.0, "seconds without engine step progress while work is queued "
                                               "before /health returns 503", flag="--watchdog-timeout")
+    response_store: str | None = option(None, "SQLite file of stored /v1/responses (WAL mode: replicas may share "
+                                              "it); None: in memory, lost at exit")
+    response_store_max_items: int = option(1000, "stored responses kept (each holds its whole conversation); "
+                                                 "the oldest go first")
+    response_store_ttl_s: float = option(30 * 86400.0, "seconds a stored response is kept",
+                                         flag="--response-store-ttl")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
     log_level: str = option("info", "logging level", choices=LOG_LEVELS)
     replicas: int = field(default=1, metadata={
@@ -54,6 +60,8 @@ class ServerConfig:
         check_int("max_body_bytes", self.max_body_bytes, lo=1)
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
         check_number("watchdog_timeout_s", self.watchdog_timeout_s, lo=0, lo_open=True)
+        check_int("response_store_max_items", self.response_store_max_items, lo=1)
+        check_number("response_store_ttl_s", self.response_store_ttl_s, lo=0, lo_open=True)
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
         check_int("replicas", self.replicas, lo=1)
         check_choice("router_policy", self.router_policy, ROUTER_POLICIES)

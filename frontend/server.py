@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from radixserve.frontend import native_api, openai_api, tokenize_api
+from radixserve.frontend import native_api, openai_api, responses_api, tokenize_api
 from radixserve.frontend.access_log import AccessLog
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
@@ -22,6 +22,7 @@ from radixserve.frontend.engine_proc import EngineDead
 from radixserve.frontend.errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
 from radixserve.frontend.metrics import ServerMetrics
+from radixserve.frontend.response_store import ResponseStore
 from radixserve.frontend.state import ServerState
 from radixserve.scheduler.sampling_params import SamplingParams
 
@@ -39,7 +40,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(), texts=texts,
-                       created=int(time.time()))
+                       created=int(time.time()),
+                       responses=ResponseStore(config.response_store, config.response_store_max_items,
+                                               config.response_store_ttl_s))
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -50,6 +53,10 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"], body=True),
         route("/v1/completions", openai_api.completions, ["POST"], body=True),
+        route("/v1/responses", responses_api.create_response, ["POST"], body=True),
+        route("/v1/responses/{response_id}", responses_api.get_response, ["GET"]),
+        route("/v1/responses/{response_id}", responses_api.delete_response, ["DELETE"]),
+        route("/v1/responses/{response_id}/input_items", responses_api.input_items, ["GET"]),
         route("/v1/models", _list_models, ["GET"]),
         route("/v1/models/{model:path}", _get_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"], body=True),

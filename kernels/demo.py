@@ -23,6 +23,7 @@ from radixserve.kernels.demo_scripted import build_scripted_checkpoint
 from radixserve.kernels.demo_tokenizer import (
     CHAT_TEMPLATE,
     MIN_VOCAB_SIZE,
+    TOOL_RESULT_OPEN,
     build_tokenizer,
     special_token_ids,
     write_generation_config,
@@ -118,10 +119,14 @@ def save_model(model: torch.nn.Module, out_dir: str, *, max_shard_size: int | st
     write_generation_config(out_dir, model.config.vocab_size)
 
 
-# Scripts of the standard scripted checkpoint (scripted_model_path()): a tool call, a stop string with text after
-# it, multi-byte characters split across tokens (the emoji's 4 bytes are 4 tokens), and a plain answer.
+# Scripts of the standard scripted checkpoint (scripted_model_path()): a tool call, the final answer once the
+# tool's result is in the prompt (a priority trigger: it wins over "weather"), a stop string with text after it,
+# multi-byte characters split across tokens (the emoji's 4 bytes are 4 tokens), and a plain answer.
+TOOL_RESULT_TRIGGER = TOOL_RESULT_OPEN
+SCRIPT_PRIORITY = (TOOL_RESULT_TRIGGER,)
 SCRIPTS: dict[str, str] = {
     "weather": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    TOOL_RESULT_TRIGGER: "It is sunny in Paris today.",
     "story": "Once upon a time a small robot learned to sing. STOP And then it slept.",
     "emoji": "héllo 世界🚀 ok",
     "hello": "Hello! How can I help you today?",
@@ -131,7 +136,7 @@ SCRIPTS: dict[str, str] = {
 def scripted_model_path() -> str:
     """The standard scripted checkpoint (SCRIPTS), built once into the cache. A prompt containing one trigger word
     (e.g. "What is the weather?") gets that script then EOS; a prompt without a trigger gets EOS at once."""
-    return cached_scripted_checkpoint(SCRIPTS)
+    return cached_scripted_checkpoint(SCRIPTS, priority=SCRIPT_PRIORITY)
 
 
 def demo_model_path() -> str:

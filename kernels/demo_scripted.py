@@ -15,7 +15,11 @@ A longer match outweighs all shorter ones together, so the script continues from
 EOS (with ignore_eos) it starts over. Restrictions, checked with a clear ValueError: each trigger is one token;
 no script contains another chain's trigger token; within a script, three consecutive tokens determine the next one;
 at most 64 chains. Not checked: the prompt's last token must not be the script's first token, and a prompt must
-hold the triggers of one chain only (two different triggers cancel out, and the model answers with EOS).
+hold the triggers of one chain only (two different triggers cancel out, and the model answers with EOS) -- unless
+one of them is a *priority* trigger: its keys score 3x higher in the trigger head, so it outweighs every ordinary
+trigger anywhere in the prompt. The agent round trip uses that: "weather" answers with a tool call, and once the
+prompt holds the tool's result (the template's `<tool_response>` token, a priority trigger) the model answers with
+its final message instead of calling the tool again.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ _PREV_MARGIN = 25.0  # score gap (nats) between the previous token and any other
 _TRIGGER_SCORE = 40.0  # trigger-head score of a trigger token at the largest distance
 _GATE = 40.0  # SwiGLU gate slope: a matching unit sees +G/2, a unit one condition short sees -G/2
 _PRIORITY = 10.0  # a unit with n conditions adds _PRIORITY**n to its successor's logit
+# A priority trigger's score: >= 3 * 40 at the largest distance, against <= 40 / cos(1) ~ 74 for an ordinary one at
+# distance 0; the 46-nat gap leaves the ordinary trigger e^-46 of the head's attention.
+_PRIORITY_TRIGGER_GAIN = 3.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class _Chain:
     trigger: str
     trigger_ids: tuple[int, ...]
     output_ids: tuple[int, ...]  # the script, without the final EOS
+    priority: bool = False
 
 
 def build_scripted_checkpoint(
@@ -50,12 +58,14 @@ def build_scripted_checkpoint(
     *,
     vocab_size: int = 2048,
     max_position_embeddings: int = 4096,
+    priority: Sequence[str] = (),
     verify: bool = True,
 ) -> str:
     """Write a Llama checkpoint (with the demo tokenizer) that emits chains[trigger] + EOS after a trigger.
 
     A chain's value is text (tokenized as tokenizer.encode would, no special tokens added) or explicit token ids
-    (e.g. to force a particular split of a multi-byte character). verify=True teacher-forces every script through
+    (e.g. to force a particular split of a multi-byte character). `priority` names triggers that win over every
+    other trigger when both are in the prompt (see the module docstring). verify=True teacher-forces every script through
     the built model and raises RuntimeError if the weights do not reproduce it. Returns out_dir.
     """
     from tokenizers import Tokenizer
@@ -63,7 +73,10 @@ def build_scripted_checkpoint(
 
     tok = Tokenizer.from_str(tokenizer_json(vocab_size))
     eos_id = special_token_ids(vocab_size)["<|im_end|>"]
-    parsed = [_parse_chain(tok, trigger, value, vocab_size) for trigger, value in chains.items()]
+    unknown = sorted(set(priority) - set(chains))
+    if unknown:
+        raise ValueError(f"priority names triggers without a script: {unknown}")
+    parsed = [_parse_chain(tok, trigger, value, vocab_size, trigger in priority) for trigger, value in chains.items()]
     _check_chains(tok, parsed)
     layout = _Layout(parsed, eos_id)
     _check_positions(max_position_embeddings)
@@ -90,7 +103,7 @@ def build_scripted_checkpoint(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _parse_chain(tok, trigger: str, value: str | Sequence[int], vocab_size: int) -> _Chain:
+def _parse_chain(tok, trigger: str, value: str | Sequence[int], vocab_size: int, priority: bool) -> _Chain:
     forms = {trigger, " " + trigger.lstrip(" ")}
     trigger_ids = sorted({ids[0] for ids in (tok.encode(f, add_special_tokens=False).ids for f in forms) if len(ids) == 1})
     if not trigger_ids:
@@ -105,7 +118,7 @@ def _parse_chain(tok, trigger: str, value: str | Sequence[int], vocab_size: int)
     bad = [i for i in output_ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"the script of trigger {trigger!r} has token ids outside [0, {vocab_size}): {bad}")
-    return _Chain(trigger, tuple(trigger_ids), tuple(output_ids))
+    return _Chain(trigger, tuple(trigger_ids), tuple(output_ids), priority)
 
 
 def _check_chains(tok, chains: list[_Chain]) -> None:
@@ -151,7 +164,8 @@ class _Layout:
         relevant = sorted(set(out_tokens) | set(trigger_tokens))
         self.slot_of = {tid: 1 + i for i, tid in enumerate(relevant)}
         self.num_slots = 1 + len(relevant)
-        self.trigger_slots = [(self.slot_of[t], c_idx) for c_idx, c in enumerate(chains) for t in c.trigger_ids]
+        self.trigger_slots = [(self.slot_of[t], c_idx, c.priority) for c_idx, c in enumerate(chains)
+                              for t in c.trigger_ids]
         self.num_prev_heads = math.ceil(self.num_slots / HEAD_DIM)
         # Heads beyond the previous-token heads and the trigger head stay zero; a power of two divides the hidden
         # size (a multiple of 64), which transformers requires.
@@ -230,13 +244,15 @@ def _previous_token_head(attn, h: int, theta: np.ndarray, r: float, src: int, ds
 
 
 def _trigger_head(attn, layout: _Layout, r: float) -> None:
-    """Keys only on trigger tokens, on the slowest rotary pair (nearly position-free); value = the chain index."""
+    """Keys only on trigger tokens, on the slowest rotary pair (nearly position-free); value = the chain index.
+    A priority trigger's key is _PRIORITY_TRIGGER_GAIN times longer, so the head attends to it alone."""
     D, h = HEAD_DIM, layout.num_prev_heads
     m = D // 2 - 1
     amp = math.sqrt(_TRIGGER_SCORE / math.cos(1.0) * math.sqrt(D))  # score >= 40 up to the largest distance
     attn.q_proj.weight[h * D + m, 0] = amp / r
-    for slot, c_idx in layout.trigger_slots:
-        attn.k_proj.weight[h * D + m, layout.cur + slot] = amp / r
+    for slot, c_idx, priority in layout.trigger_slots:
+        gain = _PRIORITY_TRIGGER_GAIN if priority else 1.0
+        attn.k_proj.weight[h * D + m, layout.cur + slot] = gain * amp / r
         attn.v_proj.weight[h * D + c_idx, layout.cur + slot] = 1.0 / r
     for c_idx in range(len(layout.chains)):
         attn.o_proj.weight[layout.t + c_idx, h * D + c_idx] = 1.0
@@ -261,6 +277,15 @@ def _verify(model, chains: list[_Chain], eos_id: int, vocab_size: int, layout: _
                 predicted = model(ids).logits[0, len(prompt) - 1 :].argmax(-1).tolist()
             if predicted != list(chain.output_ids) + [eos_id]:
                 raise RuntimeError(f"scripted weights do not reproduce the script of {chain.trigger!r}: {predicted}")
+    ordinary = next((c for c in chains if not c.priority), None)
+    for chain in chains:
+        if chain.priority and ordinary is not None:  # the priority trigger wins from before or after the other
+            for prompt in ([filler, ordinary.trigger_ids[0], chain.trigger_ids[0], filler],
+                           [filler, chain.trigger_ids[0], ordinary.trigger_ids[0], filler]):
+                with torch.no_grad():
+                    first = model(torch.tensor([prompt])).logits[0, -1].argmax().item()
+                if first != chain.output_ids[0]:
+                    raise RuntimeError(f"the priority trigger {chain.trigger!r} does not win over {ordinary.trigger!r}")
     with torch.no_grad():
         if model(torch.tensor([[filler] * 3])).logits[0, -1].argmax().item() != eos_id:
             raise RuntimeError("scripted weights do not answer EOS to a prompt without a trigger")

@@ -21,6 +21,7 @@ from radixserve.kernels.demo_corpus import corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_RESULT_OPEN = "<tool_response>"  # the chat template wraps every tool result in it
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)

@@ -10,7 +10,8 @@ and which is neither in the KV cache (it is the pending token) nor handed out in
     candidates:  retokenized  encode(text(t) + s)      replaces t (the boundary token may merge with s)
                  plain        [t] + encode(s)          keeps t
 
-The retokenization boundary is t's start, the last boundary that costs nothing to move: every token before t
+Only s's stable prefix is forced (stable_prefix: up to its last word end; what
+follows may merge with text the model writes next), or all of s when it ends in an added token. The retokenization boundary is t's start, the last boundary that costs nothing to move: every token before t
 already has KV and was already streamed, so nothing is released and the streamed ids and text stay a prefix
 of the final ones. A candidate is used when (1) it has no special token, (2) decoding it after the last few
 ids gives exactly the old text plus s (so the detokenizer and the stop checks see the same text either way),
@@ -37,6 +38,8 @@ def jump_forward_ids(matcher: Any, tokenizer: Any, context_ids: Sequence[int], t
     if max_ids < 2:
         return None  # no room for a forced token after t
     forced = matcher.find_jump_forward_string()
+    if not _ends_atomic(tokenizer, forced):
+        forced = stable_prefix(forced)
     if not forced:
         return None
     ctx = list(context_ids[-CONTEXT_IDS:])
@@ -60,6 +63,28 @@ def jump_forward_ids(matcher: Any, tokenizer: Any, context_ids: Sequence[int], t
         if _accept_all(matcher, ids if replaces else ids[1:], undo=token_id if replaces else None):
             return ids, replaces
     return None
+
+
+def _ends_atomic(tokenizer: Any, text: str) -> bool:
+    """Whether text encodes to ids ending in an added token (e.g. '</tool_call>'): nothing merges across it."""
+    added = getattr(tokenizer, "added_token_ids", None)
+    if not text or not added:
+        return False
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return bool(ids) and ids[-1] in added
+
+
+def stable_prefix(forced: str) -> str:
+    """The part of a forced string whose tokens cannot depend on the text after it: up to the last place where
+    a letter or digit meets punctuation (BPE pre-tokenizers split words there, so no token crosses it).
+
+    The rest is left for the model to write: text after the forced string may merge into its last word
+    ('"arguments": {' encodes as [..., '":', ' ', '{'] where the model writes ' {"'), and forcing that lone
+    ' ' or '{' would put the model in a context it never saw in training."""
+    for i in range(len(forced) - 1, 0, -1):
+        if forced[i - 1].isalnum() and not (forced[i].isalnum() or forced[i].isspace() or forced[i] == "_"):
+            return forced[:i]
+    return ""
 
 
 def _accept_all(matcher: Any, ids: list[int], undo: int | None) -> bool:

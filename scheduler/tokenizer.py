@@ -77,6 +77,8 @@ class Tokenizer:
         self.bos_token_id: int | None = backend.token_id(self.bos_token)
         self.pad_token_id: int | None = backend.token_id(backend.named.get("pad_token"))
         self.special_token_ids: frozenset[int] = backend.special_ids
+        # Added tokens (special or not, e.g. <tool_call>) are matched before BPE: text never merges across them.
+        self.added_token_ids: frozenset[int] = backend.added_ids
         self.eos_token_ids: list[int] = _eos_token_ids(path, backend.token_id(self.eos_token))
 
     @property
@@ -165,6 +167,7 @@ class _RustBackend(_Backend):
         self._unk_id = self.token_id(self.named.get("unk_token"))
         ids = (self.token_id(t) for t in dict.fromkeys([*named.values(), *extra]))
         self.special_ids = frozenset(i for i in ids if i is not None)
+        self.added_ids = frozenset(tok.get_added_tokens_decoder())
         self._clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
             type(tok.model).__name__ != "BPE"
             or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False))
@@ -196,6 +199,7 @@ class _TransformersBackend(_Backend):
         self.size = len(self.hf)
         self.named = {key: str(value) for key, value in self.hf.special_tokens_map.items()}
         self.special_ids = frozenset(i for i in self.hf.all_special_ids if i is not None)
+        self.added_ids = frozenset(self.hf.added_tokens_decoder)
 
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.hf.convert_tokens_to_ids(token)

@@ -10,6 +10,9 @@ import atexit
 import threading
 
 from radixserve.frontend.spawn import ServerProcess as _SpawnedServer
+from radixserve.kernels.demo_tokenizer import TOOL_RESULT_OPEN as TOOL_RESULT_TRIGGER
+
+SCRIPT_PRIORITY = (TOOL_RESULT_TRIGGER,)
 
 START_TIMEOUT_S = 180.0
 
@@ -21,6 +24,7 @@ SCRIPTS = {
     "weather": '<tool_call>{"name": "get_forecast", "arguments": {"city": "Paris"}}</tool_call>',
     "poem": "roses are red STOP violets are blue",
     "story": "once upon a time there was a tiny model that served many clients at once",
+    TOOL_RESULT_TRIGGER: "the forecast says sunny",  # once a tool result is in the prompt (a priority trigger)
 }
 MULTIBYTE_TEXT = "世界🚀é"
 EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token per byte
@@ -79,7 +83,7 @@ def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
 def scripted_model_path() -> str:
     from radixserve.kernels.demo import cached_scripted_checkpoint
 
-    return cached_scripted_checkpoint(scripted_chains())
+    return cached_scripted_checkpoint(scripted_chains(), priority=SCRIPT_PRIORITY)
 
 
 def main_server() -> ServerProcess:

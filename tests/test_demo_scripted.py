@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from radixserve.kernels.demo import SCRIPTS, build_scripted_checkpoint, special_token_ids
+from radixserve.kernels.demo import SCRIPT_PRIORITY, SCRIPTS, TOOL_RESULT_TRIGGER, build_scripted_checkpoint, special_token_ids
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.tokenizer import Tokenizer
 
@@ -14,7 +14,7 @@ IM_END = special_token_ids(2048)["<|im_end|>"]
 
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
-    path = build_scripted_checkpoint(str(tmp_path_factory.mktemp("scripted")), CHAINS)
+    path = build_scripted_checkpoint(str(tmp_path_factory.mktemp("scripted")), CHAINS, priority=SCRIPT_PRIORITY)
     return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
 
 
@@ -42,6 +42,22 @@ def test_chat_prompt_with_tools_gets_the_tool_call(scripted):
     prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"]
     out = _generate(model, prompt)
     assert out[-1] == IM_END and tok.decode(out[:-1]) == TOOL_CALL
+
+
+def test_tool_result_wins_over_the_question_that_called_the_tool(scripted):
+    """The agent round trip: the question calls the tool; once its result is in the prompt, the final answer."""
+    _, tok, model = scripted
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'}]
+    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)["input_ids"]
+    out = _generate(model, prompt)
+    assert out[-1] == IM_END and tok.decode(out[:-1]) == SCRIPTS[TOOL_RESULT_TRIGGER]
+    # ... and the other way round: a priority trigger before the ordinary one still wins.
+    prompt = tok.encode(TOOL_RESULT_TRIGGER + " ok then weather")
+    assert tok.decode(_generate(model, prompt)[:-1]) == SCRIPTS[TOOL_RESULT_TRIGGER]
 
 
 def test_no_trigger_means_eos_and_ignore_eos_repeats(scripted):
@@ -75,6 +91,8 @@ def test_explicit_token_ids_and_errors(tmp_path):
         build_scripted_checkpoint(str(tmp_path / "b"), {"story": "so no no no yes no no no maybe"})
     with pytest.raises(ValueError, match="trigger token"):
         build_scripted_checkpoint(str(tmp_path / "c"), {"story": "a poem", "poem": "x"})
+    with pytest.raises(ValueError, match="priority names triggers without a script"):
+        build_scripted_checkpoint(str(tmp_path / "p"), {"story": "x"}, priority=("poem",))
     with pytest.raises(ValueError, match="empty"):
         build_scripted_checkpoint(str(tmp_path / "d"), {"story": ""})
     path = build_scripted_checkpoint(str(tmp_path / "e"), {"count": [49, 50, 51, 52, 53]})

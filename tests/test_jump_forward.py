@@ -15,7 +15,7 @@ pytest.importorskip("xgrammar")
 
 from _http_server import tiny_model_path  # noqa: E402
 from radixserve.scheduler import Engine  # noqa: E402
-from radixserve.scheduler.jump_forward import jump_forward_ids  # noqa: E402
+from radixserve.scheduler.jump_forward import jump_forward_ids, stable_prefix  # noqa: E402
 from test_structured import SCHEMAS, validate  # noqa: E402
 
 PROMPT = "The answer is"
@@ -280,16 +280,33 @@ def start(tok, refuse=()):
 def test_retokenization_replaces_the_sampled_token(tok):
     m = start(tok)
     ids, replaced = jump_forward_ids(m, tok, [tok.ids['{']], tok.ids['"'], 10, frozenset())
-    assert replaced and tok.decode(ids) == '"name":'
-    assert ids == [tok.ids['"name'], tok.ids['":']]
-    assert m.text() == '{"name":'
+    # Forced 'name":' is cut to its stable prefix 'name': the '":' after it is the model's to write.
+    assert replaced and tok.decode(ids) == '"name'
+    assert ids == [tok.ids['"name']]
+    assert m.text() == '{"name'
 
 
 def test_rejected_retokenization_falls_back_to_plain(tok):
     m = start(tok, refuse={tok.ids['"name']})
     ids, replaced = jump_forward_ids(m, tok, [tok.ids['{']], tok.ids['"'], 10, frozenset())
-    assert not replaced and ids[0] == tok.ids['"'] and tok.decode(ids) == '"name":'
-    assert m.text() == '{"name":'
+    assert not replaced and ids[0] == tok.ids['"'] and tok.decode(ids) == '"name'
+    assert m.text() == '{"name'
+
+
+@pytest.mark.parametrize("forced, stable", [
+    ('name":', "name"), ('"arguments": {', '"arguments'), ('city": "', "city"), ("abc", ""), ('": ', ""),
+    ('get_forecast", "arguments', 'get_forecast'), ("1, 2]", "1, 2"), ("", ""),
+])
+def test_stable_prefix_ends_where_a_word_meets_punctuation(forced, stable):
+    assert stable_prefix(forced) == stable
+
+
+def test_a_forced_string_ending_in_an_added_token_is_forced_whole(tok):
+    tok.added_token_ids = frozenset({tok.ids['<s>']})
+    m = FakeMatcher(tok, '{"name<s>', 'name<s>')
+    assert m.accept_token(tok.ids['{']) and m.accept_token(tok.ids['"'])
+    ids, replaced = jump_forward_ids(m, tok, [tok.ids['{']], tok.ids['"'], 10, frozenset())
+    assert tok.decode(ids) == '"name<s>' and m.text() == '{"name<s>'
 
 
 def test_all_rejected_means_no_jump_and_the_matcher_unchanged(tok):
