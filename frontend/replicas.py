@@ -8,7 +8,9 @@
 Each worker is a plain single-engine `radixserve serve` started from the same ServerConfig
 (cli.config_argv), so every setting means the same thing with and without replicas. On GPUs each
 worker sees one device (CUDA_VISIBLE_DEVICES; no tensor parallelism); on the CPU each gets
-max(1, cores // N) torch threads unless --num-threads says otherwise.
+max(1, cores // N) torch threads unless --num-threads says otherwise. All workers share one
+response store file (--response-store, or one in a temporary directory removed at exit), so a
+/v1/responses follow-up with previous_response_id works whichever worker the router picks.
 
 A worker that exits is removed from the router at once (requests in flight on it already failed
 with its connections, and the router's retries must not pick it again), restarted after a backoff
@@ -22,9 +24,11 @@ import dataclasses
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -98,9 +102,13 @@ class Worker:
 
 class Supervisor:
     def __init__(self, config: ServerConfig) -> None:
-        self.config = config
         self.stop = threading.Event()
-        gpus = num_gpus(config)
+        gpus = num_gpus(config)  # may refuse the settings: before anything is created
+        self._store_dir: str | None = None
+        if config.response_store is None:  # one file for all: a follow-up may reach any worker
+            self._store_dir = tempfile.mkdtemp(prefix="radixserve-responses-")
+            config = dataclasses.replace(config, response_store=os.path.join(self._store_dir, "responses.sqlite"))
+        self.config = config
         argv = worker_argv(config, gpus)
         self.workers = [Worker(i, argv, env) for i, env in enumerate(worker_envs(config, gpus))]
         self.router: RouterProcess | None = None
@@ -179,6 +187,8 @@ class Supervisor:
             worker.wait(self.config.graceful_timeout_s + 10)
         if self.router is not None:
             self.router.stop(timeout=10)
+        if self._store_dir is not None:  # the temporary store lives as long as the replicas (as in memory)
+            shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def handle_signal(self, sig: int, frame: Any) -> None:
         if self.stop.is_set():

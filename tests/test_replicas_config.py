@@ -3,6 +3,7 @@ flags rebuilt from the config (cli.config_argv), threads per worker, GPUs per wo
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -71,3 +72,18 @@ def test_bad_replica_settings_fail_in_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "radixserve.frontend.cli", "serve", "--port", "0", *args],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_workers_share_one_response_store_file(tmp_path):
+    sup = replicas.Supervisor(parse("--replicas", "2", "--device", "cpu"))
+    stores = [parse(*w.argv).response_store for w in sup.workers]
+    assert stores[0] == stores[1] and stores[0].endswith("responses.sqlite")
+    store_dir = os.path.dirname(stores[0])
+    assert os.path.isdir(store_dir)
+    sup.shutdown()  # nothing started: only the temporary store goes
+    assert not os.path.exists(store_dir)
+    given = str(tmp_path / "shared.sqlite")
+    sup = replicas.Supervisor(parse("--replicas", "2", "--device", "cpu", "--response-store", given))
+    assert {parse(*w.argv).response_store for w in sup.workers} == {given}
+    sup.shutdown()
+    assert tmp_path.exists()

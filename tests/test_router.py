@@ -1,6 +1,6 @@
 """`serve --replicas 2` behind the real sglang-router (0.3.2) on loopback: what passes through,
-what cache-aware routing saves against round robin, session pinning with the manual policy, a
-worker killed mid-run, and the SIGTERM drain (frontend/replicas.py, frontend/router_proc.py).
+what cache-aware routing saves against round robin, session pinning with the manual policy,
+/v1/responses follow-ups across workers (one shared store), a worker killed mid-run, and the SIGTERM drain (frontend/replicas.py, frontend/router_proc.py).
 
 One module-scoped set: a supervisor with 2 tiny workers (an API key on, so the router's own probes
 and the pass-through of the Authorization header are exercised) and its cache_aware router; the
@@ -83,8 +83,9 @@ def test_worker_surface_the_router_probes(replicas):
 def test_generation_endpoints_pass_through_with_the_api_key(replicas):
     url = replicas.url
     assert chat(url, "hello", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    r = chat(url, "hello there")
+    r = chat(url, "hello there", prompt_cache_key="session-1")
     assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+    assert r.json()["prompt_cache_key"] == "session-1"  # kept by the router's chat request type
     assert r.json()["usage"]["completion_tokens"] == 4
     with httpx.stream("POST", url + "/v1/chat/completions", headers=AUTH, timeout=60,
                       json={"model": "tiny", "messages": [{"role": "user", "content": "stream me"}],
@@ -149,6 +150,37 @@ def test_manual_policy_pins_a_routing_key_to_one_worker(replicas):
     finally:
         manual.stop(timeout=10)
     assert all(len(ws) == 1 for ws in landed.values()), landed
+
+
+def responses(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/responses", json={"model": "tiny", "max_output_tokens": 4, **body}, headers=AUTH,
+                      timeout=60)
+
+
+def test_responses_pass_through_and_a_follow_up_resolves_on_every_worker(replicas):
+    """sglang-router passes /v1/responses to one worker (its history backend serves only its gRPC and
+    OpenAI backends), re-serialized from its typed request: previous_response_id and store kept,
+    prompt_cache_key dropped. The workers share the supervisor's one store file, so a follow-up
+    resolves whichever worker gets it; GET /v1/responses/{id} the router asks of every worker."""
+    first = responses(replicas.url, input="remember the word apricot", prompt_cache_key="session-1")
+    assert first.status_code == 200, first.text
+    prev = first.json()
+    assert prev["object"] == "response" and prev["prompt_cache_key"] is None  # the router dropped it
+    history = prev["usage"]["input_tokens"] + prev["usage"]["output_tokens"]
+    for url in [replicas.url] + [u for u, _ in workers(replicas).values()]:
+        r = responses(url, input="which word was it?", previous_response_id=prev["id"])
+        assert r.status_code == 200, (url, r.text)
+        assert r.json()["previous_response_id"] == prev["id"]
+        assert r.json()["usage"]["input_tokens"] > history  # the stored turn is in the prompt
+    got = httpx.get(replicas.url + f"/v1/responses/{prev['id']}", headers=AUTH, timeout=30)
+    assert got.status_code == 200 and got.json()["id"] == prev["id"]
+    with httpx.stream("POST", replicas.url + "/v1/responses", headers=AUTH, timeout=60,
+                      json={"model": "tiny", "input": "stream it", "max_output_tokens": 3, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("event: ")]
+    assert s.status_code == 200 and events[0] == "event: response.created"
+    assert events[-1] in ("event: response.completed", "event: response.incomplete")
+    unknown = responses(replicas.url, input="x", previous_response_id="resp_nope")
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "response_not_found"
 
 
 def _long_request(url: str, i: int, stream: bool, out: dict) -> None:
