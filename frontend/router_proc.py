@@ -63,7 +63,10 @@ class RouterProcess:
                "--host", host, "--port", str(port),
                # Its Prometheus listener would take port 29000 for every router on the machine.
                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--health-check-interval-secs", "5", "--log-level", _ROUTER_LOG_LEVELS[log_level]]
+               "--health-check-interval-secs", "5", "--log-level", _ROUTER_LOG_LEVELS[log_level],
+               # Retries (with backoff) span ~3 s, not 0.7: the supervisor's removal of a dead worker
+               # lands before a request that first hit it runs out of them.
+               "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100"]
         if api_key is not None:
             cmd += ["--api-key", api_key]  # the router then asks for it too, and sends it on its probes
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
