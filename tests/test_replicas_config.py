@@ -87,3 +87,14 @@ def test_workers_share_one_response_store_file(tmp_path):
     assert {parse(*w.argv).response_store for w in sup.workers} == {given}
     sup.shutdown()
     assert tmp_path.exists()
+
+
+def test_without_sglang_router_installed_the_error_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from radixserve.frontend import router_proc
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "sglang_router" else real(name))
+    with pytest.raises(ValueError, match=r"pip install 'radixserve\[router\]'"):
+        router_proc.check_installed()
