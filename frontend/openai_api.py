@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from contextlib import aclosing
@@ -221,7 +222,8 @@ class _ChatStream(_StreamEnd):
 
 
 async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:
-    """The SSE body: handler.prologue(), handler.on_delta() per delta, handler.epilogue().
+    """The SSE body: handler.prologue(), handler.on_delta() per delta (a list of events, or an awaitable
+    of one), handler.epilogue().
 
     An engine failure mid-stream becomes handler.on_error(exc) (the status line is already sent).
     The first token and the final usage go to the request's access-log line.
@@ -235,7 +237,8 @@ async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIt
                     note_first_token(request)
                 if delta.finished:
                     raise_if_failed(delta.result)
-                for event in handler.on_delta(i, delta):
+                events = handler.on_delta(i, delta)
+                for event in (await events) if inspect.isawaitable(events) else events:
                     yield event
     except APIError as exc:
         for event in handler.on_error(exc):

@@ -12,26 +12,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from contextlib import aclosing
-from typing import Any, AsyncIterator
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_first_token, note_openai_usage
-from radixserve.frontend.engine_client import Submission
+from radixserve.frontend.access_log import note_openai_usage
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.fields import FieldReader
 from radixserve.frontend.logprobs import chat_logprobs
-from radixserve.frontend.openai_api import json_response, openai_usage, raise_if_failed, resolve_max_tokens
+from radixserve.frontend.openai_api import (
+    json_response,
+    openai_usage,
+    raise_if_failed,
+    resolve_max_tokens,
+    sse_events,
+)
 from radixserve.frontend.protocol import check_logit_bias
 from radixserve.frontend.response_store import StoredResponse
 from radixserve.frontend.responses_output import ResponseBuilder, sse
 from radixserve.frontend.responses_protocol import ResponsesRequest, items_to_messages, parse_responses_request
 from radixserve.frontend.sse import SSEResponse, collect
 from radixserve.frontend.state import ServerState
-from radixserve.scheduler.req import GenerateResult
+from radixserve.scheduler.req import GenerateResult, StreamDelta
 
 # The engine's parameter names -> this API's (for the engine's refusals).
 _NAMES = {"prompt": "input", "max_new_tokens": "max_output_tokens", "json_schema": "text.format",
@@ -54,7 +58,7 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     sub = await state.client.submit(jobs, state.client.reserve(1))  # a refusal is a 400 here
     turn = _Turn(state, req, rid, prompt_ids, prev)
     if common.stream:
-        return SSEResponse(_stream(turn, sub, request), on_close=sub.close)
+        return SSEResponse(sse_events(sub, _Stream(turn), request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
@@ -144,26 +148,29 @@ class _Turn:
                               output_ids=list(r.output_ids))
 
 
-async def _stream(turn: _Turn, sub: Submission, request: Request) -> AsyncIterator[bytes]:
-    for event in turn.builder.start():
-        yield sse(event)
-    try:
-        async with aclosing(sub.deltas()) as deltas:
-            async for _, delta in deltas:
-                if delta.token_ids:
-                    note_first_token(request)
-                if delta.finished:
-                    raise_if_failed(delta.result)
-                events = turn.builder.feed(delta.text, turn.logprobs(delta.logprobs))
-                if delta.finished:
-                    events += await asyncio.to_thread(turn.finish, delta.result)
-                for event in events:
-                    yield sse(event)
-    except APIError as exc:
-        for event in turn.fail(exc):
-            yield sse(event)
-        return
-    note_openai_usage(request, turn.chat_usage)
+class _Stream:
+    """The SSE events of one turn, for openai_api.sse_events (the response is stored before the last)."""
+
+    def __init__(self, turn: _Turn) -> None:
+        self.turn = turn
+
+    def prologue(self) -> list[bytes]:
+        return [sse(e) for e in self.turn.builder.start()]
+
+    async def on_delta(self, index: int, delta: StreamDelta) -> list[bytes]:
+        events = self.turn.builder.feed(delta.text, self.turn.logprobs(delta.logprobs))
+        if delta.finished:
+            events += await asyncio.to_thread(self.turn.finish, delta.result)
+        return [sse(e) for e in events]
+
+    def on_error(self, exc: APIError) -> list[bytes]:
+        return [sse(e) for e in self.turn.fail(exc)]
+
+    def usage(self) -> dict[str, Any]:
+        return self.turn.chat_usage
+
+    def epilogue(self) -> list[bytes]:
+        return []  # no [DONE]: the Responses stream ends with its terminal event
 
 
 # -- prompts -----------------------------------------------------------------------------------
