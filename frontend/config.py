@@ -6,7 +6,7 @@ nested `engine.model_path` always equals it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from radixserve.scheduler.checks import check_choice, check_int, check_number
@@ -46,10 +46,8 @@ class ServerConfig:
                                          flag="--response-store-ttl")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
     log_level: str = option("info", "logging level", choices=LOG_LEVELS)
-    replicas: int = field(default=1, metadata={
-        "help": "engine workers behind sglang-router (pip install 'radixserve[router]'); each its own process, "
-                "port and GPU (or cores // N torch threads on the CPU); --dp-size is SGLang's name",
-        "flag": "--replicas", "aliases": ("--dp-size",)})
+    replicas: int = option(1, "engine workers behind sglang-router (pip install 'radixserve[router]'); each its own "
+                              "process, port and GPU (or cores // N torch threads on the CPU)", aliases=("--dp-size",))
     router_policy: str = option("cache_aware", "with --replicas > 1: the router's policy", choices=ROUTER_POLICIES)
 
     def __post_init__(self) -> None:
