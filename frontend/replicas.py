@@ -97,7 +97,8 @@ class Worker:
                 self._ready.set()
                 continue  # the supervisor's own ready line is the one that names the client URL
             sys.stderr.write(prefix + line)
-        self._ready.set()
+        if proc is self.proc:  # not a restarted worker's: its reader tells about its own start
+            self._ready.set()
 
 
 class Supervisor:
