@@ -8,7 +8,7 @@ Per concurrency level c (default 1, 8, 32, 64), the same requests run in a close
 in flight; the next request goes when one finishes) on two sides, alternating:
 
   http     one `radixserve serve` subprocess, --num-threads T; streaming POST /v1/completions from
-           c client connections in this process (a small asyncio HTTP/1.1 client, stdlib only);
+           c client connections in this process (bench/http_client.py: a small asyncio HTTP/1.1 client, stdlib only);
   offline  Engine(num_threads=T) in this process, driven through add_request / step.
 
 Each run starts from an emptied prefix cache (POST /flush_cache; Engine.flush_cache()) after
@@ -46,6 +46,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
+from radixserve.bench.http_client import HTTPConnection
 from radixserve.bench.workloads import SharedSystemPrompt, WorkRequest
 
 logger = logging.getLogger(__name__)
@@ -118,77 +119,6 @@ def summarize_run(timings: Sequence[Timing], wall_s: float) -> dict[str, Any]:
 # -- HTTP side ----------------------------------------------------------------------------------
 
 
-class _Connection:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON and yields the lines of the response body
-    (chunked or with a Content-Length) as they arrive. Stdlib only and thin: the client shares the
-    cores with the server, so its per-chunk cost is kept to a few microseconds."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post_lines(self, path: str, body: bytes):
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
-        reader = self.reader
-        assert reader is not None
-        status = await reader.readline()
-        if not status:
-            raise ConnectionError("the server closed the connection")
-        code = int(status.split(b" ", 2)[1])
-        headers: dict[bytes, bytes] = {}
-        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-            key, _, value = line.partition(b":")
-            headers[key.strip().lower()] = value.strip().lower()
-        close = headers.get(b"connection") == b"close"
-        if headers.get(b"transfer-encoding") == b"chunked":
-            body_iter = self._chunked(reader)
-        else:
-            body_iter = self._sized(reader, int(headers.get(b"content-length", b"0")))
-        if code != 200:
-            data = b"".join([piece async for piece in body_iter])
-            raise RuntimeError(f"HTTP {code}: {data[:500]!r}")
-        pending = b""
-        async for piece in body_iter:
-            pending += piece
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                yield line.rstrip(b"\r")
-        if pending:
-            yield pending
-        if close:
-            await self.close()
-
-    @staticmethod
-    async def _chunked(reader: asyncio.StreamReader):
-        while True:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                while (await reader.readline()) not in (b"\r\n", b"\n", b""):  # trailers
-                    pass
-                return
-            data = await reader.readexactly(size + 2)  # + CRLF
-            yield data[:-2]
-
-    @staticmethod
-    async def _sized(reader: asyncio.StreamReader, length: int):
-        if length:
-            yield await reader.readexactly(length)
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            try:
-                await self.writer.wait_closed()
-            except (ConnectionError, OSError):
-                pass
-            self.writer = None
-
-
 def completion_body(req: WorkRequest, model: str | None = None) -> bytes:
     body: dict[str, Any] = {"prompt": list(req.prompt_ids), "max_tokens": req.max_new_tokens, "temperature": 0.0,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
@@ -198,7 +128,7 @@ def completion_body(req: WorkRequest, model: str | None = None) -> bytes:
     return orjson.dumps(body)
 
 
-async def _http_request(conn: _Connection, req: WorkRequest) -> Timing:
+async def _http_request(conn: HTTPConnection, req: WorkRequest) -> Timing:
     timing = Timing(prompt_tokens=len(req.prompt_ids))
     body = completion_body(req)
     start = time.perf_counter()
@@ -224,9 +154,9 @@ async def run_http(url: str, requests: Sequence[WorkRequest], concurrency: int) 
     parts = urlsplit(url)
     queue: deque[WorkRequest] = deque(requests)
     timings: list[Timing] = []
-    conns = [_Connection(parts.hostname or "127.0.0.1", parts.port or 80) for _ in range(concurrency)]
+    conns = [HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80) for _ in range(concurrency)]
 
-    async def worker(conn: _Connection) -> None:
+    async def worker(conn: HTTPConnection) -> None:
         while queue:
             timings.append(await _http_request(conn, queue.popleft()))
 

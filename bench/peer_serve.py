@@ -282,14 +282,14 @@ def warm_up(server: Server, served_name: str, num: int = 4) -> None:
     from urllib.parse import urlsplit
 
     import orjson
-    from radixserve.bench.http_bench import _Connection
+    from radixserve.bench.http_client import HTTPConnection
 
     parts = urlsplit(server.url)
     body = orjson.dumps({"model": served_name, "prompt": "hello world " * 96, "max_tokens": 8, "temperature": 0.0,
                          "ignore_eos": True, "stream": True})
 
     async def one() -> None:
-        conn = _Connection(parts.hostname or "127.0.0.1", parts.port or 80)
+        conn = HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80)
         try:
             async for _ in conn.post_lines("/v1/completions", body):
                 pass

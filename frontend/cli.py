@@ -8,6 +8,7 @@ scheduler/config.py), so a new engine setting is a flag without touching this fi
     ServerConfig.engine.policy.window       --policy-window      (other nested configs: prefixed)
 
 A bad value exits with status 2 and one line, `radixserve: error: ...`, on stderr.
+`radixserve deploy kubernetes ...` (frontend/deploy/) is the one subcommand with hand-written flags.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import types
 import typing
 from typing import Any, Iterator, Sequence
 
+from radixserve.frontend import deploy
 from radixserve.frontend.config import ServerConfig
 
 PROG = "radixserve"
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
             title = (".".join(owner) or "server") + " settings"
             groups[owner] = serve.add_argument_group(title, _field(owner).metadata.get("help") if owner else None)
         _add_flag(groups[owner], flag)
+    deploy.add_parser(sub)
     return parser
 
 
@@ -86,6 +89,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return _build(ServerConfig, (), {path: getattr(args, dest) for path, dest in dests.items()})
 
 
+def config_argv(config: ServerConfig) -> list[str]:
+    """The `serve` flags that rebuild `config` (fields left at their defaults are not named); the
+    inverse of config_from_args, used to start replica workers (frontend/replicas.py)."""
+    argv: list[str] = []
+    for flag in config_flags():
+        value: Any = config
+        for name in flag.path:
+            value = getattr(value, name)
+        if value == flag.field.default or value is None:
+            continue
+        name = _flag_name(flag)
+        if _base_type(flag.hint) is bool:
+            argv.append(name if value else "--no-" + name[2:])
+        else:
+            argv += [name, str(value)]
+    return argv
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -93,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command == "deploy":
+            return deploy.run(args)
         config = config_from_args(args)
         from radixserve.frontend.launch import run_server  # the engine starts only to serve
 
@@ -167,7 +190,7 @@ def _add_flag(group: Any, flag: _Flag) -> None:
                            help=meta["help"])
         return
     choices = meta.get("choices")
-    group.add_argument(name, dest=flag.dest, type=base, default=default, choices=choices,
+    group.add_argument(name, *meta.get("aliases", ()), dest=flag.dest, type=base, default=default, choices=choices,
                        metavar=None if choices else name[2:].replace("-", "_").upper(), help=meta["help"])
 
 

@@ -14,6 +14,9 @@ from radixserve.scheduler.checks import check_choice, check_int, check_number
 from radixserve.scheduler.config import EngineConfig, option
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# sglang-router's routing policies (`--policy`); cache_aware routes by prefix match, manual by the
+# x-smg-routing-key header (README "Replicas and routing").
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 
 # What /v1/models lists for the built-in demo model (its cache path is no name to type).
 DEMO_MODEL_NAME = "radixserve-demo"
@@ -39,8 +42,17 @@ class ServerConfig:
                                        flag="--graceful-timeout")
     watchdog_timeout_s: float = option(300.0, "seconds without engine step progress while work is queued "
                                               "before /health returns 503", flag="--watchdog-timeout")
+    response_store: str | None = option(None, "SQLite file of stored /v1/responses (WAL mode: replicas may share "
+                                              "it); None: in memory, lost at exit")
+    response_store_max_items: int = option(1000, "stored responses kept (each holds its whole conversation); "
+                                                 "the oldest go first")
+    response_store_ttl_s: float = option(30 * 86400.0, "seconds a stored response is kept",
+                                         flag="--response-store-ttl")
     disable_log_requests: bool = option(False, "no access log line per request (logger radixserve.access)")
     log_level: str = option("info", "logging level", choices=LOG_LEVELS)
+    replicas: int = option(1, "engine workers behind sglang-router (pip install 'radixserve[router]'); each its own "
+                              "process, port and GPU (or cores // N torch threads on the CPU)", aliases=("--dp-size",))
+    router_policy: str = option("cache_aware", "with --replicas > 1: the router's policy", choices=ROUTER_POLICIES)
 
     def __post_init__(self) -> None:
         check_int("port", self.port, 0, 65535)
@@ -50,7 +62,11 @@ class ServerConfig:
         check_int("max_body_bytes", self.max_body_bytes, lo=1)
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
         check_number("watchdog_timeout_s", self.watchdog_timeout_s, lo=0, lo_open=True)
+        check_int("response_store_max_items", self.response_store_max_items, lo=1)
+        check_number("response_store_ttl_s", self.response_store_ttl_s, lo=0, lo_open=True)
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
+        check_int("replicas", self.replicas, lo=1)
+        check_choice("router_policy", self.router_policy, ROUTER_POLICIES)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         object.__setattr__(self, "engine", self._engine_with_model())

@@ -132,9 +132,11 @@ class EngineProcess:
         self._send(msg.AddRequest(rid, prompt_ids, params))
         try:
             await future
-        except BaseException:
+        except BaseException as exc:
             self._routes.pop(rid, None)
             self._admissions.pop(rid, None)
+            if isinstance(exc, asyncio.CancelledError) and not self.dead:
+                self._send(msg.AbortRequest(rid))  # admitted later (a grammar compiling), it must not run
             raise
 
     def abort(self, rid: str) -> None:

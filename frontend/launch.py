@@ -80,8 +80,13 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit status (0 after a clean drain, 1 if the
-    engine process died). Configuration mistakes raise ValueError before the model loads."""
+    engine process died). Configuration mistakes raise ValueError before the model loads.
+    With config.replicas > 1, frontend/replicas.py runs that many of these behind sglang-router."""
     _configure_logging(config.log_level)
+    if config.replicas > 1:
+        from radixserve.frontend.replicas import run_replicas
+
+        return run_replicas(config)
     preflight.check_before_load(config)
     sock = preflight.bind_listen_socket(config.host, config.port)
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import sys
 import time
@@ -37,29 +38,29 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     state.check_model(common.model)
     check_logit_bias(common.sampling, state.client.vocab_size)
     prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
-    max_new = _max_new_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
+    max_new = resolve_max_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
     rid = state.new_id("chatcmpl")
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
                            max_new_tokens=max_new, logprobs=common.logprobs)
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    head = _head(state, rid, common)
     if common.stream:
         handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
-        return SSEResponse(_sse_events(sub, handler, request), on_close=sub.close)
+        return SSEResponse(sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
-        _raise_if_failed(r)
+        raise_if_failed(r)
     choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
-    usage = _usage([len(prompt_ids)], results, len(jobs))
+    usage = openai_usage([len(prompt_ids)], results, len(jobs))
     note_openai_usage(request, usage)
     payload = dict(head, object="chat.completion", choices=choices, usage=usage)
     if common.return_token_ids:
         payload["prompt_token_ids"] = prompt_ids
         for choice, r in zip(choices, results):
             choice["token_ids"] = list(r.output_ids)
-    return _json(payload)
+    return json_response(payload)
 
 
 async def completions(state: ServerState, request: Request, body: Any) -> Any:
@@ -78,27 +79,27 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
                                 logprob_start_len=0 if echo_logprobs else None)
     lease = state.client.reserve(len(jobs), "n" if len(prompts_ids) == 1 else None)
     sub = await state.client.submit(jobs, lease)  # a refusal is a 400 here
-    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    head = _head(state, rid, common)
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])
-        return SSEResponse(_sse_events(sub, handler, request), on_close=sub.close)
+        return SSEResponse(sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
-        _raise_if_failed(r)
+        raise_if_failed(r)
     choices = []
     for i, (job, r) in enumerate(zip(jobs, results)):
         echo = echo_texts[i // common.n] if echo_texts is not None else None
         choices.append(_completion_choice(state, req, i, job, r, echo))
-    usage = _usage([len(i) for i in prompts_ids], results, common.n)
+    usage = openai_usage([len(i) for i in prompts_ids], results, common.n)
     note_openai_usage(request, usage)
     payload = dict(head, object="text_completion", choices=choices, usage=usage)
     if common.return_token_ids:
         payload["prompt_token_ids"] = prompts_ids if len(prompts_ids) > 1 else prompts_ids[0]
         for choice, r in zip(choices, results):
             choice["token_ids"] = list(r.output_ids)
-    return _json(payload)
+    return json_response(payload)
 
 
 # -- shared ---------------------------------------------------------------------------------
@@ -111,7 +112,7 @@ _COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_s
                      "logit_bias": "logit_bias"}
 
 
-def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:
+def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:
     if max_tokens is None:
         # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag and by the
         # checkpoint's generation_config.json max_new_tokens.
@@ -124,7 +125,7 @@ def _max_new_tokens(state: ServerState, prompt_len: int, max_tokens: int | None,
     return max_tokens
 
 
-def _usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dict[str, Any]:
+def openai_usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per choice); cached is the least any choice got."""
     prompt_tokens = sum(prompt_lens)
     cached = 0
@@ -137,7 +138,14 @@ def _usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _json(payload: dict[str, Any]) -> Response:
+def _head(state: ServerState, rid: str, common: Any) -> dict[str, Any]:
+    head = {"id": rid, "created": int(time.time()), "model": state.model_name}
+    if common.prompt_cache_key is not None:
+        head["prompt_cache_key"] = common.prompt_cache_key
+    return head
+
+
+def json_response(payload: dict[str, Any]) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json")
 
 
@@ -154,7 +162,14 @@ def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateRe
             "finish_reason": "tool_calls" if calls else r.finish_reason, "matched_stop": r.matched_stop}
 
 
-class _ChatStream:
+class _StreamEnd:
+    """How chat and completion streams end: [DONE], after an error event on failure."""
+
+    def on_error(self, exc: APIError) -> list[bytes]:
+        return [sse_event(exc.body()), DONE]
+
+
+class _ChatStream(_StreamEnd):
     """Turns engine deltas into chat.completion.chunk events (tool calls parsed on the fly)."""
 
     def __init__(self, state: ServerState, req: ChatRequest, head: dict[str, Any], num_choices: int,
@@ -201,18 +216,19 @@ class _ChatStream:
         return out
 
     def usage(self) -> dict[str, Any]:
-        return _usage([self.prompt_len], self.results, len(self.parsers))
+        return openai_usage([self.prompt_len], self.results, len(self.parsers))
 
     def epilogue(self) -> list[bytes]:
         if not self.req.common.include_usage:
-            return []
-        return [sse_event(dict(self.base, choices=[], usage=self.usage()))]
+            return [DONE]
+        return [sse_event(dict(self.base, choices=[], usage=self.usage())), DONE]
 
 
-async def _sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:
-    """The SSE body: handler.prologue(), events per delta, handler.epilogue(), [DONE].
+async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:
+    """The SSE body: handler.prologue(), handler.on_delta() per delta (a list of events, or an awaitable
+    of one), handler.epilogue().
 
-    An engine failure mid-stream becomes an error event (the status line is already sent).
+    An engine failure mid-stream becomes handler.on_error(exc) (the status line is already sent).
     The first token and the final usage go to the request's access-log line.
     """
     for event in handler.prologue():
@@ -223,20 +239,20 @@ async def _sse_events(sub: Submission, handler: Any, request: Request) -> AsyncI
                 if delta.token_ids:
                     note_first_token(request)
                 if delta.finished:
-                    _raise_if_failed(delta.result)
-                for event in handler.on_delta(i, delta):
+                    raise_if_failed(delta.result)
+                events = handler.on_delta(i, delta)
+                for event in (await events) if inspect.isawaitable(events) else events:
                     yield event
     except APIError as exc:
-        yield sse_event(exc.body())
-        yield DONE
+        for event in handler.on_error(exc):
+            yield event
         return
     note_openai_usage(request, handler.usage())
     for event in handler.epilogue():
         yield event
-    yield DONE
 
 
-def _raise_if_failed(r: GenerateResult | None) -> None:
+def raise_if_failed(r: GenerateResult | None) -> None:
     if r is None or r.finish_reason == "abort":
         raise APIError(500, f"generation failed: {(r.error if r else None) or 'aborted'}", code="generation_failed")
 
@@ -271,7 +287,7 @@ def _completion_choice(state: ServerState, req: CompletionRequest, index: int, j
             "matched_stop": r.matched_stop}
 
 
-class _CompletionStream:
+class _CompletionStream(_StreamEnd):
     """Turns engine deltas into text_completion chunks (echo and logprobs included)."""
 
     def __init__(self, state: ServerState, req: CompletionRequest, head: dict[str, Any], jobs: list[Job],
@@ -323,12 +339,12 @@ class _CompletionStream:
         return [echo] + self.held[i]
 
     def usage(self) -> dict[str, Any]:
-        return _usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
+        return openai_usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
 
     def epilogue(self) -> list[bytes]:
         if not self.req.common.include_usage:
-            return []
-        return [sse_event(dict(self.base, choices=[], usage=self.usage()))]
+            return [DONE]
+        return [sse_event(dict(self.base, choices=[], usage=self.usage())), DONE]
 
 
 def _echo_chunk(state: ServerState, chunk: Any, index: int, job: Job, echo: str, r: GenerateResult) -> bytes:

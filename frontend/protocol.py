@@ -38,6 +38,9 @@ class CommonOptions:
     seed: int | None
     logprobs: int | None  # top-k alternatives per output token; None = no logprobs
     return_token_ids: bool  # extension: prompt_token_ids / choice token_ids in the response
+    # Echoed back. One engine's token tree finds all sharing without it; across replicas it is the routing
+    # key a client can hand the router (README "Replicas").
+    prompt_cache_key: str | None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (validated)
 
 
@@ -121,7 +124,8 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
     model = reader.str("model")
     return CommonOptions(model=model, n=n, stream=stream, include_usage=include_usage,
                          max_tokens=max_tokens, seed=seed, logprobs=logprobs,
-                         return_token_ids=reader.bool("return_token_ids", False), sampling=sampling)
+                         return_token_ids=reader.bool("return_token_ids", False),
+                         prompt_cache_key=reader.str("prompt_cache_key"), sampling=sampling)
 
 
 # Other servers' constrained-decoding fields: refused, so a client never gets unconstrained output.

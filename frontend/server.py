@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from radixserve.frontend import native_api, openai_api, tokenize_api
+from radixserve.frontend import native_api, openai_api, responses_api, tokenize_api
 from radixserve.frontend.access_log import AccessLog
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
@@ -22,6 +22,7 @@ from radixserve.frontend.engine_proc import EngineDead
 from radixserve.frontend.errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
 from radixserve.frontend.metrics import ServerMetrics
+from radixserve.frontend.response_store import ResponseStore
 from radixserve.frontend.state import ServerState
 from radixserve.scheduler.sampling_params import SamplingParams
 
@@ -40,7 +41,9 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(), texts=texts,
-                       created=int(time.time()))
+                       created=int(time.time()),
+                       responses=ResponseStore(config.response_store, config.response_store_max_items,
+                                               config.response_store_ttl_s))
 
 
 def _use_chat_template(tokenizer: Any, path: str | None) -> None:
@@ -62,11 +65,18 @@ def build_app(state: ServerState) -> Starlette:
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"], body=True),
         route("/v1/completions", openai_api.completions, ["POST"], body=True),
+        route("/v1/responses", responses_api.create_response, ["POST"], body=True),
+        route("/v1/responses/{response_id}", responses_api.get_response, ["GET"]),
+        route("/v1/responses/{response_id}", responses_api.delete_response, ["DELETE"]),
+        route("/v1/responses/{response_id}/input_items", responses_api.input_items, ["GET"]),
         route("/v1/models", _list_models, ["GET"]),
         route("/v1/models/{model:path}", _get_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"], body=True),
         route("/get_model_info", _model_info, ["GET"]),
+        route("/model_info", _model_info, ["GET"]),  # SGLang's newer names, probed first by sglang-router
         route("/get_server_info", _server_info, ["GET"]),
+        route("/server_info", _server_info, ["GET"]),
+        route("/get_load", _get_load, ["GET"]),
         route("/flush_cache", _flush_cache, ["POST", "GET"]),
         route("/abort_request", _abort_request, ["POST"], body=True),
         route("/metrics", _metrics, ["GET"]),
@@ -184,6 +194,19 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
         "stats": await _engine_call(state, "stats"),
     })
     return info
+
+
+async def _get_load(state: ServerState, request: Request, body: Any) -> list[dict[str, Any]]:
+    """What a router balances on, in SGLang's shape: one entry per data-parallel rank (one here).
+    sglang-router 0.3.2 sums `num_tokens` (KV slots held by live requests; cached prefixes not
+    counted) as the worker's load and reads `num_waiting_reqs`."""
+    stats = await _engine_call(state, "stats")
+    running, waiting = stats["num_running"], stats["num_waiting"]
+    total = stats["total_slots"]
+    used = total - stats["free_slots"] - stats["evictable_slots"]
+    return [{"dp_rank": 0, "num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting,
+             "num_tokens": used, "num_in_flight": state.client.num_in_flight,
+             "token_usage": used / total if total else 0.0, "cache_hit_rate": stats["cache_hit_rate"]}]
 
 
 async def _engine_call(state: ServerState, name: str) -> Any:

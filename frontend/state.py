@@ -12,6 +12,7 @@ from radixserve.frontend.engine_client import EngineClient, Job
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import TokenTexts
 from radixserve.frontend.metrics import ServerMetrics
+from radixserve.frontend.response_store import ResponseStore
 from radixserve.scheduler.sampling_params import SamplingParams
 
 _SEED_MAX = 2**63 - 1
@@ -26,6 +27,7 @@ class ServerState:
     model_name: str
     texts: TokenTexts
     created: int
+    responses: ResponseStore  # stored /v1/responses
     rng: random.Random = field(default_factory=random.Random)
 
     def check_model(self, model: str | None) -> None:

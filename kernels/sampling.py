@@ -14,7 +14,7 @@ recomputed, and on any device. Greedy rows (temperature 0 or top_k 1) never touc
 
 Host work: every decision that depends on the parameters is taken on the host from the Python
 lists (no device sync but the final `.tolist()`), and everything a step sends to the device
-goes as one int64 and one float32 tensor (`_Upload`). Penalty statistics are either rebuilt
+goes as one int64 and one float32 tensor (`StepUpload`). Penalty statistics are either rebuilt
 from prompt_ids + output_ids per step (stateless, O(context)) or kept per row of the runner's
 request table in a `PenaltyState` and updated with the new tokens only.
 """
@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.kernels.forward_io import SeqInput, TokenLogprob
+from radixserve.kernels.sampling_noise import gumbel_rows, seed_words
+from radixserve.kernels.step_upload import StepUpload
 
 logger = logging.getLogger(__name__)
-
-_M32 = 0xFFFFFFFF
-_HASH_MUL = 0x45D9F3B  # < 2**31, so x * _HASH_MUL never overflows int64 for 32-bit x
 
 
 @dataclass
@@ -94,7 +93,7 @@ class PenaltyState:
             records.clear()
 
     def _plan(self, kind: str, seqs: list[SeqInput], rows: list[int], vocab: int,
-              up: _Upload) -> None:
+              up: StepUpload) -> None:
         """Book the host side of this step's update of `kind` for the given batch rows."""
         records = self._records[kind]
         rebuild: list[int] = []
@@ -122,7 +121,7 @@ class PenaltyState:
         up.add_ints(f"{kind}_rows", pair_rows)
         up.add_ints(f"{kind}_toks", pair_toks)
 
-    def _apply(self, kind: str, up: _Upload, like: torch.Tensor) -> None:
+    def _apply(self, kind: str, up: StepUpload, like: torch.Tensor) -> None:
         """Device side of _plan: zero the rebuilt rows, then add the new tokens."""
         if kind == "seen":
             if self.seen is None:
@@ -154,7 +153,7 @@ def sample_next_tokens(
     """
     params = _read_params(seqs)
     random_rows = [i for i, g in enumerate(params.greedy) if not g]
-    up = _Upload()
+    up = StepUpload()
     _plan_adjust(up, seqs, params, logits.shape[-1], penalties)
     if random_rows:
         _plan_random(up, seqs, params, random_rows, logits.shape[-1])
@@ -198,19 +197,11 @@ def token_logprobs(
             for i, (t, lp, n) in enumerate(zip(token_ids, chosen, num_tops))]
 
 
-def gumbel_noise(seeds: list[int], positions: list[int], vocab_size: int,
-                 device: torch.device | str) -> torch.Tensor:  # [num_rows, vocab] float32
-    """Standard Gumbel noise, a pure function of (seed, position, token id)."""
-    lo, hi, pos = _seed_words(seeds, positions)
-    words = torch.tensor([lo, hi, pos], dtype=torch.int64, device=device)
-    return _gumbel(words[0], words[1], words[2], vocab_size)
-
-
 def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | None = None,
                   penalties: PenaltyState | None = None) -> torch.Tensor:
     """Penalties and the min_new_tokens mask; returns `logits` itself when nothing applies."""
     p = _read_params(seqs) if p is None else p
-    up = _Upload()
+    up = StepUpload()
     _plan_adjust(up, seqs, p, logits.shape[-1], penalties)
     up.send(logits.device)
     return _adjust(logits, p, up, penalties)
@@ -220,57 +211,7 @@ def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | No
 # private helpers
 
 
-class _Upload:
-    """Host lists gathered before any device work and sent as one int64 and one float32 tensor;
-    named slices of them are views."""
-
-    def __init__(self) -> None:
-        self._lists: dict[bool, list[list]] = {True: [], False: []}
-        self._spans: dict[str, tuple[bool, int, int]] = {}
-        self._size = {True: 0, False: 0}
-        self._tensors: dict[bool, torch.Tensor] = {}
-
-    def add_ints(self, name: str, values: list[int]) -> None:
-        self._add(True, name, values)
-
-    def add_floats(self, name: str, values: list[float]) -> None:
-        self._add(False, name, values)
-
-    def _add(self, is_int: bool, name: str, values: list) -> None:
-        self._spans[name] = (is_int, self._size[is_int], len(values))
-        self._lists[is_int].append(values)
-        self._size[is_int] += len(values)
-
-    def send(self, device: torch.device | str) -> None:
-        device = torch.device(device)
-        for is_int, parts in self._lists.items():
-            dtype = torch.int64 if is_int else torch.float32
-            if self._size[is_int]:  # one host-to-device copy per dtype
-                host = torch.tensor([v for part in parts for v in part], dtype=dtype)
-                if device.type == "cuda":  # pinned: the copy queues behind the forward instead of waiting for it
-                    host = host.pin_memory()
-                self._tensors[is_int] = host.to(device, non_blocking=True)
-            else:
-                self._tensors[is_int] = torch.empty(0, dtype=dtype, device=device)
-
-    def has(self, name: str) -> bool:
-        return name in self._spans
-
-    def num(self, name: str) -> int:
-        return self._spans[name][2]
-
-    def ints(self, name: str) -> torch.Tensor:
-        return self._get(name)
-
-    def floats(self, name: str) -> torch.Tensor:
-        return self._get(name)
-
-    def _get(self, name: str) -> torch.Tensor:
-        is_int, start, num = self._spans[name]
-        return self._tensors[is_int][start:start + num]
-
-
-def _plan_adjust(up: _Upload, seqs: list[SeqInput], p: _RowParams, vocab: int,
+def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int,
                  penalties: PenaltyState | None) -> None:
     rep_rows, count_rows = p.penalised_rows()
     if penalties is not None:  # also books rows without a penalty (they lose their record)
@@ -310,7 +251,7 @@ def _plan_adjust(up: _Upload, seqs: list[SeqInput], p: _RowParams, vocab: int,
         up.add_ints("grammar_rows", p.grammar_rows)
 
 
-def _adjust(logits: torch.Tensor, p: _RowParams, up: _Upload, penalties: PenaltyState | None) -> torch.Tensor:
+def _adjust(logits: torch.Tensor, p: _RowParams, up: StepUpload, penalties: PenaltyState | None) -> torch.Tensor:
     has_rep, has_count, has_mask = up.has("repetition"), up.has("frequency"), up.has("mask_rows")
     has_grammar, has_bias = up.has("grammar_rows"), up.has("bias_rows")
     if penalties is not None:
@@ -401,7 +342,7 @@ def _wants_logprobs(seq: SeqInput) -> bool:
     return getattr(seq.sampling, "logprobs", None) is not None or seq.num_top_logprobs > 0
 
 
-def _plan_random(up: _Upload, seqs: list[SeqInput], p: _RowParams, rows: list[int], vocab: int) -> None:
+def _plan_random(up: StepUpload, seqs: list[SeqInput], p: _RowParams, rows: list[int], vocab: int) -> None:
     """Book the sampled rows' settings; the filters that apply are decided here, on the host."""
     top_k = [p.top_k[i] if 0 < p.top_k[i] < vocab else vocab for i in rows]
     top_p = [p.top_p[i] for i in rows]
@@ -414,21 +355,21 @@ def _plan_random(up: _Upload, seqs: list[SeqInput], p: _RowParams, rows: list[in
             up.add_floats("top_p", top_p)
         if any(v > 0 for v in min_p):
             up.add_floats("min_p", min_p)
-    lo, hi, pos = _seed_words([seqs[i].sampling_seed for i in rows], [len(seqs[i].output_ids) for i in rows])
+    lo, hi, pos = seed_words([seqs[i].sampling_seed for i in rows], [len(seqs[i].output_ids) for i in rows])
     up.add_ints("seed_lo", lo)
     up.add_ints("seed_hi", hi)
     up.add_ints("seed_pos", pos)
 
 
-def _sample_random(logits: torch.Tensor, up: _Upload) -> torch.Tensor:  # [num_sel] token ids
+def _sample_random(logits: torch.Tensor, up: StepUpload) -> torch.Tensor:  # [num_sel] token ids
     x = logits / up.floats("temperature")[:, None]  # [num_sel, vocab]
     if up.has("top_k"):
         x = x.masked_fill(_filter_mask(torch.softmax(x, dim=-1), up), float("-inf"))
-    noise = _gumbel(up.ints("seed_lo"), up.ints("seed_hi"), up.ints("seed_pos"), logits.shape[-1])
+    noise = gumbel_rows(up.ints("seed_lo"), up.ints("seed_hi"), up.ints("seed_pos"), logits.shape[-1])
     return (x + noise).argmax(dim=-1)
 
 
-def _filter_mask(probs: torch.Tensor, up: _Upload) -> torch.Tensor:  # [num_sel, vocab] True = removed
+def _filter_mask(probs: torch.Tensor, up: StepUpload) -> torch.Tensor:  # [num_sel, vocab] True = removed
     sorted_p, order = probs.sort(dim=-1, descending=True)  # [num_sel, vocab]
     rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
     remove = rank >= up.ints("top_k")[:, None]
@@ -451,24 +392,3 @@ def _flat_pairs(rows: list[int], token_lists: list[list[int]], vocab: int) -> tu
     return row_idx, tok_idx
 
 
-def _seed_words(seeds: list[int], positions: list[int]) -> tuple[list[int], list[int], list[int]]:
-    seeds_u64 = [s & 0xFFFFFFFFFFFFFFFF for s in seeds]
-    return [s & _M32 for s in seeds_u64], [s >> 32 for s in seeds_u64], [q & _M32 for q in positions]
-
-
-def _gumbel(lo: torch.Tensor, hi: torch.Tensor, pos: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    key = _mix32(_mix32(_mix32(lo ^ 0x9E3779B9) ^ hi) ^ pos)[:, None]  # [num_rows, 1]
-    token = torch.arange(vocab_size, dtype=torch.int64, device=lo.device)[None, :]
-    bits = _mix32((_mix32(token ^ key) + key) & _M32)  # [num_rows, vocab] uniform 32-bit
-    # float64 so that u never rounds to 0 or 1 (float32 would, for ~1 token in 2**24).
-    u = (bits.double() + 0.5) / 2.0**32
-    return (-torch.log(-torch.log(u))).float()
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (bijective on [0, 2**32)) in int64 arithmetic."""
-    x = x ^ (x >> 16)
-    x = (x * _HASH_MUL) & _M32
-    x = x ^ (x >> 16)
-    x = (x * _HASH_MUL) & _M32
-    return x ^ (x >> 16)

@@ -21,13 +21,17 @@ STARVATION_RULES = ("overtake", "aging", "none")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
-def option(default: Any, help: str, choices: Sequence[str] | None = None, flag: str | None = None) -> Any:
-    """A dataclass field with its CLI help; `flag` overrides the generated --flag-name."""
+def option(default: Any, help: str, choices: Sequence[str] | None = None, flag: str | None = None,
+           aliases: Sequence[str] = ()) -> Any:
+    """A dataclass field with its CLI help; `flag` overrides the generated --flag-name, `aliases`
+    are further spellings of it (e.g. SGLang's name)."""
     metadata: dict[str, Any] = {"help": help}
     if choices is not None:
         metadata["choices"] = tuple(choices)
     if flag is not None:
         metadata["flag"] = flag
+    if aliases:
+        metadata["aliases"] = tuple(aliases)
     return field(default=default, metadata=metadata)
 
 

@@ -3,7 +3,8 @@
 One thread runs a loop (ARCHITECTURE §2):
 
     receive every waiting message (add / abort / call / shutdown)
-    -> queue the adds (the Engine validates them: rejections go back at once)
+    -> queue the adds (the Engine validates them: rejections go back at once; one whose grammar is not
+       compiled yet waits for a worker thread first, scheduler/grammar_prep.py)
     -> one Engine.step() when there is work
     -> send ONE EngineEvents with the step's admissions, replies and deltas
 
@@ -13,7 +14,7 @@ error; the HTTP side notices a dead engine by its exit and fails what was in fli
 
 A test-only fault switch, the RADIXSERVE_TEST_FAULT environment variable, makes the failure
 states reproducible: "fail-forward" makes every forward raise, "hang-forward" makes the first
-forward block forever.
+forward block forever, "slow-grammar" makes every grammar compile (a cache miss) sleep 3 s first.
 """
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ import zmq
 
 from radixserve.scheduler import messages as msg
 from radixserve.scheduler.errors import RequestError
+from radixserve.scheduler.grammar_prep import PendingGrammars
 
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "RADIXSERVE_TEST_FAULT"
-FAULTS = ("fail-forward", "hang-forward")
+FAULTS = ("fail-forward", "hang-forward", "slow-grammar")
 IDLE_POLL_MS = 500  # how often an idle engine checks that its parent is alive
+PENDING_POLL_MS = 5  # how often an otherwise idle engine looks for a finished grammar
 PROGRESS_EVERY_S = 0.5  # a busy engine reports progress at least this often, even without deltas
 
 
@@ -103,13 +106,15 @@ class EngineServer:
         self.parent_pid = parent_pid
         self.stopping = False
         self._last_sent = time.monotonic()
+        self.pending = PendingGrammars(engine.grammar)
 
     def run(self) -> None:
         engine = self.engine
         while not self.stopping:
             busy = engine.has_unfinished()
             events = msg.EngineEvents()
-            self._receive(events, wait_ms=0 if busy else IDLE_POLL_MS)
+            self._receive(events, wait_ms=0 if busy else PENDING_POLL_MS if self.pending else IDLE_POLL_MS)
+            self._admit_prepared(events)
             if events.accepted or events.rejected or events.replies:
                 self._send(events)  # admissions first: a rejected request becomes a 400 now
                 events = msg.EngineEvents()
@@ -123,7 +128,9 @@ class EngineServer:
             elif os.getppid() != self.parent_pid:
                 logger.warning("the HTTP process went away; the engine exits")
                 break
-        self._send(msg.EngineEvents(deltas=engine._drain_inbox() + engine._abort_all("engine shut down")))
+        gone = [msg.Rejected(m.rid, "the engine shut down") for m in self.pending.drain()]
+        self._send(msg.EngineEvents(rejected=gone,
+                                    deltas=engine._drain_inbox() + engine._abort_all("engine shut down")))
 
     def _receive(self, events: msg.EngineEvents, wait_ms: int) -> None:
         if not self.inbox.poll(wait_ms):
@@ -138,21 +145,36 @@ class EngineServer:
     def _handle(self, message: Any, events: msg.EngineEvents) -> None:
         engine = self.engine
         if isinstance(message, msg.AddRequest):
-            try:
-                engine.add_request(message.prompt_ids, message.params, rid=message.rid)
-                events.accepted.append(message.rid)
-            except RequestError as exc:
-                events.rejected.append(msg.Rejected(message.rid, exc.message, exc.param, exc.code))
-            except ValueError as exc:
-                events.rejected.append(msg.Rejected(message.rid, str(exc)))
+            if not self.pending.hold(message):
+                self._admit(message, events)
         elif isinstance(message, msg.AbortRequest):
-            engine.abort(message.rid)
+            if not self.pending.abort(message.rid):
+                engine.abort(message.rid)
         elif isinstance(message, msg.Call):
             events.replies.append(self._call(message))
         elif isinstance(message, msg.Shutdown):
             self.stopping = True
         else:
             logger.error("unknown message %r", type(message).__name__)
+
+    def _admit(self, message: msg.AddRequest, events: msg.EngineEvents, error: BaseException | None = None) -> bool:
+        try:
+            if error is not None:
+                raise error
+            self.engine.add_request(message.prompt_ids, message.params, rid=message.rid)
+            events.accepted.append(message.rid)
+            return True
+        except RequestError as exc:
+            events.rejected.append(msg.Rejected(message.rid, exc.message, exc.param, exc.code))
+        except ValueError as exc:
+            events.rejected.append(msg.Rejected(message.rid, str(exc)))
+        return False
+
+    def _admit_prepared(self, events: msg.EngineEvents) -> None:
+        """Admit (or reject) the requests whose grammar finished compiling on the worker thread."""
+        for message, error, aborted in self.pending.ready():
+            if self._admit(message, events, error) and aborted:
+                self.engine.abort(message.rid)
 
     def _call(self, call: msg.Call) -> msg.Reply:
         calls = {"stats": self.engine.stats, "flush_cache": self.engine.flush_cache,
@@ -196,4 +218,13 @@ def _install_fault(engine: Any, fault: str) -> None:
     def hang(*args: Any, **kwargs: Any) -> Any:
         threading.Event().wait()
 
+    if fault == "slow-grammar":
+        compile_uncached = engine.grammar._compile
+
+        def slow(kind: str, text: str) -> Any:
+            time.sleep(3.0)
+            return compile_uncached(kind, text)
+
+        engine.grammar._compile = slow
+        return
     engine.runner.forward = fail if fault == "fail-forward" else hang

@@ -8,7 +8,11 @@ process imports scheduler modules and must stay torch-free; tests/test_torch_fre
   allowed), cached by (kind, text) — a schema dict is serialised compactly in its own key order
   (not sorted: the order of ``properties`` is the order of the output's keys), so a repeated
   schema costs a dict lookup. A compile error is a ``RequestError`` naming the field.
-  Compilation is synchronous in ``Engine.add_request`` for now (the cache makes repeats free).
+  ``Engine.add_request`` compiles synchronously (the cache makes repeats free); the engine process
+  compiles a grammar that is not cached yet on a worker thread before it admits the request
+  (scheduler/engine_process.py), so a new schema — or the compiler's first use, which builds the
+  tokenizer's byte table for seconds — never stalls the running requests' steps. Cache reads never
+  wait for a compile in progress (two locks: the cache's and the compiler's).
 - ``GrammarBackend.matcher(compiled)``: a fresh ``xgr.GrammarMatcher``; the engine keeps it on
   ``Req.grammar``, fills its row of the step's bitmask before each sampled step, accepts each
   sampled token and drops it when the request finishes.
@@ -54,7 +58,8 @@ class GrammarBackend:
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
         self._cache: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._compile_lock = threading.Lock()  # the compiler (its creation and each compile)
         self.num_compiled = 0  # cache misses (for tests and stats)
         self._info: Any = None
         self._json_ban: Any = None
@@ -70,14 +75,26 @@ class GrammarBackend:
             return None
         with self._lock:
             compiled = self._cache.get(key)
+        if compiled is not None:
+            return compiled
+        with self._compile_lock:
+            with self._lock:
+                compiled = self._cache.get(key)  # compiled by another thread meanwhile
             if compiled is not None:
                 return compiled
             compiled = self._compile(*key)
+        with self._lock:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = compiled
             self.num_compiled += 1
-            return compiled
+        return compiled
+
+    def is_cached(self, params: Any) -> bool:
+        """Whether compile(params) is a dict lookup (True for a request without a grammar)."""
+        key = grammar_key(params)
+        with self._lock:
+            return key is None or key in self._cache
 
     def matcher(self, compiled: Any) -> Any:
         import xgrammar as xgr
@@ -92,11 +109,18 @@ class GrammarBackend:
         key = grammar_key(params)
         if key is None or key[0] != "json_schema":
             return None
-        with self._lock:
-            if self._json_ban is None:
-                self._get_compiler(key[0])
-                self._json_ban = _ban_row(self._vocab_size, self._info.decoded_vocab)
-            return self._json_ban
+        if self._json_ban is None:  # built once (prepare() builds it off the engine loop)
+            with self._compile_lock:
+                if self._json_ban is None:
+                    self._get_compiler(key[0])
+                    self._json_ban = _ban_row(self._vocab_size, self._info.decoded_vocab)
+        return self._json_ban
+
+    def prepare(self, params: Any) -> None:
+        """Everything admission will need, made ready (for a worker thread): the compiled grammar
+        and the JSON ban row. Raises RequestError for a bad grammar."""
+        self.compile(params)
+        self.extra_ban(params)
 
     def allocate_bitmask(self, num_rows: int) -> Any:  # [num_rows, ceil(vocab / 32)] int32 torch tensor
         import xgrammar as xgr
@@ -127,7 +151,7 @@ class GrammarBackend:
             message = _XGR_PREFIX.sub("", str(exc).strip()).strip() or type(exc).__name__
             raise RequestError(f"invalid {kind}: {message}", kind) from None
 
-    def _get_compiler(self, kind: str) -> Any:
+    def _get_compiler(self, kind: str) -> Any:  # under _compile_lock
         if self._compiler is None:
             try:
                 import xgrammar as xgr

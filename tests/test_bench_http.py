@@ -11,6 +11,7 @@ import time
 import pytest
 from radixserve.bench import http_bench, peer_serve, report_serve
 from radixserve.bench.http_bench import Timing, percentile, summarize_run
+from radixserve.bench.http_client import HTTPConnection
 from radixserve.bench.report_peer import OURS
 
 HTTP_COLUMNS = ("| c |", "HTTP req/s", "offline req/s", "HTTP tok/s", "offline tok/s", "HTTP / offline",
@@ -229,7 +230,7 @@ def test_client_reads_chunked_sse_and_sized_bodies():
     async def main():
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        conn = http_bench._Connection("127.0.0.1", port)
+        conn = HTTPConnection("127.0.0.1", port)
         req = http_bench.WorkRequest("k", [5] * 7, 3)
         first = await http_bench._http_request(conn, req)
         second = await http_bench._http_request(conn, req)  # same connection

@@ -2,6 +2,7 @@
 process, batched events, and health that tells the truth (real servers, real signals)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -34,8 +35,9 @@ def test_http_process_never_maps_libtorch():
                                                      "max_tokens": 4})
         gen = c.post("/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 4}})
         tok = c.post("/tokenize", json={"prompt": "hello world"})
+        resp = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4})
         engine_pid = server.server_info()["engine_pid"]
-    assert chat.status_code == 200 and gen.status_code == 200
+    assert chat.status_code == 200 and gen.status_code == 200 and resp.status_code == 200
     assert tok.status_code == 200 and tok.json()["count"] == len(tok.json()["tokens"])
     assert "libtorch" not in _mapped_libraries(server.proc.pid)
     assert "libtorch" in _mapped_libraries(engine_pid)  # the check can see libtorch where it is
@@ -132,6 +134,13 @@ def test_health_generate_is_503_when_every_forward_fails():
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
         r = httpx.get(server.url + "/health_generate", timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "unhealthy"
+        # A Responses stream ends with response.failed, carrying the error (its status line was sent).
+        body = {"input": "hi", "max_output_tokens": 4, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=30) as stream:
+            events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: ")]
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "generation_failed"
     finally:
         server.stop(timeout=20)
 

@@ -7,7 +7,8 @@ import torch
 from kernels_fixtures import drive, make_checkpoint, make_prompts
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import ModelRunner, SeqInput
-from radixserve.kernels.sampling import adjust_logits, gumbel_noise, sample_next_tokens
+from radixserve.kernels.sampling import adjust_logits, sample_next_tokens
+from radixserve.kernels.sampling_noise import gumbel_noise
 from radixserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")

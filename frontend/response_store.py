@@ -1,0 +1,112 @@
+"""Stored responses (`store: true`) in an embedded SQLite database, for previous_response_id and GET /v1/responses/{id}.
+
+In memory by default; with --response-store PATH a file in WAL mode, so several server processes (the
+replicas of one `serve --replicas`) share it. Bounded by a count and an age: each insert first drops what
+is older than the TTL, then the oldest rows beyond the count. Expired rows are invisible even before that.
+
+A row keeps the response object as it was returned, this turn's input items, the whole conversation as
+chat messages (without the instructions, which are not carried over), a key of the instructions and tools
+it was rendered with, and the exact token ids of its prompt and output: a follow-up that resends the same
+instructions and tools starts its prompt with exactly those tokens, so the radix cache holds all of it.
+"""
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created_at REAL NOT NULL,
+    body BLOB NOT NULL,
+    prompt_ids BLOB NOT NULL,
+    output_ids BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at);
+"""
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    created_at: float
+    response: dict[str, Any]  # the response object, as GET returns it
+    input_items: list[dict[str, Any]]  # this turn's input
+    conversation: list[dict[str, Any]]  # chat messages of the whole conversation, this output included
+    context_key: str  # the instructions and tools the prompt was rendered with
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+class ResponseStore:
+    def __init__(self, path: str | None, max_items: int, ttl_s: float, clock: Any = time.time) -> None:
+        self.path, self.max_items, self.ttl_s, self._clock = path, max_items, ttl_s, clock
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path or ":memory:", check_same_thread=False, isolation_level=None, timeout=10.0)
+        if path:
+            self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def put(self, r: StoredResponse) -> None:
+        body = orjson.dumps({"response": r.response, "input_items": r.input_items,
+                             "conversation": r.conversation, "context_key": r.context_key})
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?)",
+                                 (r.id, r.created_at, body, _pack(r.prompt_ids), _pack(r.output_ids)))
+                self._evict()
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        with self._lock:
+            row = self._db.execute("SELECT id, created_at, body, prompt_ids, output_ids FROM responses "
+                                   "WHERE id = ? AND created_at >= ?", (response_id, self._oldest())).fetchone()
+        if row is None:
+            return None
+        body = orjson.loads(row[2])
+        return StoredResponse(id=row[0], created_at=row[1], response=body["response"],
+                              input_items=body["input_items"], conversation=body["conversation"],
+                              context_key=body["context_key"], prompt_ids=_unpack(row[3]), output_ids=_unpack(row[4]))
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND created_at >= ?",
+                                      (response_id, self._oldest()))
+        return cursor.rowcount > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db.execute("SELECT COUNT(*) FROM responses WHERE created_at >= ?",
+                                    (self._oldest(),)).fetchone()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _oldest(self) -> float:
+        return self._clock() - self.ttl_s
+
+    def _evict(self) -> None:
+        self._db.execute("DELETE FROM responses WHERE created_at < ?", (self._oldest(),))
+        self._db.execute("DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC, "
+                         "rowid DESC LIMIT -1 OFFSET ?)", (self.max_items,))
+
+
+def _pack(ids: list[int]) -> bytes:
+    return array("i", ids).tobytes()
+
+
+def _unpack(raw: bytes) -> list[int]:
+    out = array("i")
+    out.frombytes(raw)
+    return out.tolist()
