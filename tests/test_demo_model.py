@@ -1,6 +1,7 @@
 """The built-in demo model (kernels/demo_checkpoint/, trained by kernels/demo_train.py) on the real engine:
-greedy replies to facts, including phrasings and entities held out of its corpus (kernels/demo_eval.py), every
-reply ending with EOS well before 64 tokens; and the files it ships with.
+greedy replies to facts, including phrasings held out of its corpus (kernels/demo_eval.py), every reply ending with
+EOS well before 64 tokens; and the files it ships with. (Held-out operand pairs and cities are measured in eval.json
+but not asserted: the shipped model gets them wrong, see MODEL_CARD.md.)
 """
 from __future__ import annotations
 
