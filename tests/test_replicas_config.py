@@ -66,7 +66,7 @@ def test_one_gpu_per_worker(monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--replicas", "0"], "--replicas must be >= 1, got 0"),
-    (["--replicas", "2", "--model", "/no/such/ckpt"], "is not a directory"),  # before any worker starts
+    (["--replicas", "2", "--model", "/no/such/ckpt"], "no such directory"),  # before any worker starts
 ])
 def test_bad_replica_settings_fail_in_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "radixserve.frontend.cli", "serve", "--port", "0", *args],
