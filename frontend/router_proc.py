@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from radixserve.frontend.spawn import stop_process
+
 logger = logging.getLogger("radixserve.router")
 
 ROUTER_MODULE = "sglang_router.launch_router"
@@ -100,14 +102,7 @@ class RouterProcess:
 
     def stop(self, timeout: float) -> int | None:
         """SIGTERM, then kill after `timeout`; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def _call(self, method: str, path: str, body: Any = None) -> Any:
         data = None if body is None else json.dumps(body).encode()

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import httpx
+if TYPE_CHECKING:
+    import httpx
 
 READY = re.compile(r"radixserve ready: serving .* on (http://[\d.]+:\d+)")
 
@@ -46,10 +48,14 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def client(self, **kwargs) -> httpx.Client:
+    def client(self, **kwargs) -> "httpx.Client":
+        import httpx  # a test / bench dependency; `serve --replicas` imports this module without it
+
         return httpx.Client(base_url=self.url, timeout=kwargs.pop("timeout", 120.0), **kwargs)
 
     def server_info(self, headers: dict | None = None) -> dict:
+        import httpx
+
         return httpx.get(self.url + "/get_server_info", headers=headers, timeout=30).json()
 
     def wait_idle(self, headers: dict | None = None, timeout: float = 30.0) -> dict:
@@ -66,11 +72,16 @@ class ServerProcess:
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM (drain), then kill after `timeout`; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM, then SIGKILL after `timeout` seconds; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
