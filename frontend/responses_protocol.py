@@ -106,8 +106,6 @@ def _refuse(reader: FieldReader) -> None:
     if reasoning is not None and (reasoning.raw("effort") not in (None, "none") or reasoning.raw("summary")):
         raise bad_request("reasoning is not supported: this model does not reason (send no reasoning effort)",
                           "reasoning", code="unsupported_parameter")
-    reader.bool("stream", False)
-    reader.bool("store", True)
 
 
 def _include(reader: FieldReader) -> list[str]:
