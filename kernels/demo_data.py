@@ -18,6 +18,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.kernels.demo_arith import (  # noqa: F401  (re-exported: demo_eval and tests read them here)
+    DIFF_PHRASINGS, PROD_PHRASINGS, SUM_MAX, SUM_PHRASINGS, arithmetic_qa, is_heldout_pair, sum_answer)
+
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
     "Japan": "Tokyo", "China": "Beijing", "India": "New Delhi", "Russia": "Moscow", "Canada": "Ottawa",
@@ -37,17 +40,20 @@ STATEMENT_ONLY = ("Peru", "Finland", "Ghana", "Mongolia")
 CAPITAL_PHRASINGS = (
     "What is the capital of {c}?", "What's the capital of {c}?", "Which city is the capital of {c}?",
     "Tell me the capital of {c}.", "Name the capital of {c}.", "capital of {c}?", "What is {c}'s capital?",
-    "I would like to know the capital of {c}.",
+    "I would like to know the capital of {c}.", "Please name the capital of {c}.", "Could you tell me the capital of {c}?",
 )
-SUM_PHRASINGS = ("What is {a} + {b}?", "What's {a} + {b}?", "Compute {a} + {b}.", "{a} + {b} = ?",
-                 "How much is {a} plus {b}?", "Add {a} and {b}.", "What is {a} plus {b}?")
-DIFF_PHRASINGS = ("What is {a} - {b}?", "What's {a} - {b}?", "Compute {a} - {b}.", "What is {a} minus {b}?")
-PROD_PHRASINGS = ("What is {a} * {b}?", "What is {a} times {b}?", "Compute {a} * {b}.", "Multiply {a} by {b}.")
 WEATHER_PHRASINGS = (
     "What is the weather in {c}?", "What's the weather like in {c}?", "How is the weather in {c} today?",
     "Tell me the weather in {c}.", "Weather in {c}?", "Can you check the weather in {c}?",
-    "Is it raining in {c}?", "I am going to {c}. What is the weather there?",
+    "Is it raining in {c}?", "I am going to {c}. What is the weather there?", "Please tell me the weather in {c}.",
+    "Could you get the weather for {c}?", "Check the weather in {c}, please.",
 )
+# Weather questions are also composed from parts, so that the model finds the city by what it is, not by where a
+# fixed template puts it; a composed question equal to a held-out phrasing is drawn again.
+WEATHER_OPENERS = ("", "", "Can you ", "Could you ", "I need to ", "Please ", "Help me ", "I want to ", "Try to ")
+WEATHER_VERBS = ("check", "get", "find", "tell me", "give me", "report")
+WEATHER_NOUNS = ("the weather", "the current weather", "the weather conditions", "today's weather", "the forecast")
+WEATHER_PREPS = ("in", "for", "at")
 CALC_PHRASINGS = ("What is {e}?", "Calculate {e}.", "Please compute {e}.", "Use the calculator: {e}",
                   "How much is {e}?")
 # Never trained on; tests use them to check that phrasing generalises.
@@ -103,20 +109,19 @@ NAMES = ("Alice", "Bob", "Carla", "David", "Elena", "Farid", "Grace", "Hiro", "I
          "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tara")
 SYLLABLES = ("ka ko ra ro ta to na no ma mo sa so la lo pa po ba bo da do ga go ve vi ze fa fo ha ho ja jo we "
              "ya tra pre cli dro ste ben mar lin tor san del").split()
+# Letters of invented place names: any letter can start or follow, so that their tokens are as varied as a real
+# name's ("Lisbon" is L-is-b-on, "Nairobi" N-a-i-ro-bi): the model must copy tokens, not recall a syllable list.
+ONSETS = tuple("bcdfghjklmnprstvwyzq") + ("ch", "sh", "th", "kr", "br", "st", "ny", "gr", "pl", "tr", "x", "kh")
+VOWELS = tuple("aeiouy") + ("ai", "ei", "ou", "ia", "io", "ee", "oo", "au")
+CODAS = ("", "", "", "n", "r", "s", "l", "k", "m", "t", "st", "nd", "rk", "x", "sh")
+# Wrapped around any question (never the held-out phrasings' own words).
+PREFIXES = ("", "", "", "", "", "Quick question: ", "Hey, ", "Question: ", "I wonder: ", "Help me out. ")
+SUFFIXES = ("", "", "", "", "", " Thanks!", " Thank you.", " Answer briefly.", " Be quick.")
 
 WEATHER_DESCRIPTIONS = ("Get the current weather in a city", "Get the weather for a city",
                         "Current weather conditions for a city.", "Look up the weather in a given city")
 CALC_DESCRIPTIONS = ("Evaluate an arithmetic expression", "A calculator for arithmetic expressions",
                      "Compute the value of a math expression.")
-
-
-SUM_MAX = 12  # sums and differences of 0..SUM_MAX; products of 0..PRODUCT_MAX (a table small enough to learn)
-PRODUCT_MAX = 9
-
-
-def is_heldout_pair(a: int, b: int) -> bool:
-    """Operand pairs (of +, - and *) that no question asks: a fixed ~12% of them."""
-    return (a * 7 + b * 13) % 8 == 3 and a != b
 
 
 @dataclass
@@ -135,9 +140,9 @@ class Generator:
     def __init__(self, seed: int = 0) -> None:
         self.rng = random.Random(seed)
         self.kinds = (
-            (self.small_talk, 6), (self.capital, 15), (self.arithmetic, 20), (self.calendar, 5), (self.json, 4),
-            (self.statement, 6), (self.weather, 18), (self.calculator, 8), (self.react, 6), (self.two_turns, 4),
-            (self.copy, 8),
+            (self.small_talk, 4), (self.capital, 8), (self.arithmetic, 28), (self.calendar, 3), (self.json, 3),
+            (self.statement, 2), (self.weather, 18), (self.calculator, 4), (self.react, 5), (self.two_turns, 3),
+            (self.copy, 20),
         )
 
     def sample(self) -> Sample:
@@ -148,11 +153,17 @@ class Generator:
 
     def _chat(self, question: str, answer: str, *, greet: bool = True, tools: list | None = None) -> Sample:
         r = self.rng
-        if greet and r.random() < 0.2:
-            question = r.choice(GREETINGS) + question
+        if greet:
+            question = self._wrap(question)
         messages = [{"role": "system", "content": r.choice(SYSTEM_PROMPTS)}] if r.random() < 0.35 else []
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return Sample(messages, tools, [None])
+
+    def _wrap(self, question: str) -> str:
+        r = self.rng
+        if r.random() < 0.15:
+            return r.choice(GREETINGS) + question
+        return r.choice(PREFIXES) + question + r.choice(SUFFIXES)
 
     def small_talk(self) -> Sample:
         questions, answer = self.rng.choice(SMALL_TALK)
@@ -164,24 +175,13 @@ class Generator:
         return q, f"The capital of {country} is {CAPITALS[country]}."
 
     def capital(self) -> Sample:
-        return self._chat(*self.capital_qa(), tools=self._maybe_tools(0.2))
+        return self._chat(*self.capital_qa(), tools=self._maybe_tools(0.12))
 
     def arithmetic_qa(self) -> tuple[str, str]:
-        r = self.rng
-        op = r.choice("++-*")
-        while True:
-            hi = SUM_MAX if op != "*" else PRODUCT_MAX
-            a, b = r.randint(0, hi), r.randint(0, hi)
-            if op == "-" and a < b:
-                a, b = b, a
-            if not is_heldout_pair(a, b):
-                break
-        phrasings = {"+": SUM_PHRASINGS, "-": DIFF_PHRASINGS, "*": PROD_PHRASINGS}[op]
-        value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return r.choice(phrasings).format(a=a, b=b), f"{a} {op} {b} = {value}."
+        return arithmetic_qa(self.rng)
 
     def arithmetic(self) -> Sample:
-        return self._chat(*self.arithmetic_qa(), tools=self._maybe_tools(0.15, calculator=False))
+        return self._chat(*self.arithmetic_qa(), tools=self._maybe_tools(0.05, calculator=False))
 
     def calendar(self) -> Sample:
         r = self.rng
@@ -205,7 +205,7 @@ class Generator:
 
     def json(self) -> Sample:
         r = self.rng
-        name, age = r.choice(NAMES + tuple(self._word() for _ in range(4))), r.randint(18, 90)
+        name, age = r.choice(NAMES + tuple(self._name() for _ in range(4))), r.randint(18, 90)
         city = r.choice(WEATHER_CITIES)
         q = r.choice(("Reply with a JSON object with the name {n} and the age {a}.",
                       "Give me JSON for a person called {n}, age {a}.",
@@ -218,9 +218,12 @@ class Generator:
     def copy(self) -> Sample:
         """Copy a name or phrase from the prompt (what a tool call's arguments need)."""
         r = self.rng
-        words = [self._word() if r.random() < 0.75 else r.choice(WEATHER_CITIES + NAMES) for _ in range(r.randint(1, 3))]
+        words = [self._name() if r.random() < 0.75 else r.choice(WEATHER_CITIES + NAMES) for _ in range(r.randint(1, 3))]
         phrase = " ".join(words)
-        kind = r.randrange(3)
+        kind = r.randrange(4)
+        if kind == 3:  # as a tool call writes it: right after a quote, where its first token differs
+            key = r.choice(("city", "name", "place", "word"))
+            return self._chat(f"Write {phrase} as JSON with the key {key}.", json.dumps({key: phrase}), greet=False)
         if kind == 0:
             return self._chat(f"Repeat after me: {phrase}", phrase, greet=False)
         if kind == 1:
@@ -247,9 +250,18 @@ class Generator:
         r = self.rng
         return "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3))).capitalize()
 
+    def _letters(self) -> str:
+        """An invented name from letters: 1-3 syllables of onset, vowel and (sometimes) coda."""
+        r = self.rng
+        word = "".join(r.choice(ONSETS) * (r.random() < 0.85) + r.choice(VOWELS) + r.choice(CODAS)
+                       for _ in range(r.randint(1, 4)))
+        return word.capitalize()
+
     def _name(self) -> str:
         """An invented place name: one or (sometimes) two invented words."""
-        return self._word() if self.rng.random() < 0.8 else f"{self._word()} {self._word()}"
+        r = self.rng
+        word = self._letters if r.random() < 0.75 else self._word
+        return word() if r.random() < 0.85 else f"{word()} {self._letters()}"
 
     def _tool_schema(self, name: str) -> dict[str, Any]:
         r = self.rng
@@ -280,50 +292,89 @@ class Generator:
 
     def _city(self) -> str:
         # Mostly invented names: a name the model cannot recall from a list must be copied from the prompt.
-        return self.rng.choice(WEATHER_CITIES) if self.rng.random() < 0.4 else self._name()
+        return self.rng.choice(WEATHER_CITIES) if self.rng.random() < 0.25 else self._name()
 
-    def _tool_round(self, tools, question: str, name: str, args: dict, result: Any, final: str) -> Sample:
+    def _conversation(self, tools, first) -> Sample:
+        """A tool conversation: the round `first` makes, then sometimes one or two more (another tool round or a
+        plain question), all under one tool preamble, as an agent's session runs."""
         r = self.rng
         messages = [{"role": "system", "content": r.choice(SYSTEM_PROMPTS)}] if r.random() < 0.3 else []
-        call = {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-        messages += [{"role": "user", "content": question},
-                     {"role": "assistant", "content": None, "tool_calls": [call]}]
-        if r.random() < 0.15:  # the call alone: the client sees it and stops
-            return Sample(messages, tools, [None])
-        content = result if isinstance(result, str) else json.dumps(result)
-        messages += [{"role": "tool", "content": content}, {"role": "assistant", "content": final}]
-        return Sample(messages, tools, [None, None])
+        rounds = [first]
+        for _ in range(r.choices((0, 1, 2, 3), (3, 3, 2, 2))[0]):
+            names = [t["function"]["name"] for t in tools]
+            pick = r.random()
+            if pick < 0.35:
+                rounds.append(None)  # a question that needs no tool
+            else:
+                rounds.append(self.weather_round if "get_weather" in names and (pick < 0.7 or len(names) == 1)
+                              else self.calculator_round)
+        turns = 0
+        for k, make in enumerate(rounds):
+            if make is None:
+                question, answer = r.choice((self.capital_qa, self.arithmetic_qa))()
+                messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                turns += 1
+                continue
+            question, name, args, result, final = make()
+            call = {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            messages += [{"role": "user", "content": question},
+                         {"role": "assistant", "content": None, "tool_calls": [call]}]
+            turns += 1
+            if k == len(rounds) - 1 and r.random() < 0.15:  # the call alone: the client sees it and stops
+                break
+            content = result if isinstance(result, str) else json.dumps(result)
+            messages += [{"role": "tool", "content": content}, {"role": "assistant", "content": final}]
+            turns += 1
+        return Sample(messages, tools, [None] * turns)
 
-    def weather(self) -> Sample:
+    def weather_round(self) -> tuple[str, str, dict, Any, str]:
         r = self.rng
         city = self._city()
-        question = r.choice(WEATHER_PHRASINGS).format(c=city)
-        if r.random() < 0.1:
-            question = r.choice(GREETINGS) + question
-        if r.random() < 0.1:  # no tool to call: say so
-            return self._chat(question, "I cannot check the weather: I have no weather tool.", greet=False)
+        question = self._wrap(self._weather_question(city))
         temp, cond = r.randint(-10, 35), r.choice(CONDITIONS)
         result: dict[str, Any] = {"temperature": temp, "condition": cond}
         if r.random() < 0.5:
             result = {"city": city, **result}
         if r.random() < 0.3:
             result["unit"] = "celsius"
-        final = f"It is {cond} and {temp} degrees in {city}."
-        return self._tool_round(self._tools("get_weather"), question, "get_weather", {"city": city}, result, final)
+        return question, "get_weather", {"city": city}, result, f"It is {cond} and {temp} degrees in {city}."
 
-    def calculator(self) -> Sample:
+    def _weather_question(self, city: str) -> str:
+        r = self.rng
+        heldout = {p.format(c=city) for p in HELDOUT_PHRASINGS["weather"]}
+        while True:
+            if r.random() < 0.5:
+                question = r.choice(WEATHER_PHRASINGS).format(c=city)
+            else:
+                opener = r.choice(WEATHER_OPENERS)
+                verb = r.choice(WEATHER_VERBS)
+                question = (f"{opener}{verb} {r.choice(WEATHER_NOUNS)} {r.choice(WEATHER_PREPS)} {city}"
+                            + ("?" if opener in ("Can you ", "Could you ") else r.choice((".", "", "!"))))
+                question = question[0].upper() + question[1:]
+            if question not in heldout:
+                return question
+
+    def weather(self) -> Sample:
+        if self.rng.random() < 0.08:  # no tool to call: say so
+            question = self._wrap(self._weather_question(self._city()))
+            return self._chat(question, "I cannot check the weather: I have no weather tool.", greet=False)
+        return self._conversation(self._tools("get_weather"), self.weather_round)
+
+    def calculator_round(self) -> tuple[str, str, dict, Any, str]:
         r = self.rng
         a, b = r.randint(2, 999), r.randint(2, 99)
-        while a <= SUM_MAX and b <= SUM_MAX and is_heldout_pair(a, b):  # never a held-out small pair, even with a tool
-            a = r.randint(21, 999)
+        while a <= SUM_MAX and b <= SUM_MAX and is_heldout_pair(a, b):  # never a held-out pair, even with a tool
+            a = r.randint(100, 999)
         op = r.choice("+-*/")
         expr = f"{a} {op} {b}"
         value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b}[op]
         text = f"{value:g}" if isinstance(value, float) else str(value)
         result = text if r.random() < 0.5 else {"result": value}
         question = r.choice(CALC_PHRASINGS).format(e=expr)
-        return self._tool_round(self._tools("calculator"), question, "calculator", {"expression": expr}, result,
-                                f"{expr} = {text}.")
+        return question, "calculator", {"expression": expr}, result, f"{expr} = {text}."
+
+    def calculator(self) -> Sample:
+        return self._conversation(self._tools("calculator"), self.calculator_round)
 
     # -- ReAct ---------------------------------------------------------------------------------------------------
 

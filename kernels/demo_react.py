@@ -39,7 +39,7 @@ def _fact(r: random.Random) -> tuple[str, list[Step]]:
 
 
 def _arithmetic(r: random.Random) -> tuple[str, list[Step]]:
-    a, b, op = r.randint(21, 9999), r.randint(2, 999), r.choice("+-*")  # a > SUM_MAX: no held-out small pair
+    a, b, op = r.randint(100, 9999), r.randint(2, 999), r.choice("+-*")  # a > SUM_MAX: never a held-out pair
     return f"What is {a} {op} {b}?", [("I use the calculator.", "calculator", f"{a} {op} {b}")]
 
 

@@ -32,8 +32,9 @@ def test_first_reply_is_readable_and_short_without_max_tokens(client):
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < 64
 
 
+# (How often a trained city is copied exactly is tests/test_demo_model.py's weather_trained_city set: 83 of 97.)
 @pytest.mark.parametrize("question, city", [("What is the weather in Paris?", "Paris"),
-                                            ("What is the weather in London?", "London"),
+                                            ("What is the weather in Tokyo?", "Tokyo"),
                                             ("Please look up the weather for Paris.", "Paris")])  # held-out phrasing
 def test_weather_question_becomes_a_get_weather_call(client, question, city):
     out = _ask(client, question, tools=[WEATHER_TOOL])
