@@ -1,11 +1,11 @@
 """The synthetic training corpus of the built-in demo model (kernels/demo_train.py): chat conversations made from
 small fact tables and phrasing templates, with a fixed seed, so the same code always gives the same corpus.
 
-What is in it: greetings and small talk; capitals, small arithmetic and calendar facts as short answers; a JSON
-reply; tool use in the chat template's tool-call syntax (get_weather(city), calculator(expression), with the tool's
+What is in it: greetings and small talk; capitals and calendar facts as short answers; sums (kernels/demo_arith.py:
+one-digit facts, two-digit sums column by column), small differences and products; a JSON reply; copying; tool use in the chat template's tool-call syntax (get_weather(city), calculator(expression), with the tool's
 result and a final answer); and ReAct traces in the format of lang/examples/react.py. Some things are held out on
 purpose so that tests can measure what generalises: HELDOUT_PHRASINGS (question templates never trained on),
-HELDOUT_CITIES (never seen in a weather conversation), HELDOUT_PAIRS (operand pairs never asked), and
+HELDOUT_CITIES (never seen in a weather conversation), is_heldout_pair (two-digit sums never asked), and
 STATEMENT_ONLY (countries whose capital appears only in plain statements, never as an answer to a question).
 
 A conversation is a Sample: messages and tools for the chat template, or raw text (statements); `trainable` says
@@ -18,8 +18,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.kernels.demo_arith import (  # noqa: F401  (re-exported: demo_eval and tests read them here)
-    DIFF_PHRASINGS, PROD_PHRASINGS, SUM_MAX, SUM_PHRASINGS, arithmetic_qa, is_heldout_pair, sum_answer)
+from radixserve.kernels.demo_arith import (  # noqa: F401  (SUM_*: demo_eval reads them here)
+    SUM_MAX, SUM_PHRASINGS, arithmetic_qa, is_heldout_pair)
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
