@@ -5,8 +5,9 @@ done on paper, one column at a time, so that the reply only ever needs the one-d
 
     37 + 48: 7 + 8 = 15, carry 1; 3 + 4 = 7, 7 + 1 = 8. So 37 + 48 = 85.
 
-Every step is a one-digit fact or adding the carry (n + 1); every one-digit fact is trained, alone and as a step; HELDOUT two-digit operand pairs are
-never asked, so the evaluation (kernels/demo_eval.py) measures whether the column method generalises.
+Every step is a one-digit fact or adding the carry (n + 1); every one-digit fact is trained, alone and as a step;
+held-out two-digit operand pairs (is_heldout_pair) are never asked, so the evaluation (kernels/demo_eval.py)
+measures whether the column method generalises.
 Differences (0..DIFF_MAX) and products (0..PRODUCT_MAX) are small tables, all of them trained.
 """
 from __future__ import annotations

@@ -2,8 +2,9 @@
 small fact tables and phrasing templates, with a fixed seed, so the same code always gives the same corpus.
 
 What is in it: greetings and small talk; capitals and calendar facts as short answers; sums (kernels/demo_arith.py:
-one-digit facts, two-digit sums column by column), small differences and products; a JSON reply; copying; tool use in the chat template's tool-call syntax (get_weather(city), calculator(expression), with the tool's
-result and a final answer); and ReAct traces in the format of lang/examples/react.py. Some things are held out on
+one-digit facts, two-digit sums column by column), small differences and products; a JSON reply; copying; tool use
+in the chat template's tool-call syntax (get_weather(city), calculator(expression), with the tool's result and a
+final answer); and ReAct traces in the format of lang/examples/react.py. Some things are held out on
 purpose so that tests can measure what generalises: HELDOUT_PHRASINGS (question templates never trained on),
 HELDOUT_CITIES (never seen in a weather conversation), is_heldout_pair (two-digit sums never asked), and
 STATEMENT_ONLY (countries whose capital appears only in plain statements, never as an answer to a question).
@@ -18,8 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.kernels.demo_arith import (  # noqa: F401  (SUM_*: demo_eval reads them here)
-    SUM_MAX, SUM_PHRASINGS, arithmetic_qa, is_heldout_pair)
+from radixserve.kernels.demo_arith import SUM_MAX, arithmetic_qa, is_heldout_pair
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -40,7 +40,8 @@ STATEMENT_ONLY = ("Peru", "Finland", "Ghana", "Mongolia")
 CAPITAL_PHRASINGS = (
     "What is the capital of {c}?", "What's the capital of {c}?", "Which city is the capital of {c}?",
     "Tell me the capital of {c}.", "Name the capital of {c}.", "capital of {c}?", "What is {c}'s capital?",
-    "I would like to know the capital of {c}.", "Please name the capital of {c}.", "Could you tell me the capital of {c}?",
+    "I would like to know the capital of {c}.", "Please name the capital of {c}.",
+    "Could you tell me the capital of {c}?",
 )
 WEATHER_PHRASINGS = (
     "What is the weather in {c}?", "What's the weather like in {c}?", "How is the weather in {c} today?",
@@ -218,17 +219,19 @@ class Generator:
     def copy(self) -> Sample:
         """Copy a name or phrase from the prompt (what a tool call's arguments need)."""
         r = self.rng
-        words = [self._name() if r.random() < 0.75 else r.choice(WEATHER_CITIES + NAMES) for _ in range(r.randint(1, 3))]
+        words = [self._name() if r.random() < 0.75 else r.choice(WEATHER_CITIES + NAMES)
+                 for _ in range(r.randint(1, 3))]
         phrase = " ".join(words)
         kind = r.randrange(4)
-        if kind == 3:  # as a tool call writes it: right after a quote, where its first token differs
-            key = r.choice(("city", "name", "place", "word"))
-            return self._chat(f"Write {phrase} as JSON with the key {key}.", json.dumps({key: phrase}), greet=False)
         if kind == 0:
             return self._chat(f"Repeat after me: {phrase}", phrase, greet=False)
         if kind == 1:
             return self._chat(f"My name is {phrase}. What is my name?", f"Your name is {phrase}.", greet=False)
-        return self._chat(f"Say {phrase}.", f"{phrase}.", greet=False)
+        if kind == 2:
+            return self._chat(f"Say {phrase}.", f"{phrase}.", greet=False)
+        # As a tool call writes it: right after a quote, where its first token differs from the prompt's.
+        key = r.choice(("city", "name", "place", "word"))
+        return self._chat(f"Write {phrase} as JSON with the key {key}.", json.dumps({key: phrase}), greet=False)
 
     def statement(self) -> Sample:
         country = self.rng.choice(list(CAPITALS))
@@ -251,7 +254,7 @@ class Generator:
         return "".join(r.choice(SYLLABLES) for _ in range(r.randint(2, 3))).capitalize()
 
     def _letters(self) -> str:
-        """An invented name from letters: 1-3 syllables of onset, vowel and (sometimes) coda."""
+        """An invented name from letters: 1-4 syllables of onset, vowel and (sometimes) coda."""
         r = self.rng
         word = "".join(r.choice(ONSETS) * (r.random() < 0.85) + r.choice(VOWELS) + r.choice(CODAS)
                        for _ in range(r.randint(1, 4)))
@@ -295,13 +298,13 @@ class Generator:
         return self.rng.choice(WEATHER_CITIES) if self.rng.random() < 0.25 else self._name()
 
     def _conversation(self, tools, first) -> Sample:
-        """A tool conversation: the round `first` makes, then sometimes one or two more (another tool round or a
+        """A tool conversation: the round `first` makes, then often one to three more (another tool round or a
         plain question), all under one tool preamble, as an agent's session runs."""
         r = self.rng
         messages = [{"role": "system", "content": r.choice(SYSTEM_PROMPTS)}] if r.random() < 0.3 else []
+        names = [t["function"]["name"] for t in tools]
         rounds = [first]
         for _ in range(r.choices((0, 1, 2, 3), (3, 3, 2, 2))[0]):
-            names = [t["function"]["name"] for t in tools]
             pick = r.random()
             if pick < 0.35:
                 rounds.append(None)  # a question that needs no tool

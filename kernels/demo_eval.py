@@ -9,6 +9,7 @@ import json
 import re
 from typing import Any, Callable
 
+from radixserve.kernels import demo_arith as arith
 from radixserve.kernels import demo_data as data
 
 Case = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Callable[[str], bool]]
@@ -37,14 +38,23 @@ def _exact(expected: str) -> Callable[[str], bool]:
 
 def heldout_pairs(count: int = 32) -> list[tuple[int, int]]:
     """`count` of the held-out operand pairs, spread evenly over all of them."""
-    n = data.SUM_MAX + 1
-    pairs = [(a, b) for a in range(n) for b in range(n) if data.is_heldout_pair(a, b)]
+    n = arith.SUM_MAX + 1
+    pairs = [(a, b) for a in range(n) for b in range(n) if arith.is_heldout_pair(a, b)]
     return pairs[::max(1, len(pairs) // count)][:count]
 
 
 def final_number(expected: int) -> Callable[[str], bool]:
     """The reply's last number is `expected` (a column sum's steps hold other numbers first)."""
     return lambda reply: re.findall(r"-?\d+", reply)[-1:] == [str(expected)]
+
+
+def _sum_case(phrasing: str, a: int, b: int) -> Case:
+    return _user(phrasing.format(a=a, b=b)), None, final_number(a + b)
+
+
+def _weather_case(phrasing: str, city: str) -> Case:
+    """The question with get_weather offered; right = exactly the call with {"city": city}."""
+    return _user(phrasing.format(c=city)), [WEATHER_TOOL], _exact(weather_call(city))
 
 
 def case_sets() -> dict[str, list[Case]]:
@@ -57,18 +67,14 @@ def case_sets() -> dict[str, list[Case]]:
                                      for p in data.HELDOUT_PHRASINGS["capital"] for c in trained_countries],
         "capital_statement_only": [(_user(phrasing.format(c=c)), None, contains(data.CAPITALS[c]))
                                    for c in data.STATEMENT_ONLY],
-        "sum_one_digit": [(_user(data.SUM_PHRASINGS[0].format(a=a, b=b)), None, final_number(a + b))
-                          for a in range(10) for b in range(0, 10, 3)],
-        "sum_heldout_pairs": [(_user(data.SUM_PHRASINGS[0].format(a=a, b=b)), None, final_number(a + b))
-                              for a, b in heldout_pairs()],
-        "sum_heldout_phrasing": [(_user(p.format(a=a, b=b)), None, final_number(a + b))
-                                 for p in data.HELDOUT_PHRASINGS["sum"] for a, b in ((2, 3), (7, 8), (15, 4))],
-        "weather_trained_city": [(_user(data.WEATHER_PHRASINGS[0].format(c=c)), [WEATHER_TOOL], _exact(weather_call(c)))
-                                 for c in data.WEATHER_CITIES],
-        "weather_heldout_city": [(_user(data.WEATHER_PHRASINGS[0].format(c=c)), [WEATHER_TOOL], _exact(weather_call(c)))
-                                 for c in data.HELDOUT_CITIES],
-        "weather_heldout_phrasing": [(_user(p.format(c=c)), [WEATHER_TOOL], _exact(weather_call(c)))
-                                     for p in data.HELDOUT_PHRASINGS["weather"] for c in ("Paris", "Tokyo", "Berlin")],
+        "sum_one_digit": [_sum_case(arith.SUM_PHRASINGS[0], a, b) for a in range(10) for b in range(0, 10, 3)],
+        "sum_heldout_pairs": [_sum_case(arith.SUM_PHRASINGS[0], a, b) for a, b in heldout_pairs()],
+        "sum_heldout_phrasing": [_sum_case(p, a, b) for p in data.HELDOUT_PHRASINGS["sum"]
+                                 for a, b in ((2, 3), (7, 8), (15, 4))],
+        "weather_trained_city": [_weather_case(data.WEATHER_PHRASINGS[0], c) for c in data.WEATHER_CITIES],
+        "weather_heldout_city": [_weather_case(data.WEATHER_PHRASINGS[0], c) for c in data.HELDOUT_CITIES],
+        "weather_heldout_phrasing": [_weather_case(p, c) for p in data.HELDOUT_PHRASINGS["weather"]
+                                     for c in ("Paris", "Tokyo", "Berlin")],
     }
     return sets
 

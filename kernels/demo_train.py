@@ -4,8 +4,8 @@
     python -m radixserve.kernels.demo_train --out DIR --steps 20  # a short run elsewhere
 
 Deterministic for a fixed thread count (--threads, default 2, as the shipped run): a seeded model, a seeded sample
-stream in a fixed order, torch.use_deterministic_algorithms, no data-loader workers. The loss sees assistant turns only (what the
-model is asked to write, ending in <|im_end|>), never prompts, tool results or ReAct observations.
+stream in a fixed order, torch.use_deterministic_algorithms, no data-loader workers. The loss sees assistant turns
+only (what the model is asked to write, ending in <|im_end|>), never prompts, tool results or ReAct observations.
 Writes exactly what ships: config.json, model.safetensors, generation_config.json (with max_new_tokens), the demo
 tokenizer's files and eval.json (the final loss and the greedy accuracy on held-out prompts, demo_eval.py).
 """
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=SHIPPED_DIR, help="checkpoint directory to write (default: the shipped one)")
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (the result depends on it; the shipped run used 2)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (the result depends on it; the shipped run used 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     args = parser.parse_args(argv)

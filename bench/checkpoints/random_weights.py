@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# A random-weight model of the demo model's size (random_demo_model_path). Bump _DEMO_VERSION when the builder's
-# output changes in a way the fingerprint below (config + corpus + template source) does not see.
+# A random-weight model of about the demo model's size (random_demo_model_path; its MLP is 688 wide, the trained
+# one's 704). Bump _DEMO_VERSION when the builder's output changes in a way the fingerprint below (config + corpus +
+# template source) does not see.
 DEMO_CONFIG: dict[str, Any] = dict(
     arch="llama", seed=0, vocab_size=2048, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
     intermediate_size=688, max_position_embeddings=4096,
