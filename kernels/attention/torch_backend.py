@@ -6,9 +6,9 @@ a prefill chunk, seeing the keys up to its last query), packed into a few padded
 padding is cheap (PAD_SLACK), with K/V gather indices and additive masks read out of the slot
 table by device-side ops. Per layer: one gather + one attention call per bucket (or views, for
 one unit whose keys are a few runs of the pool), then one call per run of each shared prefix
-over *all* queries below it, reading the prefix's K/V once as a view of the pool, and one
-log-sum-exp merge over the partial results. Sliding-window layers take the plain path (own keys
-= all keys).
+over *all* queries below it, reading the prefix's K/V once as a view of the pool, each merged
+by log-sum-exp into the rows below that prefix only. Sliding-window layers take the plain path
+(own keys = all keys).
 
 The attention op is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the
 log-sum-exp the merge needs; it is private to torch, so ``_attend`` falls back to plain matmuls
@@ -62,18 +62,17 @@ class _Bucket:
 
 @dataclass
 class _Piece:
-    """One read of a shared prefix: a run of its slots (a view) or, None, all of them gathered."""
+    """The reads of one shared prefix: its runs of slots (views), or [None] = all of them gathered."""
 
-    run: tuple[int, int] | None
-    level: int  # which partial-result level its rows write
+    shared: SharedPrefixPlan
+    runs: list[tuple[int, int] | None]
     cols: slice | torch.Tensor  # stacked-layout columns of every query below the prefix
 
 
 @dataclass
 class _StepPlan:
-    buckets: list[_Bucket]  # the own parts (level 0)
-    pieces: list[tuple[SharedPrefixPlan, list[_Piece]]]  # shared reads, grouped by prefix
-    num_levels: int
+    buckets: list[_Bucket]  # the own parts
+    pieces: list[_Piece]  # shared reads, outermost prefix first
 
 
 class TorchAttentionBackend:
@@ -104,10 +103,9 @@ def cascade_attention(
     """Causal attention of each sequence's new tokens over its KV (same result as
     ``torch_ref.extend_attention``), reading every shared prefix of ``meta.shared`` once.
 
-    Partial results go to levels: level 0 holds every token's own part, and each read of a
-    shared prefix (one per run of its slots) writes its rows into the lowest level those rows
-    have not used yet. One log-sum-exp merge over the levels then finishes every token, so the
-    merge costs a few ops per layer however many prefixes and runs there are."""
+    Every token's own part writes the result first; then each shared prefix's reads (one per run
+    of its slots) are merged by log-sum-exp into just the rows below it, in place, so a step pays
+    merge work only for the queries that sit below a shared prefix."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     group = q.shape[1] // k_cache.shape[1]
     plan = _step_plan(meta, window, group, bool(meta.shared) and window is None)
@@ -118,37 +116,45 @@ def cascade_attention(
             b_out, _ = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group)
             out.index_copy_(0, b.out_rows, (b_out if b.valid is None else b_out[b.valid]).to(out.dtype))
         return out
-    # Levels live in the stacked layout [levels, kv_heads, num_tokens * group, d] (column
-    # t * group + j of kv head h = token t, q head h * group + j), the layout the attention op
-    # reads and writes, so a shared read's queries and outputs are plain slices.
+    # The result lives in the stacked layout [kv_heads, num_tokens * group, d] (column t * group + j
+    # of kv head h = token t, q head h * group + j), the layout the attention op reads and writes,
+    # so the rows below a shared prefix are a plain slice of it.
     num_kv_heads = k_cache.shape[1]
     cols = num_tokens * group
-    outs = torch.zeros((plan.num_levels, num_kv_heads, cols, head_dim), dtype=torch.float32, device=q.device)
-    lses = torch.full((plan.num_levels, num_kv_heads, cols), float("-inf"), device=q.device)
-    for b in plan.buckets:
-        o, lse = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group, stacked=True)
+    out = torch.empty((num_kv_heads, cols, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((num_kv_heads, cols), dtype=torch.float32, device=q.device)
+    for b in plan.buckets:  # the own parts cover every column: every token sees itself
+        o, b_lse = _bucket_attention(q, k_cache, v_cache, b, sm_scale, group, stacked=True)
         if b.stack_src is not None:  # drop padded queries
-            o, lse = o.index_select(1, b.stack_src), lse.index_select(1, b.stack_src)
-        outs[0].index_copy_(1, b.stack_cols, o.float())
-        lses[0].index_copy_(1, b.stack_cols, lse)
-    q_stacked = q.view(num_tokens, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
-        1, num_kv_heads, cols, head_dim)
-    for shared, pieces in plan.pieces:
-        where = pieces[0].cols
-        qs = q_stacked[:, :, where] if isinstance(where, slice) else q_stacked.index_select(2, where)
-        for piece in pieces:
-            o, lse = _shared_attention(qs, k_cache, v_cache, shared, piece.run, sm_scale)
-            if isinstance(where, slice):
-                outs[piece.level, :, where] = o[0]
-                lses[piece.level, :, where] = lse[0]
-            else:
-                outs[piece.level].index_copy_(1, where, o[0].float())
-                lses[piece.level].index_copy_(1, where, lse[0])
-    top = lses.amax(0)  # [kv_heads, cols]; finite: every token has its own part
-    weights = torch.exp(lses - top)  # [levels, kv_heads, cols]
-    merged = (outs * weights[..., None]).sum(0) / weights.sum(0)[..., None]  # [kv_heads, cols, d]
-    out = merged.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
+            o, b_lse = o.index_select(1, b.stack_src), b_lse.index_select(1, b.stack_src)
+        out.index_copy_(1, b.stack_cols, o.float())
+        lse.index_copy_(1, b.stack_cols, b_lse)
+    for piece in plan.pieces:
+        rows, where = piece.shared.q_row_range, piece.cols
+        qs = q[rows[0]:rows[1]] if rows is not None else q.index_select(0, piece.shared.q_rows)
+        qs = qs.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+        if rows is not None:  # views: merged in place
+            o_acc, lse_acc = out[:, where], lse[:, where]
+        else:
+            o_acc, lse_acc = out.index_select(1, where), lse.index_select(1, where)
+        for run in piece.runs:
+            o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
+            _merge_into(o_acc, lse_acc, o[0], s_lse[0])
+        if rows is None:
+            out.index_copy_(1, where, o_acc)
+            lse.index_copy_(1, where, lse_acc)
+    out = out.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     return out.reshape(num_tokens, num_q_heads, head_dim).to(q.dtype)
+
+
+def _merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """(o_acc, lse_acc) := the log-sum-exp merge of two partial attentions over disjoint keys, in
+    place: o [kv_heads, n, d], lse [kv_heads, n], both sides finite (every row saw some key)."""
+    top = torch.maximum(lse_acc, lse)
+    w_acc, w = torch.exp(lse_acc - top), torch.exp(lse - top)
+    total = w_acc + w
+    o_acc.mul_((w_acc / total)[..., None]).add_(o.float().mul((w / total)[..., None]))
+    lse_acc.copy_(top.add_(total.log_()))
 
 
 # -- per layer ---------------------------------------------------------------------------------
@@ -254,32 +260,22 @@ def _step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shar
     key = ("torch_plan", window, group, use_shared)
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared)
-        pieces, num_levels = _shared_pieces(meta, group) if use_shared else ([], 1)
-        meta.step_cache[key] = _StepPlan(buckets, pieces, num_levels)
+        pieces = _shared_pieces(meta, group) if use_shared else []
+        meta.step_cache[key] = _StepPlan(buckets, pieces)
     return meta.step_cache[key]
 
 
-def _shared_pieces(meta: AttentionMetadata, group: int) -> tuple[list[tuple[SharedPrefixPlan, list[_Piece]]], int]:
-    """Levels for the shared reads: each read takes the lowest level none of its rows has used
-    (level 0 is the own part), so rows below nested prefixes or multi-run prefixes stack up."""
-    next_level = [1] * sum(meta.q_lens_list)
-    out, num_levels = [], 1
+def _shared_pieces(meta: AttentionMetadata, group: int) -> list[_Piece]:
+    """One piece per shared prefix, outermost first (merging is order-free; this keeps it fixed)."""
+    out = []
     for plan in sorted(meta.shared, key=lambda p: p.prefix.kv_start):
         span = plan.q_row_range
         if span is not None:
             cols = slice(span[0] * group, span[1] * group)
         else:
             cols = (plan.q_rows[:, None] * group + torch.arange(group, device=plan.q_rows.device)).reshape(-1)
-        row_ids = range(*span) if span is not None else plan.q_rows.tolist()
-        pieces = []
-        for run in plan.runs if plan.runs is not None else [None]:
-            level = max(next_level[r] for r in row_ids)
-            for r in row_ids:
-                next_level[r] = level + 1
-            pieces.append(_Piece(run, level, cols))
-            num_levels = max(num_levels, level + 1)
-        out.append((plan, pieces))
-    return out, num_levels
+        out.append(_Piece(plan, list(plan.runs) if plan.runs is not None else [None], cols))
+    return out
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
