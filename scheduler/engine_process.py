@@ -177,7 +177,7 @@ class EngineServer:
                 self.engine.abort(message.rid)
 
     def _call(self, call: msg.Call) -> msg.Reply:
-        calls = {"stats": self.engine.stats, "flush_cache": self.engine.flush_cache,
+        calls = {"stats": self._stats, "flush_cache": self.engine.flush_cache,
                  "check_integrity": self.engine.check_integrity}
         fn = calls.get(call.name)
         if fn is None:
@@ -186,6 +186,14 @@ class EngineServer:
             return msg.Reply(call.call_id, value=fn())
         except Exception as exc:  # e.g. a broken integrity identity: the caller sees it
             return msg.Reply(call.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _stats(self) -> dict:
+        """The engine's stats, with the requests held here while their grammar compiles counted
+        as waiting (they are queued work: the router's load and the idle checks must see them)."""
+        stats = self.engine.stats()
+        stats["num_grammar_pending"] = len(self.pending)
+        stats["num_waiting"] += len(self.pending)
+        return stats
 
     def _send(self, events: msg.EngineEvents) -> None:
         events.num_steps = self.engine._step_idx

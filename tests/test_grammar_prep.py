@@ -111,6 +111,8 @@ def test_a_client_gone_while_its_grammar_compiles_is_aborted(slow_server):
         "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "array", "items": {"type": "integer"}}}}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=1.0)
+    held = slow_server.server_info()["stats"]  # ~2 s of its 3 s compile are left: still held
+    assert held["num_grammar_pending"] == 1 and held["num_waiting"] >= 1, held
     # The compile (3 s) finishes, the request is admitted and aborted at once. A held request is in no engine
     # queue yet, so wait for its abort to show rather than for idle (a loaded machine compiles slower).
     deadline = time.monotonic() + 60
