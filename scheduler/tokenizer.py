@@ -79,9 +79,10 @@ class Tokenizer:
         self.special_token_ids: frozenset[int] = backend.special_ids
         # Added tokens (special or not, e.g. <tool_call>) are matched before BPE: text never merges across them.
         self.added_token_ids: frozenset[int] = backend.added_ids
-        self.eos_token_ids: list[int] = _eos_token_ids(path, backend.token_id(self.eos_token))
+        generation = _generation_config(path)
+        self.eos_token_ids: list[int] = _eos_token_ids(path, generation, backend.token_id(self.eos_token))
         # generation_config.json's max_new_tokens: the default reply length wherever a request sets none.
-        self.default_max_new_tokens: int | None = generation_max_new_tokens(path)
+        self.default_max_new_tokens: int | None = generation_max_new_tokens(path, generation)
 
     @property
     def has_chat_template(self) -> bool:
@@ -245,9 +246,14 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-def generation_max_new_tokens(path: str) -> int | None:
-    """max_new_tokens of path/generation_config.json (a positive int), else None (a bad value is logged)."""
-    value = (read_json(os.path.join(path, "generation_config.json")) or {}).get("max_new_tokens")
+def _generation_config(path: str) -> dict:
+    return read_json(os.path.join(path, "generation_config.json")) or {}
+
+
+def generation_max_new_tokens(path: str, generation: dict | None = None) -> int | None:
+    """max_new_tokens of path/generation_config.json (a positive int), else None (a bad value is logged);
+    generation: that file's contents when the caller has read it already."""
+    value = (_generation_config(path) if generation is None else generation).get("max_new_tokens")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -256,9 +262,9 @@ def generation_max_new_tokens(path: str) -> int | None:
     return value
 
 
-def _eos_token_ids(path: str, tokenizer_eos: int | None) -> list[int]:
+def _eos_token_ids(path: str, generation: dict, tokenizer_eos: int | None) -> list[int]:
     ids: set[int] = set() if tokenizer_eos is None else {int(tokenizer_eos)}
-    value = (read_json(os.path.join(path, "generation_config.json")) or {}).get("eos_token_id")
+    value = generation.get("eos_token_id")
     if isinstance(value, int):
         ids.add(value)
     elif isinstance(value, list):
