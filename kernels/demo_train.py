@@ -5,7 +5,8 @@
 
 Deterministic for a fixed thread count (--threads, default 2, as the shipped run): a seeded model, a seeded sample
 stream in a fixed order, torch.use_deterministic_algorithms, no data-loader workers. The loss sees assistant turns
-only (what the model is asked to write, ending in <|im_end|>), never prompts, tool results or ReAct observations.
+(what the model is asked to write, ending in <|im_end|>); --prompt-loss-weight W > 0 adds every other token (prompts,
+tool results, ReAct observations) at weight W (the shipped run: 0).
 Writes exactly what ships: config.json, model.safetensors, generation_config.json (with max_new_tokens), the demo
 tokenizer's files and eval.json (the final loss and the greedy accuracy on held-out prompts, demo_eval.py).
 """
@@ -46,6 +47,9 @@ class TrainConfig:
     num_kv_heads: int = 2
     intermediate_size: int = 704
     max_len: int = 512
+    # Loss weight of every token the model is not asked to write (prompts, tool results, ReAct observations);
+    # assistant tokens weigh 1. 0 (the shipped run): assistant turns only. See MODEL_CARD for runs with 0.25.
+    prompt_loss_weight: float = 0.0
 
 
 class Encoder:
@@ -106,21 +110,25 @@ def batches(encoder: Encoder, cfg: TrainConfig) -> Iterator[list[tuple[torch.Ten
         micro, group = [], []
         for e in encoded:
             if group and (len(group) + 1) * len(e[0]) > cfg.tokens_per_micro_batch:
-                micro.append(_collate(group, pad))
+                micro.append(_collate(group, pad, cfg.prompt_loss_weight))
                 group = []
             group.append(e)
-        micro.append(_collate(group, pad))
+        micro.append(_collate(group, pad, cfg.prompt_loss_weight))
         yield micro
 
 
-def _collate(group: list[tuple[list[int], list[bool]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _collate(group: list[tuple[list[int], list[bool]]], pad: int,
+             prompt_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, per-token loss weights): 1 on assistant tokens, prompt_weight elsewhere, 0 on padding."""
     width = max(len(ids) for ids, _ in group)
     ids = torch.full((len(group), width), pad, dtype=torch.long)
     labels = torch.full((len(group), width), -100, dtype=torch.long)
+    weights = torch.zeros((len(group), width))
     for row, (toks, flags) in enumerate(group):
         ids[row, :len(toks)] = torch.tensor(toks)
-        labels[row, :len(toks)] = torch.tensor([t if f else -100 for t, f in zip(toks, flags)])
-    return ids, labels
+        labels[row, :len(toks)] = torch.tensor(toks)
+        weights[row, :len(toks)] = torch.tensor([1.0 if f else prompt_weight for f in flags])
+    return ids, labels, weights
 
 
 def make_model(cfg: TrainConfig):
@@ -155,15 +163,20 @@ def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
             for group in opt.param_groups:
                 group["lr"] = _lr(cfg, step)
             micro = next(stream)
-            count = sum(int((labels[:, 1:] != -100).sum()) for _, labels in micro)
+            count = sum(float(weights[:, 1:].sum()) for _, _, weights in micro)
             total = 0.0
-            for ids, labels in micro:
-                # The output layer runs only where the loss looks (assistant tokens): most positions are prompt.
+            for ids, labels, weights in micro:
+                # The output layer runs only where the loss looks (no padding; with prompt_loss_weight 0,
+                # assistant tokens only).
                 hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-                target = labels[:, 1:]
-                keep = target != -100
+                target, weight = labels[:, 1:], weights[:, 1:]
+                keep = weight > 0
                 logits = model.lm_head(hidden[keep]).float()
-                loss = torch.nn.functional.cross_entropy(logits, target[keep], reduction="sum") / count
+                if cfg.prompt_loss_weight:
+                    ce = torch.nn.functional.cross_entropy(logits, target[keep], reduction="none")
+                    loss = (ce * weight[keep]).sum() / count
+                else:  # every weight is 1: the shipped run's exact reduction
+                    loss = torch.nn.functional.cross_entropy(logits, target[keep], reduction="sum") / count
                 loss.backward()
                 total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -210,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (the result depends on it; the shipped run used 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
+                        help="loss weight of the tokens the model does not write (default 0: assistant turns only)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     args = parser.parse_args(argv)
-    cfg = TrainConfig(seed=args.seed, steps=args.steps)
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, prompt_loss_weight=args.prompt_loss_weight)
     summary = train(cfg, args.out, args.threads, log=lambda line: print(line, flush=True))
     if not args.no_eval:
         from radixserve.kernels.demo_eval import evaluate

@@ -35,6 +35,15 @@ def test_training_is_deterministic_for_a_fixed_thread_count(tmp_path):
         assert os.path.isfile(tmp_path / "a" / name)
 
 
+def test_prompt_loss_weight_trains_on_prompts_too_and_stays_deterministic(tmp_path):
+    weighted = TrainConfig(**{**SHORT.__dict__, "prompt_loss_weight": 0.25})
+    for name in ("a", "b"):
+        train(weighted, str(tmp_path / name), threads=1, log=lambda line: None)
+    train(SHORT, str(tmp_path / "plain"), threads=1, log=lambda line: None)
+    assert _weights(str(tmp_path / "a")) == _weights(str(tmp_path / "b"))
+    assert _weights(str(tmp_path / "a")) != _weights(str(tmp_path / "plain"))  # the prompt tokens count
+
+
 def test_loss_sees_assistant_turns_only(tmp_path):
     from radixserve.kernels.demo_tokenizer import build_tokenizer
 
