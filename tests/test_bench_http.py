@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from radixserve.bench import http_bench, peer_serve, report_serve
+from radixserve.bench import http_bench, peer_serve, report_http, report_serve
 from radixserve.bench.http_bench import Timing, percentile, summarize_run
 from radixserve.bench.http_client import HTTPConnection
 from radixserve.bench.report_peer import OURS
@@ -42,7 +42,7 @@ def test_timing_and_run_summary():
     assert s["req_per_s"] == 1.0 and s["tok_per_s"] == (160 + 4) / 2.0 and s["output_tok_per_s"] == 2.0
     assert s["hit_rate"] == 40 / 160
     assert s["ttft_p50_s"] == pytest.approx(0.35) and s["tpot_p50_s"] == pytest.approx(0.2)
-    assert set(http_bench.SUMMARY_KEYS) <= set(s)
+    assert set(report_http.SUMMARY_KEYS) <= set(s)
 
 
 def _http_records():
@@ -69,7 +69,7 @@ def _http_config(model="M"):
 
 
 def test_http_aggregate_medians_ratios_and_targets(tmp_path):
-    report = http_bench.build_report(_http_records(), _http_config("M"))
+    report = report_http.build_report(_http_records(), _http_config("M"))
     lv1, lv8 = report["levels"]
     assert (lv1["concurrency"], lv8["concurrency"]) == (1, 8)
     assert lv1["offline"]["req_per_s"] == pytest.approx(11.0)  # median of 10, 11, 12
@@ -81,7 +81,7 @@ def test_http_aggregate_medians_ratios_and_targets(tmp_path):
     assert report["target_ratio"] == 0.9 and report["target_met"] == {"1": False, "8": True}
 
     out = str(tmp_path / "http_bench_M")
-    http_bench.write_report(report, out)
+    report_http.write_report(report, out)
     saved = json.loads((tmp_path / "http_bench_M.json").read_text())
     assert saved["levels"][1]["ratio"] == pytest.approx(0.95) and len(saved["records"]) == 12
     md = (tmp_path / "http_bench_M.md").read_text()
@@ -93,9 +93,9 @@ def test_http_aggregate_medians_ratios_and_targets(tmp_path):
 
 
 def test_http_report_without_a_target_model():
-    report = http_bench.build_report(_http_records(), _http_config("tiny"))
+    report = report_http.build_report(_http_records(), _http_config("tiny"))
     assert report["target_ratio"] is None and report["target_met"] is None
-    assert "Target" not in http_bench.markdown(report)
+    assert "Target" not in report_http.markdown(report)
 
 
 def _serve_record(server, c, rep, req, tpot, hit=0.8):
