@@ -7,7 +7,6 @@ slot table with device-side ops, never built from Python lists.
 from __future__ import annotations
 
 import array
-
 import itertools
 
 import torch
@@ -66,7 +65,10 @@ class HostCounters:
 def host_tensor(values: list[int], device: torch.device, counters: HostCounters | None) -> torch.Tensor:
     """One int64 tensor from Python ints, moved to the device in one copy. Through array('q'): about
     4x faster than torch.tensor on a list (16000 ints: 0.23 vs 0.87 ms), which checks every item's type."""
-    t = torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+    if not values:  # frombuffer refuses an empty buffer
+        t = torch.empty(0, dtype=torch.int64)
+    else:
+        t = torch.frombuffer(array.array("q", values), dtype=torch.int64)
     if counters is not None:
         counters.host_tensor_elems += t.numel()
         counters.h2d_bytes += t.numel() * t.element_size()
