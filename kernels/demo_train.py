@@ -5,8 +5,9 @@
 
 Deterministic for a fixed thread count (--threads, default 2, as the shipped run): a seeded model, a seeded sample
 stream in a fixed order, torch.use_deterministic_algorithms, no data-loader workers. The loss sees assistant turns
-(what the model is asked to write, ending in <|im_end|>); --prompt-loss-weight W > 0 adds every other token (prompts,
-tool results, ReAct observations) at weight W (the shipped run: 0).
+(what the model is asked to write, ending in <|im_end|>) at weight 1 and every other token (prompts, tool results,
+ReAct observations) at --prompt-loss-weight (0.25). Matmuls run in bf16 under CPU autocast and the decoder stack is
+compiled (--no-bf16 / --no-compile: plain fp32 eager, slower, different numbers).
 Writes exactly what ships: config.json, model.safetensors, generation_config.json (with max_new_tokens), the demo
 tokenizer's files and eval.json (the final loss and the greedy accuracy on held-out prompts, demo_eval.py).
 """
@@ -35,7 +36,7 @@ MAX_NEW_TOKENS = 256  # generation_config.json's default reply length (replies e
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 1400
+    steps: int = 2600
     samples_per_step: int = 32
     tokens_per_micro_batch: int = 6144  # padded tokens per forward pass
     lr: float = 3e-3
@@ -48,8 +49,19 @@ class TrainConfig:
     intermediate_size: int = 704
     max_len: int = 512
     # Loss weight of every token the model is not asked to write (prompts, tool results, ReAct observations);
-    # assistant tokens weigh 1. 0 (the shipped run): assistant turns only. See MODEL_CARD for runs with 0.25.
-    prompt_loss_weight: float = 0.0
+    # assistant tokens weigh 1 (0: assistant turns only). Prompts in the loss are what taught copying.
+    prompt_loss_weight: float = 0.25
+    # Speed: together 2x the steps in the same time (MODEL_CARD). Each changes the numbers, so each is part of
+    # the run's definition. A micro-batch holds samples at most bucket_ratio times as long as its shortest
+    # (0: only the token cap splits them, about 45% padding); bf16: matmuls under CPU autocast (AMX where
+    # present; weights and optimizer state stay fp32); compile: torch.compile the decoder stack (under a
+    # minute of compiling, then fused elementwise kernels).
+    bucket_ratio: float = 1.5
+    bf16: bool = True
+    compile: bool = True
+    # Matmul row counts are rounded up to a multiple of this (padded tokens weigh 0): oneDNN builds a bf16
+    # kernel per shape, and without rounding most micro-batches paid for a build (1: no rounding).
+    shape_multiple: int = 32
 
 
 class Encoder:
@@ -109,18 +121,26 @@ def batches(encoder: Encoder, cfg: TrainConfig) -> Iterator[list[tuple[torch.Ten
         encoded = sorted((e for e in encoded if len(e[0]) <= cfg.max_len), key=lambda e: len(e[0]))
         micro, group = [], []
         for e in encoded:
-            if group and (len(group) + 1) * len(e[0]) > cfg.tokens_per_micro_batch:
-                micro.append(_collate(group, pad, cfg.prompt_loss_weight))
+            if group and _starts_new(group, len(e[0]), cfg):
+                micro.append(_collate(group, pad, cfg))
                 group = []
             group.append(e)
-        micro.append(_collate(group, pad, cfg.prompt_loss_weight))
+        micro.append(_collate(group, pad, cfg))
         yield micro
 
 
+def _starts_new(group: list, length: int, cfg: TrainConfig) -> bool:
+    """Whether a sample of `length` tokens (the longest so far) opens a new micro-batch after `group`."""
+    if (len(group) + 1) * length > cfg.tokens_per_micro_batch:
+        return True
+    return bool(cfg.bucket_ratio) and length > cfg.bucket_ratio * len(group[0][0])
+
+
 def _collate(group: list[tuple[list[int], list[bool]]], pad: int,
-             prompt_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, labels, per-token loss weights): 1 on assistant tokens, prompt_weight elsewhere, 0 on padding."""
-    width = max(len(ids) for ids, _ in group)
+             cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, labels, per-token loss weights): 1 on assistant tokens, prompt_loss_weight elsewhere, 0 on padding."""
+    prompt_weight = cfg.prompt_loss_weight
+    width = _round_up(max(len(ids) for ids, _ in group), cfg.shape_multiple)
     ids = torch.full((len(group), width), pad, dtype=torch.long)
     labels = torch.full((len(group), width), -100, dtype=torch.long)
     weights = torch.zeros((len(group), width))
@@ -129,6 +149,10 @@ def _collate(group: list[tuple[list[int], list[bool]]], pad: int,
         labels[row, :len(toks)] = torch.tensor(toks)
         weights[row, :len(toks)] = torch.tensor([1.0 if f else prompt_weight for f in flags])
     return ids, labels, weights
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def make_model(cfg: TrainConfig):
@@ -148,6 +172,8 @@ def make_model(cfg: TrainConfig):
 def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
     """Train and write the checkpoint to out_dir; returns the training summary (also in eval.json)."""
     torch.set_num_threads(threads)
+    # Room for every bf16 kernel shape a run builds (the default 1024 would evict and rebuild them).
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
     torch.use_deterministic_algorithms(True)
     model = make_model(cfg)
     model.train()
@@ -155,6 +181,7 @@ def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    decoder = torch.compile(model.model, dynamic=True) if cfg.compile else model.model
     with tempfile.TemporaryDirectory() as tok_dir:
         build_tokenizer(tok_dir, VOCAB_SIZE)
         stream = batches(Encoder(tok_dir), cfg)
@@ -166,17 +193,7 @@ def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
             count = sum(float(weights[:, 1:].sum()) for _, _, weights in micro)
             total = 0.0
             for ids, labels, weights in micro:
-                # The output layer runs only where the loss looks (no padding; with prompt_loss_weight 0,
-                # assistant tokens only).
-                hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
-                target, weight = labels[:, 1:], weights[:, 1:]
-                keep = weight > 0
-                logits = model.lm_head(hidden[keep]).float()
-                if cfg.prompt_loss_weight:
-                    ce = torch.nn.functional.cross_entropy(logits, target[keep], reduction="none")
-                    loss = (ce * weight[keep]).sum() / count
-                else:  # every weight is 1: the shipped run's exact reduction
-                    loss = torch.nn.functional.cross_entropy(logits, target[keep], reduction="sum") / count
+                loss = _micro_loss(model, decoder, ids, labels, weights, count, cfg)
                 loss.backward()
                 total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -190,6 +207,23 @@ def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
                "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4)}
     save(model, out_dir)
     return summary
+
+
+def _micro_loss(model, decoder, ids, labels, weights, count: float, cfg: TrainConfig) -> torch.Tensor:
+    """One micro-batch's share of the step's loss. The output layer runs only where the loss looks (no padding;
+    with prompt_loss_weight 0, assistant tokens only), on a row count rounded to cfg.shape_multiple."""
+    target, weight = labels[:, 1:], weights[:, 1:]
+    keep = weight > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        hidden = decoder(input_ids=ids).last_hidden_state[:, :-1][keep]
+        rows = hidden.shape[0]
+        padded = torch.nn.functional.pad(hidden, (0, 0, 0, _round_up(rows, cfg.shape_multiple) - rows))
+        logits = model.lm_head(padded)[:rows].float()
+    if cfg.prompt_loss_weight:
+        ce = torch.nn.functional.cross_entropy(logits, target[keep], reduction="none")
+        return (ce * weight[keep]).sum() / count
+    # every weight is 1: the reduction of the runs without prompt loss
+    return torch.nn.functional.cross_entropy(logits, target[keep], reduction="sum") / count
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
@@ -224,10 +258,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (the result depends on it; the shipped run used 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompt-loss-weight", type=float, default=TrainConfig.prompt_loss_weight,
-                        help="loss weight of the tokens the model does not write (default 0: assistant turns only)")
+                        help="loss weight of the tokens the model does not write (0: assistant turns only)")
+    parser.add_argument("--bucket-ratio", type=float, default=TrainConfig.bucket_ratio,
+                        help="longest / shortest sample in a micro-batch (0: no limit)")
+    parser.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=TrainConfig.bf16,
+                        help="matmuls in bf16 under CPU autocast")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=TrainConfig.compile,
+                        help="torch.compile the decoder stack")
+    parser.add_argument("--shape-multiple", type=int, default=TrainConfig.shape_multiple,
+                        help="round matmul row counts up to this multiple (fewer distinct bf16 kernels)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     args = parser.parse_args(argv)
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, prompt_loss_weight=args.prompt_loss_weight)
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, prompt_loss_weight=args.prompt_loss_weight,
+                      bucket_ratio=args.bucket_ratio, bf16=args.bf16, compile=args.compile,
+                      shape_multiple=args.shape_multiple)
     summary = train(cfg, args.out, args.threads, log=lambda line: print(line, flush=True))
     if not args.no_eval:
         from radixserve.kernels.demo_eval import evaluate

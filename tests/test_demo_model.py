@@ -1,8 +1,7 @@
 """The built-in demo model (kernels/demo_checkpoint/, trained by kernels/demo_train.py) on the real engine:
 greedy replies to facts, including phrasings held out of its corpus (kernels/demo_eval.py), every reply ending with
-EOS well before 64 tokens; and the files it ships with. Sums of operand pairs never asked are asserted at the
-floor measured at training time (about half right, MODEL_CARD.md); held-out cities are measured in eval.json but not
-asserted: the shipped model does not copy an unseen name exactly.
+EOS well before 64 tokens; and the files it ships with. Each held-out set is asserted at a floor a little under
+what was measured at training time (eval.json, MODEL_CARD.md).
 """
 from __future__ import annotations
 
@@ -58,12 +57,11 @@ def test_named_questions(engine, question, answer):
     assert _ends_with_eos(result), result
 
 
-# Least accuracy per held-out set (what was measured at training time is in eval.json and MODEL_CARD.md).
-# Held-out cities are not here: the shipped model gets them wrong (MODEL_CARD.md).
+# Least accuracy per held-out set (measured at training time: eval.json and MODEL_CARD.md). Of the six held-out
+# cities one ("Montevideo") is miscopied.
 THRESHOLDS = {"capital_trained": 0.95, "capital_heldout_phrasing": 0.9, "weather_heldout_phrasing": 0.8,
-              "weather_trained_city": 0.8, "sum_one_digit": 0.9, "sum_heldout_phrasing": 0.8, "sum_heldout_pairs": 0.5}
-# Replies allowed to run past 64 tokens without EOS: one trained city ("Rio de Janeiro") loops inside its tool call.
-NO_EOS_ALLOWED = {"weather_trained_city": 1}
+              "weather_trained_city": 0.9, "weather_heldout_city": 0.8, "sum_one_digit": 0.9,
+              "sum_heldout_phrasing": 0.8, "sum_heldout_pairs": 0.85}
 
 
 @pytest.mark.parametrize("name", sorted(THRESHOLDS))
@@ -71,7 +69,7 @@ def test_heldout_sets(engine, name):
     cases = demo_eval.case_sets()[name]
     results = _replies(engine, cases)
     no_eos = [r.text for r in results if not _ends_with_eos(r)]
-    assert len(no_eos) <= NO_EOS_ALLOWED.get(name, 0), no_eos
+    assert not no_eos, no_eos
     wrong = [(c[0][-1]["content"], r.text) for c, r in zip(cases, results) if not c[2](r.text)]
     assert 1 - len(wrong) / len(cases) >= THRESHOLDS[name], wrong
 

@@ -1,6 +1,6 @@
 """`radixserve serve` with no --model (the trained demo model) driven by the official openai client: readable
-replies with no max_tokens, get_weather tool calls (a held-out phrasing too) and a tool-result round trip; and the
-ReAct example (lang/examples/react.py) on the demo model, acting with real tool calls.
+replies with no max_tokens, get_weather tool calls (held-out phrasings and cities too) and a tool-result round
+trip; and the ReAct example (lang/examples/react.py) on the demo model, acting with real tool calls.
 """
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ def test_first_reply_is_readable_and_short_without_max_tokens(client):
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < 64
 
 
-# (How often a trained city is copied exactly is tests/test_demo_model.py's weather_trained_city set: 83 of 97.)
+# (How often each kind of city is copied exactly: tests/test_demo_model.py's weather_* sets.)
 @pytest.mark.parametrize("question, city", [("What is the weather in Paris?", "Paris"),
                                             ("What is the weather in Tokyo?", "Tokyo"),
-                                            ("Please look up the weather for Paris.", "Paris")])  # held-out phrasing
+                                            ("Please look up the weather for Paris.", "Paris"),  # held-out phrasing
+                                            ("What is the weather in Kyoto?", "Kyoto"),  # held-out cities
+                                            ("Do you know the weather in Reykjavik?", "Reykjavik")])  # both
 def test_weather_question_becomes_a_get_weather_call(client, question, city):
     out = _ask(client, question, tools=[WEATHER_TOOL])
     choice = out.choices[0]

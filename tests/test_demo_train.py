@@ -10,12 +10,14 @@ import subprocess
 import sys
 
 from radixserve.kernels.demo_data import Generator
-from radixserve.kernels.demo_train import Encoder, TrainConfig, train
+from radixserve.kernels.demo_train import Encoder, TrainConfig, batches, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A few steps of a tiny model over the real corpus: seconds, not the shipped run's minutes.
+# A few steps of a tiny model over the real corpus: seconds, not the shipped run's minutes. Plain fp32 eager with
+# assistant tokens only (each speed option and the prompt loss are turned on by the test about it).
 SHORT = TrainConfig(steps=3, samples_per_step=6, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                    intermediate_size=128, warmup_steps=1)
+                    intermediate_size=128, warmup_steps=1, prompt_loss_weight=0.0, bucket_ratio=0.0, bf16=False,
+                    compile=False, shape_multiple=1)
 
 
 def _weights(path: str) -> bytes:
@@ -35,13 +37,51 @@ def test_training_is_deterministic_for_a_fixed_thread_count(tmp_path):
         assert os.path.isfile(tmp_path / "a" / name)
 
 
+def _twice_and_plain(cfg: TrainConfig, tmp_path) -> tuple[bytes, bytes, bytes]:
+    """The weights of two runs of cfg and of one SHORT run."""
+    for name, run in (("a", cfg), ("b", cfg), ("plain", SHORT)):
+        train(run, str(tmp_path / name), threads=1, log=lambda line: None)
+    return tuple(_weights(str(tmp_path / name)) for name in ("a", "b", "plain"))
+
+
 def test_prompt_loss_weight_trains_on_prompts_too_and_stays_deterministic(tmp_path):
-    weighted = TrainConfig(**{**SHORT.__dict__, "prompt_loss_weight": 0.25})
-    for name in ("a", "b"):
-        train(weighted, str(tmp_path / name), threads=1, log=lambda line: None)
-    train(SHORT, str(tmp_path / "plain"), threads=1, log=lambda line: None)
-    assert _weights(str(tmp_path / "a")) == _weights(str(tmp_path / "b"))
-    assert _weights(str(tmp_path / "a")) != _weights(str(tmp_path / "plain"))  # the prompt tokens count
+    a, b, plain = _twice_and_plain(TrainConfig(**{**SHORT.__dict__, "prompt_loss_weight": 0.25}), tmp_path)
+    assert a == b
+    assert a != plain  # the prompt tokens count
+
+
+def test_the_shipped_runs_speed_options_stay_deterministic(tmp_path):
+    """bf16 autocast, torch.compile, bucketing and shape rounding as the shipped run has them (the first compile
+    takes most of this test's ~45 s)."""
+    shipped = TrainConfig()
+    fast = TrainConfig(**{**SHORT.__dict__, **{k: getattr(shipped, k) for k in
+                                              ("bf16", "compile", "shape_multiple", "bucket_ratio")}})
+    assert fast.bf16 and fast.compile and fast.shape_multiple > 1 and fast.bucket_ratio
+    a, b, plain = _twice_and_plain(fast, tmp_path)
+    assert a == b
+    assert a != plain  # the options really ran
+
+
+def test_micro_batches_bucket_by_length_round_shapes_and_keep_every_sample(tmp_path):
+    from radixserve.kernels.demo_tokenizer import build_tokenizer
+
+    build_tokenizer(str(tmp_path), 2048)
+    encoder = Encoder(str(tmp_path))
+    for ratio, multiple in ((0.0, 1), (1.5, 32)):
+        cfg = TrainConfig(samples_per_step=32, bucket_ratio=ratio, shape_multiple=multiple)
+        stream, expected = batches(encoder, cfg), Generator(cfg.seed)
+        for _ in range(5):
+            lengths = sorted(n for n in (len(encoder.encode(expected.sample())[0]) for _ in range(32))
+                             if n <= cfg.max_len)
+            micro = next(stream)
+            got = sorted(int((labels != -100).sum(dim=1)[row]) for _, labels, _ in micro for row in range(len(labels)))
+            assert got == lengths  # every sample of the step, once, unchanged
+            for ids, labels, weights in micro:
+                real = (labels != -100).sum(dim=1)
+                assert ids.shape[1] % multiple == 0 and ids.shape[1] - int(real.max()) < multiple
+                assert len(ids) * int(real.max()) <= cfg.tokens_per_micro_batch
+                assert not ratio or int(real.max()) <= ratio * int(real.min())
+                assert bool((weights[labels == -100] == 0).all())  # padding never weighs
 
 
 def test_loss_sees_assistant_turns_only(tmp_path):
