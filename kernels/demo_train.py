@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -269,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="round matmul row counts up to this multiple (fewer distinct bf16 kernels)")
     parser.add_argument("--no-eval", action="store_true", help="skip the held-out evaluation")
     args = parser.parse_args(argv)
+    if args.compile and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        parser.error("--compile (the default) needs a C++ compiler for torch.compile; install one, or pass "
+                     "--no-compile (slower, and a different model than the shipped one)")
     cfg = TrainConfig(seed=args.seed, steps=args.steps, prompt_loss_weight=args.prompt_loss_weight,
                       bucket_ratio=args.bucket_ratio, bf16=args.bf16, compile=args.compile,
                       shape_multiple=args.shape_multiple)
