@@ -34,30 +34,45 @@ class OptimalCounts:
         return 1.0 - self.computed_tokens / self.prompt_tokens
 
 
-def optimal_counts(rounds: Iterable[Sequence[RoundItem]]) -> OptimalCounts:
-    """Computed and total prompt tokens of `rounds` under the §8 optimum.
+@dataclass(frozen=True)
+class Computed:
+    """What one request computes under the §8 optimum: prompt positions [start, prompt_len), then its outputs."""
+
+    start: int
+    prompt_len: int
+    output_len: int
+
+
+def computed_spans(rounds: Iterable[Sequence[RoundItem]]) -> list[list[Computed]]:
+    """Per round, per request (in the best order: shortest prompt first), the positions it must compute.
 
     rounds: a list of rounds, each a list of (prompt_ids, output_ids[, cache_salt]). Requests with
     different salts never share (a separate trie per salt).
     """
     tries: dict[object, _Trie] = {}
-    num_computed = 0
-    num_prompt = 0
+    spans = []
     for round_items in rounds:
         items = [_unpack(item) for item in round_items]
-        for prompt_ids, _, salt in sorted(items, key=lambda it: len(it[0])):
+        spans.append([])
+        for prompt_ids, output_ids, salt in sorted(items, key=lambda it: len(it[0])):
             if len(prompt_ids) == 0:
                 raise ValueError("a prompt must hold at least one token")
-            trie = tries.setdefault(salt, _Trie())
-            num_added = trie.insert(prompt_ids)
+            num_added = tries.setdefault(salt, _Trie()).insert(prompt_ids)
             # A prompt fully in the trie still computes its last token.
-            num_computed += num_added if num_added > 0 else 1
-            num_prompt += len(prompt_ids)
+            start = len(prompt_ids) - max(num_added, 1)
+            spans[-1].append(Computed(start, len(prompt_ids), len(output_ids)))
         # Outputs become reusable only from the next round on (they do not exist before the
         # round runs).
         for prompt_ids, output_ids, salt in items:
             tries[salt].insert(list(prompt_ids) + list(output_ids))
-    return OptimalCounts(computed_tokens=num_computed, prompt_tokens=num_prompt)
+    return spans
+
+
+def optimal_counts(rounds: Iterable[Sequence[RoundItem]]) -> OptimalCounts:
+    """Computed and total prompt tokens of `rounds` under the §8 optimum (see computed_spans)."""
+    spans = [c for round_spans in computed_spans(rounds) for c in round_spans]
+    return OptimalCounts(computed_tokens=sum(c.prompt_len - c.start for c in spans),
+                         prompt_tokens=sum(c.prompt_len for c in spans))
 
 
 def optimal_hit_rate(rounds: Iterable[Sequence[RoundItem]]) -> float:

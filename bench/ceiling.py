@@ -1,0 +1,179 @@
+"""The highest fraction of the matmul roofline that any engine could reach on a workload (fp32, this machine).
+
+The peer bench reports linear GFLOP/s = linear FLOPs / wall time as a fraction of the measured matmul roofline
+(bench/roofline.py). Two things that every engine must also do bound that fraction below 1:
+
+- attention: 4 * heads * head_dim * layers FLOPs per (query, key) pair of every computed position, counted here
+  at the matmul roofline itself (optimistic: torch's flash attention for CPU measured 215-219 GFLOP/s on
+  2 threads, against a roofline of 300-360);
+- decode steps: a step of b sequences reads every linear weight once, so it takes at least
+  max(weight bytes / streaming bandwidth, 2 * P_linear * b / roofline). The bandwidth is measured by summing an
+  fp32 tensor the size of the weights (meaningful when they do not fit in the caches: model M, not S).
+
+Everything else (norms, rotary, sampling, host work, KV reads) is taken as free, so the result is an upper
+bound: best time = prefill linears + decode steps + attention, and the ceiling = (linear FLOPs / roofline) / best
+time. Computed positions are those of the §8 optimum (bench/optimal.py), with each round's requests batched
+max_running at a time.
+
+    python -m radixserve.bench.ceiling --model M    # -> bench/results/roofline_ceiling_M.{json,md}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from radixserve.bench import roofline
+from radixserve.bench.optimal import Computed, computed_spans
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    linear_tflop: float
+    attention_tflop: float
+    decode_steps: int
+    prefill_s: float  # linear FLOPs of computed prompt positions at the roofline
+    decode_s: float  # the decode steps' linears, each at least one read of the weights
+    attention_s: float
+    linear_roof_s: float  # every linear FLOP (prompt and output positions) at the roofline
+
+    @property
+    def best_s(self) -> float:
+        return self.prefill_s + self.decode_s + self.attention_s
+
+    @property
+    def max_fraction(self) -> float:
+        return self.linear_roof_s / self.best_s if self.best_s else 0.0
+
+
+def _pairs(first: int, end: int) -> int:
+    """(query, key) pairs of causal positions [first, end): position p sees p + 1 keys."""
+    return (end * (end + 1) - first * (first + 1)) // 2
+
+
+def _decode_batches(round_spans: Sequence[Computed], max_running: int) -> list[int]:
+    """Sequences per decode step: a round's requests max_running at a time, each for output_len steps."""
+    sizes = []
+    for at in range(0, len(round_spans), max_running):
+        outs = [c.output_len for c in round_spans[at:at + max_running]]
+        sizes += [sum(n > step for n in outs) for step in range(max(outs, default=0))]
+    return sizes
+
+
+def ceiling(config: dict[str, Any], rounds: Sequence[Sequence[tuple]], gflops: float, stream_gbs: float,
+            max_running: int = 64) -> Ceiling:
+    params = roofline.linear_params(config)
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    roof, weight_s = gflops * 1e9, 4.0 * params / (stream_gbs * 1e9)
+    spans = computed_spans(rounds)
+    flat = [c for round_spans in spans for c in round_spans]
+    prompt_tokens = sum(c.prompt_len - c.start for c in flat)
+    output_tokens = sum(c.output_len for c in flat)
+    attention = 4.0 * heads * head_dim * layers * sum(_pairs(c.start, c.prompt_len + c.output_len) for c in flat)
+    batches = [b for round_spans in spans for b in _decode_batches(round_spans, max_running)]
+    linear = roofline.linear_flops(config, prompt_tokens + output_tokens)
+    return Ceiling(linear_tflop=linear / 1e12, attention_tflop=attention / 1e12, decode_steps=len(batches),
+                   prefill_s=2.0 * params * prompt_tokens / roof,
+                   decode_s=sum(max(weight_s, 2.0 * params * b / roof) for b in batches),
+                   attention_s=attention / roof, linear_roof_s=linear / roof)
+
+
+def measure_stream_gbs(num_floats: int, threads: int, min_time_s: float = 0.5) -> float:
+    """GB/s of torch.sum over an fp32 tensor of num_floats (read once per pass)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.randn(num_floats)
+        data.sum()
+        passes, start = 0, time.perf_counter()
+        while passes < 3 or time.perf_counter() - start < min_time_s:
+            data.sum()
+            passes += 1
+        return 4.0 * num_floats * passes / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(previous)
+
+
+def build_report(config: dict[str, Any], workloads: dict[str, Sequence[Sequence[tuple]]], gflops: float,
+                 stream_gbs: float, measured: dict[str, dict[str, float]] | None = None) -> dict[str, Any]:
+    """measured: workload -> engine -> roofline fraction reached (from a peer_vllm report), if any."""
+    rows = []
+    for name, rounds in workloads.items():
+        c = ceiling(config, rounds, gflops, stream_gbs)
+        rows.append({"workload": name, **asdict(c), "best_s": c.best_s, "max_fraction": c.max_fraction,
+                     "measured": (measured or {}).get(name, {})})
+    return {"bench": "roofline_ceiling", "gflops": gflops, "stream_gbs": stream_gbs, "rows": rows}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    engines = sorted({e for row in report["rows"] for e in row["measured"]})
+    head = "| workload | linear TFLOP | attention TFLOP | decode steps | best time (prefill + decode + attention) " \
+           "| ceiling |" + "".join(f" {e} reached |" for e in engines)
+    method = (__doc__ or "").split("\n\n")[:4]  # the docstring without its command line
+    lines = ["# The roofline fraction's ceiling", "", *"\n\n".join(method).split("\n"), "",
+             f"Matmul roofline **{report['gflops']:.1f} GFLOP/s** ({report.get('gflops_source', 'given')}), "
+             f"weight streaming **{report['stream_gbs']:.1f} GB/s** (measured in this run). \"reached\": the "
+             "fraction that engine reached in that peer run (bench/results/peer_vllm_*.md).", "", head, "|---" * (6 + len(engines)) + "|"]
+    for row in report["rows"]:
+        best = (f"{row['best_s']:.2f} s ({row['prefill_s']:.2f} + {row['decode_s']:.2f} + "
+                f"{row['attention_s']:.2f})")
+        reached = "".join(f" {row['measured'][e]:.0%} |" if e in row["measured"] else " – |" for e in engines)
+        lines.append(f"| {row['workload']} | {row['linear_tflop']:.2f} | {row['attention_tflop']:.2f} | "
+                     f"{row['decode_steps']} | {best} | **{row['max_fraction']:.0%}** |{reached}")
+    return "\n".join(lines) + "\n"
+
+
+def measured_fractions(peer_report: dict[str, Any]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for row in peer_report.get("rows", []):
+        if row.get("roofline_fraction") is not None:
+            out.setdefault(row["workload"], {})[row["engine"]] = row["roofline_fraction"]
+    return out
+
+
+def _peer_report(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+    return report if report.get("roofline") else None
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from radixserve.bench.harness import bench_model_path, stand_in_rounds
+    from radixserve.bench.peer_vllm import PEER_WORKLOADS
+    from radixserve.bench.workloads import make_workload
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="M")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    config = roofline.load_config(bench_model_path(args.model))
+    peer = _peer_report(os.path.join(args.out, f"peer_vllm_{args.model}.json"))
+    # The fractions a peer run reached are over its own roofline: the ceiling uses the same one.
+    gflops = (peer or {}).get("roofline", {}).get("gflops") or roofline.measure_roofline(config, args.threads)["gflops"]
+    stream = measure_stream_gbs(roofline.linear_params(config), args.threads)
+    workloads = {n: stand_in_rounds(lambda n=n: make_workload(n, "full", 0)) for n in PEER_WORKLOADS}
+    report = build_report(config, workloads, gflops, stream, measured_fractions(peer) if peer else None)
+    report["gflops_source"] = "the peer report's roofline" if peer else "measured in this run"
+    report.update(model=args.model, threads=args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"roofline_ceiling_{args.model}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
