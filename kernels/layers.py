@@ -82,37 +82,57 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope type {rope.rope_type!r}")
 
 
+def pair_interleave(head_dim: int) -> torch.Tensor:
+    """The order that puts each rotary pair (i, i + head_dim / 2) side by side: [0, h, 1, h + 1, ...]."""
+    half = head_dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).flatten()
+
+
+def interleave_rotary_pairs(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """t with every head's dims in pair_interleave order along dim 0: q / k projection weights and biases
+    ([heads * head_dim, ...]) or a per-head q / k norm weight ([head_dim]). The loader reorders q and k alike, so
+    q . k, the attention and the output are unchanged, and rotary becomes one complex multiply per pair."""
+    return t.reshape(-1, head_dim, *t.shape[1:])[:, pair_interleave(head_dim)].reshape(t.shape)
+
+
 class RotaryEmbedding:
-    """Neox-style (rotate-half) rotary embedding applied at arbitrary absolute positions."""
+    """Neox-style (rotate-half) rotary embedding at arbitrary absolute positions, on q / k whose head dims the
+    loader put in pair-interleaved order (interleave_rotary_pairs)."""
 
     def __init__(self, head_dim: int, rope: RopeConfig, device: torch.device | str) -> None:
         self.head_dim = head_dim
         self.inv_freq = rope_inv_freq(head_dim, rope).to(device)  # [head_dim // 2] float32
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, head_dim] for positions [num_tokens], cast to the activation dtype."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """What apply_rotary needs at positions [num_tokens]: e^(i * angle) [num_tokens, head_dim // 2] complex64
+        for float32 activations; else (cos, sin), each [num_tokens, head_dim // 2], computed in float32 and cast
+        to the activation dtype (as transformers does)."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        if dtype == torch.float32:
+            return torch.polar(torch.ones_like(angles), angles)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, head_dim]
-    sin: torch.Tensor,  # [num_tokens, head_dim]
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim], pair-interleaved head dims
+    rotation: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # RotaryEmbedding.rotation
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    # Neox rotate-half: cos/sin repeat their first half, so on the halves x1, x2 of x
-    #   out1 = x1 * cos - x2 * sin,   out2 = x2 * cos + x1 * sin
-    # computed into one output without materialising the rotated copy.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :half], sin[:, None, :half]
+    # Each pair (a, b) of x rotates as out = (a cos - b sin, b cos + a sin), what rotate-half computes on the
+    # halves x1 = a, x2 = b. In float32 that is one complex multiply (measured, 2 threads, 4096 tokens x 12
+    # heads x 64: 0.7 ms against 3.8 ms for the rotate-half formula on contiguous halves).
+    if isinstance(rotation, torch.Tensor):
+        if x.stride(-1) != 1 or x.storage_offset() % 2 or any(st % 2 for st in x.stride()[:-1]):
+            x = x.contiguous()  # a complex view needs whole pairs (q / k split from the qkv output have them)
+        pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * rotation[:, None, :]).reshape(x.shape)
+    cos, sin = rotation[0][:, None, :], rotation[1][:, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
     out = torch.empty_like(x)
-    out1, out2 = out[..., :half], out[..., half:]
-    torch.mul(x1, c, out=out1)
-    out1.sub_(x2 * s)
-    torch.mul(x2, c, out=out2)
-    out2.add_(x1 * s)
+    out_a, out_b = out[..., 0::2], out[..., 1::2]
+    torch.mul(a, cos, out=out_a)
+    out_a.sub_(b * sin)
+    torch.mul(b, cos, out=out_b)
+    out_b.add_(a * sin)
     return out
 
 

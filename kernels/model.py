@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata
-from radixserve.kernels.layers import Linear, RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from radixserve.kernels.layers import (Linear, RotaryEmbedding, apply_rotary, interleave_rotary_pairs, rms_norm,
+                                      silu_and_mul)
 from radixserve.kernels.loader import take, take_optional
 from radixserve.kernels.model_config import ModelConfig
 
@@ -68,11 +69,11 @@ class CausalLM:
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states before the last norm
         hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)  # [num_tokens, head_dim] each
+        rotation = self.rotary.rotation(positions, hidden.dtype)  # per token, per rotary pair
         for layer_idx, layer in enumerate(self.layers):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
-            x = self._attention(x, layer, cos, sin, meta, k_cache[layer_idx], v_cache[layer_idx], backend)
+            x = self._attention(x, layer, rotation, meta, k_cache[layer_idx], v_cache[layer_idx], backend)
             hidden = x.add_(residual)  # x is a fresh tensor: add in place
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
@@ -85,7 +86,7 @@ class CausalLM:
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
-    def _attention(self, x, layer: LayerWeights, cos, sin, meta, k_cache, v_cache, backend) -> torch.Tensor:
+    def _attention(self, x, layer: LayerWeights, rotation, meta, k_cache, v_cache, backend) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
         qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
@@ -96,8 +97,8 @@ class CausalLM:
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, cos, sin)  # [num_tokens, num_heads, head_dim]
-        k = apply_rotary(k, cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        q = apply_rotary(q, rotation)  # [num_tokens, num_heads, head_dim]
+        k = apply_rotary(k, rotation)  # [num_tokens, num_kv_heads, head_dim]
         out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.sm_scale,
                               layer.sliding_window)  # [num_tokens, num_heads, head_dim]
         return layer.o(out.reshape(num_tokens, self.q_size))
@@ -106,16 +107,22 @@ class CausalLM:
 def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int) -> LayerWeights:
     attn = f"model.layers.{idx}.self_attn."
     mlp = f"model.layers.{idx}.mlp."
-    q_w, k_w, v_w = (take(state, attn + f"{n}_proj.weight") for n in "qkv")
+
+    def qk(name: str, required: bool = True) -> torch.Tensor | None:
+        """A q / k tensor with its head dims in rotary-pair order (layers.interleave_rotary_pairs)."""
+        t = take_optional(state, attn + name, required)
+        return None if t is None else interleave_rotary_pairs(t, config.head_dim)
+
+    q_w, k_w, v_w = qk("q_proj.weight"), qk("k_proj.weight"), take(state, attn + "v_proj.weight")
     qkv_b = None
     if config.qkv_bias:
-        qkv_b = torch.cat([take(state, attn + f"{n}_proj.bias") for n in "qkv"])
+        qkv_b = torch.cat([qk("q_proj.bias"), qk("k_proj.bias"), take(state, attn + "v_proj.bias")])
     return LayerWeights(
         input_norm=take(state, f"model.layers.{idx}.input_layernorm.weight"),
         qkv=Linear(torch.cat([q_w, k_w, v_w]), qkv_b),
         o=Linear(take(state, attn + "o_proj.weight"), take_optional(state, attn + "o_proj.bias", config.o_bias)),
-        q_norm=take_optional(state, attn + "q_norm.weight", config.qk_norm),
-        k_norm=take_optional(state, attn + "k_norm.weight", config.qk_norm),
+        q_norm=qk("q_norm.weight", config.qk_norm),
+        k_norm=qk("k_norm.weight", config.qk_norm),
         post_norm=take(state, f"model.layers.{idx}.post_attention_layernorm.weight"),
         gate_up=Linear(torch.cat([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
                        _gate_up_bias(config, state, mlp)),

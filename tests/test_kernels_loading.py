@@ -81,6 +81,30 @@ def test_rope_inv_freq_matches_transformers(rope):
     assert torch.equal(ours, expected.float())
 
 
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_rotary_on_interleaved_pairs_equals_transformers_rotate_half(dtype, atol):
+    """The loader stores q / k head dims in rotary-pair order; rotating there and reading back in the checkpoint's
+    order equals transformers' rotate-half on the original (float32: the complex path; else the strided one)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from radixserve.kernels.layers import RotaryEmbedding, apply_rotary, interleave_rotary_pairs, pair_interleave
+
+    head_dim, positions = 32, torch.tensor([0, 1, 7, 300, 4095])
+    rotary = RotaryEmbedding(head_dim, RopeConfig(rope_type="default", rope_theta=10000.0), "cpu")
+    angles = positions.float()[:, None] * rotary.inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    x = torch.randn(len(positions), 3, head_dim).to(dtype)  # [tokens, heads, head_dim]
+    expected, _ = apply_rotary_pos_emb(x.transpose(0, 1), x.transpose(0, 1), emb.cos().to(dtype),
+                                       emb.sin().to(dtype), unsqueeze_dim=0)
+    flat = interleave_rotary_pairs(x.reshape(len(positions), -1).t().contiguous(), head_dim).t()
+    ours = apply_rotary(flat.reshape(x.shape).contiguous(), rotary.rotation(positions, dtype))
+    back = torch.empty_like(ours)
+    back[..., pair_interleave(head_dim)] = ours  # the checkpoint's order again
+    assert back.dtype == dtype
+    torch.testing.assert_close(back.float(), expected.transpose(0, 1).float(), atol=atol, rtol=0)
+    # A strided input (its pairs not adjacent in memory) gives the same result.
+    assert torch.equal(apply_rotary(flat.reshape(x.shape), rotary.rotation(positions, dtype)), ours)
+
+
 def test_qwen2_sliding_window_layers():
     base = dict(architectures=["Qwen2ForCausalLM"], hidden_size=64, num_attention_heads=4,
                 num_hidden_layers=4, intermediate_size=128, vocab_size=256, sliding_window=32)
