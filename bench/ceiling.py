@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -67,7 +66,7 @@ def ceiling(config: dict[str, Any], rounds: Sequence[Sequence[tuple]], gflops: f
             max_running: int = 64) -> Ceiling:
     params = roofline.linear_params(config)
     heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    head_dim = roofline.head_dim(config)
     roof, weight_s = gflops * 1e9, 4.0 * params / (stream_gbs * 1e9)
     spans = computed_spans(rounds)
     flat = [c for round_spans in spans for c in round_spans]
@@ -80,24 +79,6 @@ def ceiling(config: dict[str, Any], rounds: Sequence[Sequence[tuple]], gflops: f
                    prefill_s=2.0 * params * prompt_tokens / roof,
                    decode_s=sum(max(weight_s, 2.0 * params * b / roof) for b in batches),
                    attention_s=attention / roof, linear_roof_s=linear / roof)
-
-
-def measure_stream_gbs(num_floats: int, threads: int, min_time_s: float = 0.5) -> float:
-    """GB/s of torch.sum over an fp32 tensor of num_floats (read once per pass)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        data = torch.randn(num_floats)
-        data.sum()
-        passes, start = 0, time.perf_counter()
-        while passes < 3 or time.perf_counter() - start < min_time_s:
-            data.sum()
-            passes += 1
-        return 4.0 * num_floats * passes / (time.perf_counter() - start) / 1e9
-    finally:
-        torch.set_num_threads(previous)
 
 
 def build_report(config: dict[str, Any], workloads: dict[str, Sequence[Sequence[tuple]]], gflops: float,
@@ -159,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     peer = _peer_report(os.path.join(args.out, f"peer_vllm_{args.model}.json"))
     # The fractions a peer run reached are over its own roofline: the ceiling uses the same one.
     gflops = (peer or {}).get("roofline", {}).get("gflops") or roofline.measure_roofline(config, args.threads)["gflops"]
-    stream = measure_stream_gbs(roofline.linear_params(config), args.threads)
+    stream = roofline.measure_stream_gbs(roofline.linear_params(config), args.threads)
     workloads = {n: stand_in_rounds(lambda n=n: make_workload(n, "full", 0)) for n in PEER_WORKLOADS}
     report = build_report(config, workloads, gflops, stream, measured_fractions(peer) if peer else None)
     report["gflops_source"] = "the peer report's roofline" if peer else "measured in this run"

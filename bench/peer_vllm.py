@@ -296,10 +296,8 @@ def pool_tokens(names: list[str], size: str, seed: int = 0) -> tuple[int, int]:
 
 def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_requests: int = 64) -> int:
     """VLLM_CPU_KVCACHE_SPACE (whole GiB): `tokens` plus a partial block per running request, fp32, x1.5."""
-    heads = model_config["num_attention_heads"]
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
-    kv_heads = model_config.get("num_key_value_heads", heads)
-    per_token = model_config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4
+    kv_heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
+    per_token = model_config["num_hidden_layers"] * 2 * kv_heads * roofline.head_dim(model_config) * 4
     return max(1, math.ceil(1.5 * (tokens + num_requests * max_block) * per_token / 2**30))
 
 

@@ -8,10 +8,11 @@ thread count: total FLOPs / total time, so the mix is the model's own.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 FORMULA = ("linear FLOPs = 2 * P_linear * (prompt tokens - cached tokens + output tokens); P_linear = "
            "q, k, v, o, gate, up, down weights of all layers (no embeddings, no lm_head)")
@@ -22,13 +23,17 @@ def load_config(model_path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def layer_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
     """(in_features, out_features) of one decoder layer's linear projections."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    head_dim = config.get("head_dim") or hidden // heads
-    return [(hidden, heads * head_dim), (hidden, kv_heads * head_dim), (hidden, kv_heads * head_dim),
-            (heads * head_dim, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+    q_out, kv_out = heads * head_dim(config), kv_heads * head_dim(config)
+    return [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden), (hidden, inter), (hidden, inter),
+            (inter, hidden)]
 
 
 def linear_params(config: dict[str, Any]) -> int:
@@ -39,28 +44,49 @@ def linear_flops(config: dict[str, Any], computed_tokens: int) -> float:
     return 2.0 * linear_params(config) * computed_tokens
 
 
-def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int = 512,
-                     min_time_s: float = 0.5) -> dict[str, Any]:
-    """GFLOP/s of torch.matmul at the layer's shapes with `threads` intra-op threads (restored after)."""
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` inside, restored after."""
     import torch
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        shapes = layer_shapes(config)
-        mats = [(torch.randn(num_tokens, k), torch.randn(k, n)) for k, n in shapes]
-        flops_per_pass = sum(2.0 * num_tokens * k * n for k, n in shapes)
-        for x, w in mats:  # warm-up: first-call allocation and thread start-up
-            torch.matmul(x, w)
-        passes, start = 0, time.perf_counter()
-        while True:
-            for x, w in mats:
-                torch.matmul(x, w)
-            passes += 1
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_time_s and passes >= 3:
-                break
+        yield
     finally:
         torch.set_num_threads(previous)
+
+
+def passes_per_second(run_pass: Callable[[], None], min_time_s: float) -> tuple[int, float]:
+    """(passes, elapsed seconds) of repeating run_pass for at least min_time_s and 3 passes, after one
+    untimed warm-up pass (first-call allocation, thread start-up)."""
+    run_pass()
+    passes, start = 0, time.perf_counter()
+    while passes < 3 or time.perf_counter() - start < min_time_s:
+        run_pass()
+        passes += 1
+    return passes, time.perf_counter() - start
+
+
+def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int = 512,
+                     min_time_s: float = 0.5) -> dict[str, Any]:
+    """GFLOP/s of torch.matmul at the layer's shapes with `threads` intra-op threads (restored after)."""
+    import torch
+
+    shapes = layer_shapes(config)
+    mats = [(torch.randn(num_tokens, k), torch.randn(k, n)) for k, n in shapes]
+    flops_per_pass = sum(2.0 * num_tokens * k * n for k, n in shapes)
+    with torch_threads(threads):
+        passes, elapsed = passes_per_second(lambda: [torch.matmul(x, w) for x, w in mats], min_time_s)
     return {"gflops": flops_per_pass * passes / elapsed / 1e9, "threads": threads, "num_tokens": num_tokens,
             "shapes": [list(s) for s in shapes], "passes": passes, "linear_params": linear_params(config)}
+
+
+def measure_stream_gbs(num_floats: int, threads: int, min_time_s: float = 0.5) -> float:
+    """GB/s of torch.sum over an fp32 tensor of num_floats (read once per pass)."""
+    import torch
+
+    data = torch.randn(num_floats)
+    with torch_threads(threads):
+        passes, elapsed = passes_per_second(data.sum, min_time_s)
+    return 4.0 * num_floats * passes / elapsed / 1e9
