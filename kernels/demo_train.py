@@ -140,7 +140,6 @@ def _starts_new(group: list, length: int, cfg: TrainConfig) -> bool:
 def _collate(group: list[tuple[list[int], list[bool]]], pad: int,
              cfg: TrainConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, labels, per-token loss weights): 1 on assistant tokens, prompt_loss_weight elsewhere, 0 on padding."""
-    prompt_weight = cfg.prompt_loss_weight
     width = _round_up(max(len(ids) for ids, _ in group), cfg.shape_multiple)
     ids = torch.full((len(group), width), pad, dtype=torch.long)
     labels = torch.full((len(group), width), -100, dtype=torch.long)
@@ -148,7 +147,7 @@ def _collate(group: list[tuple[list[int], list[bool]]], pad: int,
     for row, (toks, flags) in enumerate(group):
         ids[row, :len(toks)] = torch.tensor(toks)
         labels[row, :len(toks)] = torch.tensor(toks)
-        weights[row, :len(toks)] = torch.tensor([1.0 if f else prompt_weight for f in flags])
+        weights[row, :len(toks)] = torch.tensor([1.0 if f else cfg.prompt_loss_weight for f in flags])
     return ids, labels, weights
 
 
@@ -173,7 +172,8 @@ def make_model(cfg: TrainConfig):
 def train(cfg: TrainConfig, out_dir: str, threads: int = 1, log=print) -> dict:
     """Train and write the checkpoint to out_dir; returns the training summary (also in eval.json)."""
     torch.set_num_threads(threads)
-    # Room for every bf16 kernel shape a run builds (the default 1024 would evict and rebuild them).
+    # Room for every bf16 kernel shape a run builds (the default 1024 would evict and rebuild them); oneDNN reads
+    # it at its first use in the process, which for the CLI is here.
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "16384")
     torch.use_deterministic_algorithms(True)
     model = make_model(cfg)
@@ -220,11 +220,8 @@ def _micro_loss(model, decoder, ids, labels, weights, count: float, cfg: TrainCo
         rows = hidden.shape[0]
         padded = torch.nn.functional.pad(hidden, (0, 0, 0, _round_up(rows, cfg.shape_multiple) - rows))
         logits = model.lm_head(padded)[:rows].float()
-    if cfg.prompt_loss_weight:
-        ce = torch.nn.functional.cross_entropy(logits, target[keep], reduction="none")
-        return (ce * weight[keep]).sum() / count
-    # every weight is 1: the reduction of the runs without prompt loss
-    return torch.nn.functional.cross_entropy(logits, target[keep], reduction="sum") / count
+    ce = torch.nn.functional.cross_entropy(logits, target[keep], reduction="none")
+    return (ce * weight[keep]).sum() / count
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:
