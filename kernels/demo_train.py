@@ -52,7 +52,7 @@ class TrainConfig:
     # Loss weight of every token the model is not asked to write (prompts, tool results, ReAct observations);
     # assistant tokens weigh 1 (0: assistant turns only). Prompts in the loss are what taught copying.
     prompt_loss_weight: float = 0.25
-    # Speed: together 2x the steps in the same time (MODEL_CARD). Each changes the numbers, so each is part of
+    # Speed: together 1.9x the steps in the same time (MODEL_CARD). Each changes the numbers, so each is part of
     # the run's definition. A micro-batch holds samples at most bucket_ratio times as long as its shortest
     # (0: only the token cap splits them, about 45% padding); bf16: matmuls under CPU autocast (AMX where
     # present; weights and optimizer state stay fp32); compile: torch.compile the decoder stack (under a
