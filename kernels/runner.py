@@ -44,6 +44,7 @@ import torch
 
 from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from radixserve.kernels.attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
+from radixserve.kernels.host_memory import retain_freed_memory
 from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
 from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve_dtype
 from radixserve.kernels.model import CausalLM
@@ -81,7 +82,7 @@ class ModelRunner:
     def __init__(self, model_path: str, *, num_slots: int | None, page_size: int = 1, dtype: str = "auto",
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, retain_host_memory: bool = True) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -112,6 +113,8 @@ class ModelRunner:
         self.slot_table = torch.zeros((max_running_requests, self.context_length), dtype=torch.int64,
                                       device=self.device)
         self._row_len = [0] * max_running_requests
+        if retain_host_memory and self.device.type == "cpu":  # after loading: its temporaries go back to the OS
+            retain_freed_memory()  # each step's activations reuse freed heap, not fresh zeroed pages
         self.penalties = PenaltyState(num_rows=max_running_requests)  # per-row counts, kept incrementally
         self.counters = HostCounters()  # host work of the latest step
         self.last_profile: dict[str, float] = {}  # seconds of the latest step: build / forward / sample

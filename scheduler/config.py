@@ -96,6 +96,9 @@ class EngineConfig:
     device: str | None = option(None, "torch device: cpu, cuda or cuda:N (None: cuda if available, else cpu)")
     num_threads: int | None = option(None, "torch intra-op threads for the model (None: the cores this "
                                            "process may use; test servers pass 1)")
+    release_host_memory: bool = option(
+        False, "CPU: let glibc return freed host memory to the OS (its default) instead of keeping it for the "
+               "next step's activations (kernels/host_memory.py)")
     # Shared-prefix (cascade) attention: a radix node locked by several requests of a step is
     # read once for all their queries when its unshared span is at least this long (0 forces it).
     disable_shared_prefix_attention: bool = option(

@@ -50,7 +50,8 @@ class Engine:
         self.runner = ModelRunner(model_path, num_slots=cfg.kv_cache_tokens, page_size=cfg.page_size,
                                   dtype=cfg.dtype, attention_backend=cfg.attention_backend, device=cfg.device,
                                   context_length=cfg.context_length, max_running_requests=cfg.max_running_requests,
-                                  num_threads=cfg.resolved_num_threads())
+                                  num_threads=cfg.resolved_num_threads(),
+                                  retain_host_memory=not cfg.release_host_memory)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = self.runner.context_length
