@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from radixserve.kernels.forward_io import SeqInput
 from radixserve.kernels.attention.base import SharedPrefix
+from radixserve.scheduler.checks import token_id_list
 from radixserve.scheduler.config import EngineConfig
 from radixserve.scheduler.constrained import ConstrainedDecoding
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
@@ -375,12 +376,11 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+            try:
+                ids = token_id_list(prompt, self.model_config.vocab_size)
+            except ValueError as exc:
+                raise RequestError(str(exc), "prompt") from None
         else:
             raise RequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:

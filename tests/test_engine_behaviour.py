@@ -189,6 +189,31 @@ def test_failed_step_still_ends_every_request(ckpt):
     assert engine.generate([prompts[0]], dict(greedy, max_new_tokens=1))[0].output_ids == finals[short].output_ids
 
 
+class _Id(int):
+    """An int subclass (as an IntEnum member would be)."""
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([1, True, 3], "list of token ids"), ([1, 2.0], "list of token ids"), ([1, "2"], "list of token ids"),
+    ([1, [2]], "list of token ids"), (b"\x01\x02", "list of token ids"), ([1, -1], "token id -1 is outside"),
+    ([3, 512, 4], "token id 512 is outside the vocabulary \\[0, 512\\)"), ((), "empty"),
+])
+def test_token_id_prompts_are_checked_whole(ckpt, prompt, message):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt)
+    assert not engine.has_unfinished()
+
+
+def test_token_ids_of_int_subclasses_and_tuples_are_plain_ints(ckpt):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
+    greedy = dict(max_new_tokens=2, temperature=0.0)
+    plain = engine.generate([[5, 6, 511]], greedy)[0]
+    for prompt in ([_Id(5), 6, _Id(511)], (5, 6, 511)):
+        res = engine.generate([prompt], greedy)[0]
+        assert res.output_ids == plain.output_ids and res.cached_tokens > 0
+
+
 def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
     engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
     with pytest.raises(ValueError, match="outside the vocabulary"):
