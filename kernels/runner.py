@@ -44,8 +44,8 @@ import torch
 
 from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from radixserve.kernels.attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
-from radixserve.kernels.host_memory import retain_freed_memory
 from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
+from radixserve.kernels.host_memory import retain_freed_memory
 from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve_dtype
 from radixserve.kernels.model import CausalLM
 from radixserve.kernels.model_config import ModelConfig, load_model_config

@@ -376,13 +376,11 @@ class Engine:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
+        else:
             try:
                 ids = token_id_list(prompt, self.model_config.vocab_size)
             except ValueError as exc:
                 raise RequestError(str(exc), "prompt") from None
-        else:
-            raise RequestError("prompt must be a string or a list of token ids", "prompt")
         if not ids:
             raise RequestError("the prompt is empty", "prompt")
         return ids
