@@ -55,6 +55,7 @@ from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+STAGE_POOL_DIVISOR = 4  # the CPU backend's decode key stages hold at most num_slots / this
 
 
 @dataclass
@@ -104,7 +105,7 @@ class ModelRunner:
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
-        self.backend: AttentionBackend = _make_backend(attention_backend, self.device)
+        self.backend: AttentionBackend = _make_backend(attention_backend, self.device, num_slots)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -136,6 +137,11 @@ class ModelRunner:
         outputs = self._sample(logits, fi, seqs)
         self.last_profile = {"build_s": t1 - t0, "forward_s": t2 - t1, "sample_s": time.perf_counter() - t2}
         return outputs
+
+    def stage_counters(self) -> tuple[int, int]:
+        """(copied, reused) own-key cells of the CPU backend's decode stages (0, 0 for other backends)."""
+        stages = getattr(self.backend, "stages", None)
+        return (stages.counters.copied, stages.counters.reused) if stages is not None else (0, 0)
 
     def _sample(self, logits: torch.Tensor, fi: ForwardInput, seqs: list[SeqInput]) -> list[SeqOutput]:
         outputs = [SeqOutput(next_token_id=None, next_logprob=None) for _ in seqs]
@@ -274,12 +280,13 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
 
 
-def _make_backend(name: str, device: torch.device) -> AttentionBackend:
+def _make_backend(name: str, device: torch.device, num_slots: int) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend()
+        # Decode own keys kept between steps: at most a quarter of the pool's worth.
+        return TorchAttentionBackend(stage_budget_slots=num_slots // STAGE_POOL_DIVISOR)
     try:
         from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:

@@ -342,6 +342,7 @@ class Engine:
 
     def _compute_stats(self) -> dict[str, Any]:
         tree, m = self.kv.tree, self.metrics
+        staged_copied, staged_reused = self.runner.stage_counters()
         return {
             "total_slots": self.kv.total_slots, "free_slots": self.kv.allocator.num_free_slots,
             "evictable_slots": tree.evictable_size, "locked_slots": tree.locked_size,
@@ -359,6 +360,7 @@ class Engine:
             "num_shared_prefix_steps": m.num_shared_prefix_steps,
             "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
             "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
+            "num_staged_keys_copied": staged_copied, "num_staged_keys_reused": staged_reused,
             "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
         }
 

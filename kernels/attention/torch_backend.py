@@ -10,27 +10,25 @@ over *all* queries below it, reading the prefix's K/V once as a view of the pool
 by log-sum-exp into the rows below that prefix only. Sliding-window layers take the plain path
 (own keys = all keys).
 
-The attention op is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the
-log-sum-exp the merge needs; it is private to torch, so ``_attend`` falls back to plain matmuls
-when the op is missing or refuses the inputs. GQA without copying K/V: the ``group`` q heads of
-one kv head are stacked along the query axis (row r = token r // group, head r % group), so
-K/V keep their kv-head layout.
+Decode buckets read their own keys from stages kept between steps (staging.py: only the keys
+that changed are copied), head-major, with plain matmuls. Every other read goes through
+``partials.attend`` (the CPU flash op, which returns the log-sum-exp the merges need). GQA
+without copying K/V: the ``group`` q heads of one kv head are stacked along the query axis
+(row r = token r // group, head r % group), so K/V keep their kv-head layout.
 """
 from __future__ import annotations
 
 import itertools
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
 from radixserve.kernels.attention.metadata import slot_runs
+from radixserve.kernels.attention.partials import attend, attend_matmul, lse_merge, merge_into
+from radixserve.kernels.attention.staging import OwnKeyStages, Stage, staged_keys
 from radixserve.kernels.attention.torch_ref import store_kv
 
-logger = logging.getLogger(__name__)
-
-_FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # A bucket pads its units to one shape; it may waste at most this many padded (query, key)
 # pairs per unit, about what a separate call's overhead costs (so decodes of different lengths
 # share a call, long prefill blocks keep their own).
@@ -58,6 +56,9 @@ class _Bucket:
     stack_cols: torch.Tensor
     stack_src: torch.Tensor | None
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered K / V rows, reused per layer
+    seq_rows: tuple[int, ...] = ()  # the members' slot-table rows
+    k_lens: tuple[int, ...] = ()  # the members' own keys
+    stage: Stage | None = None  # a decode bucket's own keys kept from the previous step (staging.py)
 
 
 @dataclass
@@ -81,10 +82,23 @@ class TorchAttentionBackend:
     name = "torch"
     needs_kv_indices = False
 
+    def __init__(self, stage_budget_slots: int | None = None) -> None:
+        # Decode own keys kept between steps, at most this many pool slots' worth (None: no limit).
+        self.stages = OwnKeyStages(stage_budget_slots)
+
     def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
+        plans = []
         for window in windows:
             window = window if window is not None and window > 0 else None
-            _step_plan(meta, window, group, bool(meta.shared) and window is None)
+            plans.append((window, _step_plan(meta, window, group, bool(meta.shared) and window is None)))
+        # Stages for full-attention layers only: window layers have buckets of their own.
+        staged = [b for window, plan in plans if window is None for b in plan.buckets
+                  if b.kv_idx is not None and b.max_q == 1]
+        stages = self.stages.refresh([(b.seq_rows, b.kv_idx.view(b.num, b.max_k),
+                                       torch.tensor(b.k_lens, dtype=torch.int64, device=b.kv_idx.device)[:, None])
+                                      for b in staged])
+        for b, stage in zip(staged, stages):
+            b.stage = stage
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:
@@ -139,22 +153,12 @@ def cascade_attention(
             o_acc, lse_acc = out.index_select(1, where), lse.index_select(1, where)
         for run in piece.runs:
             o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
-            _merge_into(o_acc, lse_acc, o[0], s_lse[0])
+            merge_into(o_acc, lse_acc, o[0], s_lse[0])
         if rows is None:
             out.index_copy_(1, where, o_acc)
             lse.index_copy_(1, where, lse_acc)
     out = out.view(num_kv_heads, num_tokens, group, head_dim).transpose(0, 1)
     return out.reshape(num_tokens, num_q_heads, head_dim).to(q.dtype)
-
-
-def _merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """(o_acc, lse_acc) := the log-sum-exp merge of two partial attentions over disjoint keys, in
-    place: o [kv_heads, n, d], lse [kv_heads, n], both sides finite (every row saw some key)."""
-    top = torch.maximum(lse_acc, lse)
-    w_acc, w = torch.exp(lse_acc - top), torch.exp(lse - top)
-    total = w_acc + w
-    o_acc.mul_((w_acc / total)[..., None]).add_(o.float().mul((w / total)[..., None]))
-    lse_acc.copy_(top.add_(total.log_()))
 
 
 # -- per layer ---------------------------------------------------------------------------------
@@ -167,13 +171,16 @@ def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: i
     qb = qb.permute(0, 2, 1, 3, 4).reshape(b.num, num_kv_heads, b.max_q * group, head_dim)
     if b.kv_idx is None:  # one sequence whose own keys are a few runs of the pool: views
         o, lse = _attend_runs(qb, k_cache, v_cache, b.runs, b.run_masks, sm_scale)
+    elif b.stage is not None:  # a decode bucket's own keys, kept from the previous step
+        keys, values = staged_keys(b.stage, k_cache, v_cache, b.max_k)  # [num, kv_heads, max_k, d]
+        o, lse = attend_matmul(qb, keys, values, b.mask, sm_scale)
     else:
         if b.workspace is None:  # one buffer pair per step, reused by every layer
             b.workspace = (k_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)),
                            v_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)))
         keys = _gather(k_cache, b.kv_idx, b.workspace[0]).view(b.num, b.max_k, num_kv_heads, head_dim)
         values = _gather(v_cache, b.kv_idx, b.workspace[1]).view(b.num, b.max_k, num_kv_heads, head_dim)
-        o, lse = _attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
+        o, lse = attend(qb, keys.transpose(1, 2), values.transpose(1, 2), b.mask, sm_scale)
     if stacked:  # [num, kv_heads, max_q * group, d] -> [kv_heads, num * max_q * group, d]
         return (o.transpose(0, 1).reshape(num_kv_heads, -1, head_dim),
                 lse.transpose(0, 1).reshape(num_kv_heads, -1))
@@ -193,7 +200,7 @@ def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[i
         keys, values = k_cache[first:first + length], v_cache[first:first + length]
     else:
         keys, values = _gather(k_cache, plan.slots), _gather(v_cache, plan.slots)
-    return _attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
+    return attend(qs, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0), None, sm_scale)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,7 +214,7 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None =
 
 
 def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, scale: float):
-    """_attend over keys that are consecutive runs of the pool, one view per run, merged.
+    """attend over keys that are consecutive runs of the pool, one view per run, merged.
     q [1, kv_heads, lq, d]; run_masks: per run (additive mask [1, 1, lq, length] or None, and
     [lq] bool rows that see some key of the run or None = all), or None = no masks."""
     o = lse = None
@@ -215,43 +222,12 @@ def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, sc
         keys = k_cache[first:first + length].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, length, d] view
         values = v_cache[first:first + length].transpose(0, 1).unsqueeze(0)
         mask, seen = run_masks[idx] if run_masks is not None else (None, None)
-        o2, l2 = _attend(q, keys, values, mask, scale)
+        o2, l2 = attend(q, keys, values, mask, scale)
         if seen is not None:  # a row that sees nothing here contributes nothing (lse -inf)
             l2 = l2.masked_fill(~seen, float("-inf"))
             o2 = o2.masked_fill(~seen[:, None], 0.0)  # the op leaves NaN on fully masked rows
-        o, lse = (o2, l2) if o is None else _lse_merge(o, lse, o2, l2)
+        o, lse = (o2, l2) if o is None else lse_merge(o, lse, o2, l2)
     return o, lse
-
-
-def _lse_merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
-    """Softmax-weighted sum of two partial attentions over disjoint keys: o [..., d], lse [...].
-    A side with lse -inf (it saw no key) gets weight 0."""
-    m = torch.maximum(l1, l2)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    total = w1 + w2
-    inv = 1.0 / total.clamp_min(1e-30)
-    merged = o1.float() * (w1 * inv)[..., None] + o2.float() * (w2 * inv)[..., None]
-    return merged.to(o1.dtype), m + torch.log(total)
-
-
-def _attend(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [b, h, lq, d], k/v [b, h, lk, d] (any strides), mask additive [b, 1, lq, lk] or None.
-    Returns out [b, h, lq, d] and the natural-log LSE [b, h, lq] in float32."""
-    if _FLASH_OP is not None:
-        try:
-            o, lse = _FLASH_OP(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-            return o, lse.float()
-        except RuntimeError as exc:  # unsupported dtype / layout on this build
-            logger.debug("flash attention op refused the inputs (%s); using matmuls", exc)
-    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s + mask
-    m = s.amax(-1, keepdim=True).clamp(min=-1e30)
-    p = torch.exp(s - m)
-    den = p.sum(-1, keepdim=True)
-    o = torch.matmul(p, v.float()) / den
-    return o.to(q.dtype), (m + torch.log(den)).squeeze(-1)
 
 
 # -- per step ----------------------------------------------------------------------------------
@@ -359,7 +335,7 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
     stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
     return _Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
                    kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask, stack_cols=stack_cols,
-                   stack_src=stack_src)
+                   stack_src=stack_src, seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
 
 
 def _split_mask(mask: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
