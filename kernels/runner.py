@@ -55,7 +55,6 @@ from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-STAGE_POOL_DIVISOR = 4  # the CPU backend's decode key stages hold at most num_slots / this
 
 
 @dataclass
@@ -83,7 +82,8 @@ class ModelRunner:
     def __init__(self, model_path: str, *, num_slots: int | None, page_size: int = 1, dtype: str = "auto",
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
-                 num_threads: int | None = None, retain_host_memory: bool = True) -> None:
+                 num_threads: int | None = None, retain_host_memory: bool = True,
+                 decode_stage_fraction: float = 0.25) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -105,7 +105,8 @@ class ModelRunner:
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
-        self.backend: AttentionBackend = _make_backend(attention_backend, self.device, num_slots)
+        self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
+                                                       int(num_slots * decode_stage_fraction))
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -280,13 +281,12 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
 
 
-def _make_backend(name: str, device: torch.device, num_slots: int) -> AttentionBackend:
+def _make_backend(name: str, device: torch.device, stage_budget_slots: int) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
-        # Decode own keys kept between steps: at most a quarter of the pool's worth.
-        return TorchAttentionBackend(stage_budget_slots=num_slots // STAGE_POOL_DIVISOR)
+        return TorchAttentionBackend(stage_budget_slots=stage_budget_slots)
     try:
         from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:

@@ -104,6 +104,9 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = option(
         False, "read shared prefixes per request instead of once per step")
     shared_prefix_min_tokens: int = option(32, "shortest shared prefix read once for all requests below it (0: any)")
+    decode_stage_fraction: float = option(
+        0.25, "CPU attention: decode requests' own keys are kept between steps (only new keys copied), in at most "
+              "this fraction of the KV pool's size (0: gather them every step)")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")
@@ -121,6 +124,7 @@ class EngineConfig:
         check_int("shared_prefix_min_tokens", self.shared_prefix_min_tokens, lo=0)
         check_int("seed", self.seed)
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
+        check_number("decode_stage_fraction", self.decode_stage_fraction, lo=0, hi=1)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)

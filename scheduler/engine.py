@@ -52,7 +52,8 @@ class Engine:
                                   dtype=cfg.dtype, attention_backend=cfg.attention_backend, device=cfg.device,
                                   context_length=cfg.context_length, max_running_requests=cfg.max_running_requests,
                                   num_threads=cfg.resolved_num_threads(),
-                                  retain_host_memory=not cfg.release_host_memory)
+                                  retain_host_memory=not cfg.release_host_memory,
+                                  decode_stage_fraction=cfg.decode_stage_fraction)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = self.runner.context_length

@@ -230,3 +230,22 @@ class StageMachine(RuleBasedStateMachine):
 
 TestStageMachine = StageMachine.TestCase
 TestStageMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_engine_stage_fraction_zero_turns_stages_off(tmp_path_factory):
+    """decode_stage_fraction=0: no stage, the same greedy tokens and logprobs as with stages."""
+    from _engine_helpers import drive_staggered, make_checkpoint, shared_prefix_prompts
+    from radixserve.scheduler import Engine
+
+    ckpt = make_checkpoint(tmp_path_factory, "staging_engine")
+    prompts = shared_prefix_prompts(prefix_len=40)
+    params = dict(max_new_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for fraction in (0.25, 0.0):
+        engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, decode_stage_fraction=fraction)
+        out = drive_staggered(engine, prompts, params)
+        stats = engine.stats()
+        assert (stats["num_staged_keys_reused"] > 0) == (fraction > 0), stats
+        runs[fraction] = [(r.output_ids, [round(lp.logprob, 4) for lp in r.logprobs])
+                          for r in (out.results[rid] for rid in out.rids)]
+    assert runs[0.25] == runs[0.0]
