@@ -123,8 +123,10 @@ def markdown(r: dict[str, Any]) -> str:
         if x["ours_over_best"] is not None:
             lines.append(f"- {w}: radixserve / best vLLM ({x['best_peer']}) = **{x['ours_over_best']:.2f}x**")
     if roof:
-        lines += ["", (f"Roofline: torch.matmul fp32 at the model's layer shapes, {roof['threads']} thread(s), "
-                       f"{roof['num_tokens']} tokens: **{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
+        lines += ["", (f"Roofline: the best fp32 matmul at the model's layer shapes, {roof['threads']} thread(s) "
+                       f"({roof.get('method', 'torch.matmul')} at {roof['num_tokens']} tokens; the best of "
+                       "torch.matmul and the engine's packed linear at 512 and 4096 tokens): "
+                       f"**{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
                        "GFLOP/s = linear FLOPs / median wall time.")]
     lines += _profile_lines(r["rows"])
     lines += ["", *_engines(r), "", f"![throughput and hit rate](peer_vllm_{r.get('model')}.png)", ""]

@@ -2,9 +2,10 @@
 
 Linear FLOPs of a run = 2 * P_linear * computed tokens, where P_linear = the decoder layers' linear
 weights (q, k, v, o, gate, up, down; embeddings and lm_head excluded: only sampled positions need
-logits) and computed tokens = prompt tokens - cached tokens + output tokens. The roofline is the
-GFLOP/s of `torch.matmul` over one layer's shapes ([T, in] @ [in, out], T tokens) at the bench's
-thread count: total FLOPs / total time, so the mix is the model's own.
+logits) and computed tokens = prompt tokens - cached tokens + output tokens. The roofline is the best
+GFLOP/s of `torch.matmul` and of the engine's packed oneDNN linear over one layer's shapes ([T, in] @
+[in, out]) at T = 512 and 4096 tokens and the bench's thread count: total FLOPs / total time, so the mix
+is the model's own.
 """
 from __future__ import annotations
 
@@ -68,18 +69,32 @@ def passes_per_second(run_pass: Callable[[], None], min_time_s: float) -> tuple[
     return passes, time.perf_counter() - start
 
 
-def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int = 512,
+def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int | tuple[int, ...] = (512, 4096),
                      min_time_s: float = 0.5) -> dict[str, Any]:
-    """GFLOP/s of torch.matmul at the layer's shapes with `threads` intra-op threads (restored after)."""
+    """GFLOP/s of fp32 matmuls at the layer's shapes with `threads` intra-op threads (restored after): the best of
+    torch.matmul and the engine's own linear (oneDNN's packed weights, kernels.layers.Linear) at each token count
+    (the peer benches' prefill chunks hold 4096 tokens), so that no engine's linears should exceed it."""
     import torch
 
+    from radixserve.kernels.layers import Linear
+
     shapes = layer_shapes(config)
-    mats = [(torch.randn(num_tokens, k), torch.randn(k, n)) for k, n in shapes]
-    flops_per_pass = sum(2.0 * num_tokens * k * n for k, n in shapes)
+    runs = []
     with torch_threads(threads):
-        passes, elapsed = passes_per_second(lambda: [torch.matmul(x, w) for x, w in mats], min_time_s)
-    return {"gflops": flops_per_pass * passes / elapsed / 1e9, "threads": threads, "num_tokens": num_tokens,
-            "shapes": [list(s) for s in shapes], "passes": passes, "linear_params": linear_params(config)}
+        for tokens in (num_tokens,) if isinstance(num_tokens, int) else num_tokens:
+            flops_per_pass = sum(2.0 * tokens * k * n for k, n in shapes)
+            xs = [torch.randn(tokens, k) for k, _ in shapes]
+            weights = [torch.randn(n, k) for k, n in shapes]
+            linears = [Linear(w, None) for w in weights]
+            kinds = {"torch.matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)],
+                     "packed linear": lambda: [lin(x) for x, lin in zip(xs, linears)]}
+            for method, run_pass in kinds.items():
+                passes, elapsed = passes_per_second(run_pass, min_time_s)
+                runs.append({"method": method, "num_tokens": tokens, "passes": passes,
+                             "gflops": flops_per_pass * passes / elapsed / 1e9})
+    best = max(runs, key=lambda r: r["gflops"])
+    return {**best, "threads": threads, "runs": runs, "shapes": [list(s) for s in shapes],
+            "linear_params": linear_params(config)}
 
 
 def measure_stream_gbs(num_floats: int, threads: int, min_time_s: float = 0.5) -> float:

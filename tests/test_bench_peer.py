@@ -151,8 +151,12 @@ def test_linear_params_and_roofline_measure():
     import torch
 
     threads = torch.get_num_threads()
-    roof = roofline.measure_roofline(s_config, threads=1, num_tokens=16, min_time_s=0.01)
+    roof = roofline.measure_roofline(s_config, threads=1, num_tokens=(16, 32), min_time_s=0.01)
     assert roof["gflops"] > 0 and roof["passes"] >= 3 and torch.get_num_threads() == threads
+    # The best of both methods at both sizes, so an engine's packed linears cannot beat "the roofline".
+    assert sorted((r["method"], r["num_tokens"]) for r in roof["runs"]) == [
+        ("packed linear", 16), ("packed linear", 32), ("torch.matmul", 16), ("torch.matmul", 32)]
+    assert roof["gflops"] == max(r["gflops"] for r in roof["runs"])
 
 
 @pytest.fixture(scope="module")
