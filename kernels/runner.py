@@ -139,6 +139,12 @@ class ModelRunner:
         self.last_profile = {"build_s": t1 - t0, "forward_s": t2 - t1, "sample_s": time.perf_counter() - t2}
         return outputs
 
+    def drop_step_state(self) -> None:
+        """Frees what the backend keeps from one step for the next (the CPU backend's decode key stages)."""
+        stages = getattr(self.backend, "stages", None)
+        if stages is not None:
+            stages.clear()
+
     def stage_counters(self) -> tuple[int, int]:
         """(copied, reused) own-key cells of the CPU backend's decode stages (0, 0 for other backends)."""
         stages = getattr(self.backend, "stages", None)

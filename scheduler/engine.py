@@ -167,6 +167,8 @@ class Engine:
         for d in deltas:
             if d.finished:
                 self._reqs.pop(d.rid, None)
+        if not self.planner.running:  # idle: nothing the next step could reuse
+            self.runner.drop_step_state()
         self._step_idx += 1
         self._record_profile(t0)
         return deltas

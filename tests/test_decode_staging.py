@@ -249,3 +249,18 @@ def test_engine_stage_fraction_zero_turns_stages_off(tmp_path_factory):
         runs[fraction] = [(r.output_ids, [round(lp.logprob, 4) for lp in r.logprobs])
                           for r in (out.results[rid] for rid in out.rids)]
     assert runs[0.25] == runs[0.0]
+
+
+def test_engine_drops_its_stages_when_idle(tmp_path_factory):
+    from _engine_helpers import make_checkpoint
+    from radixserve.scheduler import Engine
+
+    engine = Engine(make_checkpoint(tmp_path_factory, "staging_idle"), num_threads=1, kv_cache_tokens=2048)
+    stages = engine.runner.backend.stages
+    for i in range(3):
+        engine.add_request(list(range(20 + i, 60)), dict(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    held = 0
+    while engine.has_unfinished():
+        engine.step()
+        held = max(held, len(stages._stages))
+    assert held > 0 and not stages._stages  # kept while decoding, freed once nothing runs
