@@ -19,7 +19,8 @@ from radixserve.kernels.attention.staging import HEADROOM
 from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
 
 ATOL = 1e-5
-NUM_SLOTS, ROWS, WIDTH, KV_HEADS, HEAD_DIM, GROUP, LAYERS = 512, 6, 160, 2, 16, 2, 2
+NUM_SLOTS, ROWS, WIDTH, KV_HEADS, HEAD_DIM, GROUP, LAYERS = 512, 6, 160, 2, 16, 2, 3
+WINDOWS = (None, None, 9)  # per layer: the last one slides (its buckets, so its stages, are its own)
 
 
 class Pool:
@@ -70,14 +71,15 @@ class Pool:
         meta = build_metadata(q_lens=list(q_lens), kv_lens=[len(self.seqs[r]) for r in rows], rows=list(rows),
                               slot_table=self.table, out_slot_ids=torch.tensor(new), shared=list(shared),
                               needs_kv_indices=True)  # the reference reads them
-        self.backend.prepare(meta, GROUP, {None})
+        self.backend.prepare(meta, GROUP, set(WINDOWS))
         shape = (len(new), KV_HEADS, HEAD_DIM)
         for layer in range(LAYERS):
             q = torch.randn((len(new), KV_HEADS * GROUP, HEAD_DIM), generator=self.gen)
             k_new, v_new = torch.randn(shape, generator=self.gen), torch.randn(shape, generator=self.gen)
-            out = self.backend.forward(q, k_new, v_new, self.k[layer], self.v[layer], meta, HEAD_DIM ** -0.5, None)
+            out = self.backend.forward(q, k_new, v_new, self.k[layer], self.v[layer], meta, HEAD_DIM ** -0.5,
+                                       WINDOWS[layer])
             expected = torch_ref.extend_attention(q, self.k[layer].nan_to_num(0.0), self.v[layer].nan_to_num(0.0),
-                                                  meta, HEAD_DIM ** -0.5)
+                                                  meta, HEAD_DIM ** -0.5, WINDOWS[layer])
             assert torch.isfinite(out).all(), "read a freed slot"
             torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
             if cut_after_layer == layer:  # the later layers' attention never runs; their K/V land in the pool
@@ -98,12 +100,13 @@ def test_consecutive_decode_steps_copy_only_the_new_keys():
         _prefill(pool, row, n)
     counters = pool.backend.stages.counters
     pool.step([0, 1, 2])
-    assert counters.copied == sum(lens) + 3 and counters.reused == 0  # the first step stages everything
+    plans = len(set(WINDOWS))  # a stage per bucket plan
+    assert counters.copied == plans * (sum(lens) + 3) and counters.reused == 0  # the first step stages everything
     restaged = 0
     for _ in range(HEADROOM + 20):  # past the stage's headroom: a larger stage, staged again once
         before = counters.copied
         pool.step([0, 1, 2])
-        restaged += counters.copied - before != 3  # else one new key per member
+        restaged += counters.copied - before != plans * 3  # else one new key per member
     assert restaged == 1
 
 

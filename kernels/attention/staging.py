@@ -10,7 +10,8 @@ are written by this very step, so an equal slot id proves nothing about them). E
 holds a slot the same sequence referenced in the previous step and still references, whose K/V
 cannot have changed: a referenced slot is never freed, so never rewritten.
 
-A stage lives while a bucket with the same member rows (in order) exists in consecutive steps;
+A stage lives while a bucket with the same member rows (in order) and the same sliding window (the
+layers of one window share a bucket plan) exists in consecutive steps;
 one that no bucket used in a step is dropped. Its memory is bounded by ``budget_slots`` pool slots' worth
 (a bucket past it is gathered per layer, as without stages). Exactness does not depend on any of this: every cell
 read holds the K/V of the slot the bucket's gather index names.
@@ -60,21 +61,22 @@ class OwnKeyStages:
     def __init__(self, budget_slots: int | None = None) -> None:
         # A cell holds one slot's K/V of every layer, so the budget counts pool slots (None: no limit).
         self.budget_slots = budget_slots
-        self._stages: dict[tuple[int, ...], Stage] = {}
+        self._stages: dict[tuple, Stage] = {}
         self.counters = StageCounters()
 
-    def refresh(self, plans: list[tuple[tuple[int, ...], torch.Tensor, torch.Tensor]]) -> list[Stage | None]:
-        """plans: per decode bucket (member rows, gather index [num, max_k], k_lens [num, 1]): cells
+    def refresh(self, plans: list[tuple[tuple, torch.Tensor, torch.Tensor]]) -> list[Stage | None]:
+        """plans: per decode bucket (key: its window and member rows, gather index [num, max_k], k_lens
+        [num, 1]): cells
         c < k_len hold keys, c == k_len - 1 the key this step computes, the rest is masked padding.
         Returns each bucket's stage (None: over budget, gather per layer) with its refresh set; drops
         the stages no bucket used."""
-        kept: dict[tuple[int, ...], Stage] = {}
+        kept: dict[tuple, Stage] = {}
         out: list[Stage | None] = []
         used = 0
-        for rows, idx, k_len in plans:
+        for key, idx, k_len in plans:
             num, max_k = idx.shape
-            stage = self._stages.get(rows)
-            if stage is None or stage.cap < max_k or rows in kept:
+            stage = self._stages.get(key)
+            if stage is None or stage.cap < max_k or key in kept:
                 stage = Stage(num=num, cap=max_k + HEADROOM,
                               slots=torch.full((num, max_k + HEADROOM), -1, dtype=torch.int64, device=idx.device))
             if self.budget_slots is not None and used + stage.cells > self.budget_slots:
@@ -93,7 +95,7 @@ class OwnKeyStages:
             stage.epoch += 1
             self.counters.copied += cells.numel()
             self.counters.reused += int(valid.sum()) - cells.numel()
-            kept[rows] = stage
+            kept[key] = stage
             out.append(stage)
         self._stages = kept
         return out

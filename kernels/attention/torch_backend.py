@@ -91,13 +91,12 @@ class TorchAttentionBackend:
         for window in windows:
             window = window if window is not None and window > 0 else None
             plans.append((window, _step_plan(meta, window, group, bool(meta.shared) and window is None)))
-        # Stages for full-attention layers only: window layers have buckets of their own.
-        staged = [b for window, plan in plans if window is None for b in plan.buckets
-                  if b.kv_idx is not None and b.max_q == 1]
-        stages = self.stages.refresh([(b.seq_rows, b.kv_idx.view(b.num, b.max_k),
+        # One stage per decode bucket of each plan (window layers have buckets of their own).
+        staged = [(window, b) for window, plan in plans for b in plan.buckets if b.kv_idx is not None and b.max_q == 1]
+        stages = self.stages.refresh([((window, *b.seq_rows), b.kv_idx.view(b.num, b.max_k),
                                        torch.tensor(b.k_lens, dtype=torch.int64, device=b.kv_idx.device)[:, None])
-                                      for b in staged])
-        for b, stage in zip(staged, stages):
+                                      for window, b in staged])
+        for (_, b), stage in zip(staged, stages):
             b.stage = stage
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
