@@ -4,8 +4,8 @@ The peer bench reports linear GFLOP/s = linear FLOPs / wall time as a fraction o
 (bench/roofline.py). Two things that every engine must also do bound that fraction below 1:
 
 - attention: 4 * heads * head_dim * layers FLOPs per (query, key) pair of every computed position, counted here
-  at the matmul roofline itself (optimistic: torch's flash attention for CPU measured 215-219 GFLOP/s on
-  2 threads, against a roofline of 300-360);
+  at the matmul roofline itself (optimistic: torch's flash attention for CPU measured 110-220 GFLOP/s on
+  2 threads on the machines used so far, against rooflines of 300-430);
 - decode steps: a step of b sequences reads every linear weight once, so it takes at least
   max(weight bytes / streaming bandwidth, 2 * P_linear * b / roofline). The bandwidth is measured by summing an
   fp32 tensor the size of the weights (meaningful when they do not fit in the caches: model M, not S).
