@@ -141,14 +141,16 @@ class ModelRunner:
 
     def drop_step_state(self) -> None:
         """Frees what the backend keeps from one step for the next (the CPU backend's decode key stages)."""
-        stages = getattr(self.backend, "stages", None)
-        if stages is not None:
-            stages.clear()
+        if self._stages is not None:
+            self._stages.clear()
 
     def stage_counters(self) -> tuple[int, int]:
         """(copied, reused) own-key cells of the CPU backend's decode stages (0, 0 for other backends)."""
-        stages = getattr(self.backend, "stages", None)
-        return (stages.counters.copied, stages.counters.reused) if stages is not None else (0, 0)
+        return (self._stages.counters.copied, self._stages.counters.reused) if self._stages is not None else (0, 0)
+
+    @property
+    def _stages(self):
+        return getattr(self.backend, "stages", None)  # only the CPU backend keeps decode key stages
 
     def _sample(self, logits: torch.Tensor, fi: ForwardInput, seqs: list[SeqInput]) -> list[SeqOutput]:
         outputs = [SeqOutput(next_token_id=None, next_logprob=None) for _ in seqs]

@@ -3,18 +3,18 @@
 A decode bucket's own keys (``torch_backend._Bucket`` with a gather index) are a padded
 ``[num, max_k]`` block of pool slots. Gathering it costs a full copy of every member's private
 history, per layer, per step; yet the next decode step of the same members needs the same keys
-plus one new key each. A ``Stage`` keeps the gathered block of every layer (``[num, cap]`` slots,
-``cap`` with headroom, head-major) between steps and records which slot each of its cells holds; a step then
-copies only the cells whose slot changed and the cells of keys computed in this step (their K/V
-are written by this very step, so an equal slot id proves nothing about them). Every other cell
-holds a slot the same sequence referenced in the previous step and still references, whose K/V
-cannot have changed: a referenced slot is never freed, so never rewritten.
+plus one new key each. A ``Stage`` keeps the gathered block of every layer (``[num, cap]`` cells,
+``cap`` with headroom, head-major) between steps and records which slot each cell holds; a step
+then copies only the cells whose slot changed and the cells of keys computed in this step (their
+K/V are written by this very step, so an equal slot id proves nothing about them). Every other
+cell holds a slot the same sequence referenced in the previous step and still references, whose
+K/V cannot have changed: a referenced slot is never freed, so never rewritten.
 
-A stage lives while a bucket with the same member rows (in order) and the same sliding window (the
-layers of one window share a bucket plan) exists in consecutive steps;
-one that no bucket used in a step is dropped. Its memory is bounded by ``budget_slots`` pool slots' worth
-(a bucket past it is gathered per layer, as without stages). Exactness does not depend on any of this: every cell
-read holds the K/V of the slot the bucket's gather index names.
+A stage lives while a bucket with the same member rows (in order) and the same sliding window
+(the layers of one window share a bucket plan) exists in consecutive steps; one that no bucket
+used in a step is dropped. Its memory is bounded by ``budget_slots`` pool slots' worth (a bucket
+past it is gathered per layer, as without stages). Exactness does not depend on any of this:
+every cell read holds the K/V of the slot the bucket's gather index names.
 """
 from __future__ import annotations
 
@@ -64,16 +64,15 @@ class OwnKeyStages:
         self._stages: dict[tuple, Stage] = {}
         self.counters = StageCounters()
 
-    def refresh(self, plans: list[tuple[tuple, torch.Tensor, torch.Tensor]]) -> list[Stage | None]:
-        """plans: per decode bucket (key: its window and member rows, gather index [num, max_k], k_lens
-        [num, 1]): cells
-        c < k_len hold keys, c == k_len - 1 the key this step computes, the rest is masked padding.
-        Returns each bucket's stage (None: over budget, gather per layer) with its refresh set; drops
-        the stages no bucket used."""
+    def refresh(self, plans: list[tuple[tuple, torch.Tensor, tuple[int, ...]]]) -> list[Stage | None]:
+        """plans: per decode bucket (key: its window and member rows; gather index [num, max_k]; each
+        member's own keys k_len): cells c < k_len hold keys, c == k_len - 1 the key this step computes,
+        the rest is masked padding. Returns each bucket's stage (None: over budget, gather per layer)
+        with its refresh set; drops the stages no bucket used."""
         kept: dict[tuple, Stage] = {}
         out: list[Stage | None] = []
         used = 0
-        for key, idx, k_len in plans:
+        for key, idx, k_lens in plans:
             num, max_k = idx.shape
             stage = self._stages.get(key)
             if stage is None or stage.cap < max_k or key in kept:
@@ -84,6 +83,7 @@ class OwnKeyStages:
                 continue
             used += stage.cells
             col = torch.arange(max_k, device=idx.device)[None, :]
+            k_len = torch.tensor(k_lens, dtype=torch.int64, device=idx.device)[:, None]
             valid = col < k_len
             held = stage.slots[:, :max_k]
             stale = valid & ((held != idx) | (col == k_len - 1))
@@ -94,7 +94,7 @@ class OwnKeyStages:
             held.copy_(torch.where(valid, idx, -1))  # padding cells hold nothing that counts
             stage.epoch += 1
             self.counters.copied += cells.numel()
-            self.counters.reused += int(valid.sum()) - cells.numel()
+            self.counters.reused += sum(k_lens) - cells.numel()
             kept[key] = stage
             out.append(stage)
         self._stages = kept

@@ -93,8 +93,7 @@ class TorchAttentionBackend:
             plans.append((window, _step_plan(meta, window, group, bool(meta.shared) and window is None)))
         # One stage per decode bucket of each plan (window layers have buckets of their own).
         staged = [(window, b) for window, plan in plans for b in plan.buckets if b.kv_idx is not None and b.max_q == 1]
-        stages = self.stages.refresh([((window, *b.seq_rows), b.kv_idx.view(b.num, b.max_k),
-                                       torch.tensor(b.k_lens, dtype=torch.int64, device=b.kv_idx.device)[:, None])
+        stages = self.stages.refresh([((window, *b.seq_rows), b.kv_idx.view(b.num, b.max_k), b.k_lens)
                                       for window, b in staged])
         for (_, b), stage in zip(staged, stages):
             b.stage = stage
