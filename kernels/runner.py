@@ -83,7 +83,7 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 decode_stage_fraction: float = 0.25) -> None:
+                 decode_stage_fraction: float = 0.25, native_attention: bool = True) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -105,8 +105,9 @@ class ModelRunner:
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
+        native = native_attention and _native_supports(self.dtype, config.head_dim, self.device)
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
-                                                       int(num_slots * decode_stage_fraction))
+                                                       int(num_slots * decode_stage_fraction), native)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -289,12 +290,17 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
 
 
-def _make_backend(name: str, device: torch.device, stage_budget_slots: int) -> AttentionBackend:
+def _native_supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    from radixserve.kernels.attention import native
+    return native.supports(dtype, head_dim, device)
+
+
+def _make_backend(name: str, device: torch.device, stage_budget_slots: int, native: bool) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend(stage_budget_slots=stage_budget_slots)
+        return TorchAttentionBackend(stage_budget_slots=stage_budget_slots, native=native)
     try:
         from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:

@@ -53,7 +53,8 @@ class Engine:
                                   context_length=cfg.context_length, max_running_requests=cfg.max_running_requests,
                                   num_threads=cfg.resolved_num_threads(),
                                   retain_host_memory=not cfg.release_host_memory,
-                                  decode_stage_fraction=cfg.decode_stage_fraction)
+                                  decode_stage_fraction=cfg.decode_stage_fraction,
+                                  native_attention=not cfg.disable_native_attention)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = self.runner.context_length

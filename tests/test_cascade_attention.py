@@ -16,40 +16,46 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from _cascade_batches import make_shared_batch, shared_layout, shared_trees
-from radixserve.kernels.attention import torch_backend, torch_ref
+from radixserve.kernels.attention import native as native_kernel
+from radixserve.kernels.attention import torch_backend, torch_plan, torch_ref
 from radixserve.kernels.attention.base import SharedPrefix
-from radixserve.kernels.attention.torch_backend import PAD_SLACK, TorchAttentionBackend, cascade_attention
+from radixserve.kernels.attention.torch_backend import TorchAttentionBackend, cascade_attention
+from radixserve.kernels.attention.torch_plan import PAD_SLACK
+
+# Both read paths: torch's flash op (everywhere) and the native kernel (where it builds).
+needs_native = pytest.mark.skipif(native_kernel.load() is None, reason="native CPU attention kernel not built here")
+READERS = [False, pytest.param(True, marks=needs_native, id="native")]
 
 ATOL = 1e-5
 
 
-def _outputs(meta, k_cache, v_cache, q, window=None):
+def _outputs(meta, k_cache, v_cache, q, window=None, native=False):
     sm_scale = q.shape[2] ** -0.5
-    out = cascade_attention(q, k_cache, v_cache, meta, sm_scale, window)
+    out = cascade_attention(q, k_cache, v_cache, meta, sm_scale, window, native=native)
     expected = torch_ref.extend_attention(q, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0), meta, sm_scale,
                                           window)
     return out, expected
 
 
-def _check(meta, k_cache, v_cache, q, window=None):
-    out, expected = _outputs(meta, k_cache, v_cache, q, window)
+def _check(meta, k_cache, v_cache, q, window=None, native=False):
+    out, expected = _outputs(meta, k_cache, v_cache, q, window, native)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert torch.isfinite(out).all(), "read a slot outside the sequences' keys (NaN)"
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     return out
 
 
-def _buckets(meta, group, window=None):
+def _buckets(meta, group, window=None, native=False):
     use_shared = bool(meta.shared) and window is None
-    return meta.step_cache[("torch_plan", window, group, use_shared)].buckets
+    return meta.step_cache[("torch_plan", window, group, use_shared, native)].buckets
 
 
-def _paths(meta, group, window=None) -> set[str]:
+def _paths(meta, group, window=None, native=False) -> set[str]:
     """Which read paths the last cascade_attention call on meta took."""
     paths = set()
     if window is None:
         paths |= {"shared_view" if p.runs is not None else "shared_gather" for p in meta.shared}
-    for b in _buckets(meta, group, window):
+    for b in _buckets(meta, group, window, native):
         if b.num == 1:
             paths.add("own_view" if b.kv_idx is None else "own_gather")
     return paths
@@ -76,36 +82,39 @@ trees = shared_trees(lengths=prefix_lens, q_lens=st.one_of(st.just(1), st.intege
 windows = st.one_of(st.none(), st.none(), st.none(), st.integers(1, 8), st.integers(64, 600))
 
 
-def test_cascade_matches_reference_on_random_batches():
+@pytest.mark.parametrize("native", READERS)
+def test_cascade_matches_reference_on_random_batches(native):
     seen: Counter[str] = Counter()
 
     @settings(max_examples=200, deadline=None)
     @given(tree=trees, data=st.data(), page_size=st.sampled_from([1, 16]), group=st.sampled_from([1, 4]),
            num_kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([64, 128]), window=windows,
-           seed=st.integers(0, 2**16), query_block=st.sampled_from([torch_backend.QUERY_BLOCK, 5, 16]))
+           seed=st.integers(0, 2**16), query_block=st.sampled_from([torch_plan.QUERY_BLOCK, 5, 16]))
     def check(tree, data, page_size, group, num_kv_heads, head_dim, window, seed, query_block):
-        torch_backend.QUERY_BLOCK = query_block  # small blocks: prefill chunks split into several units
+        torch_plan.QUERY_BLOCK = query_block  # small blocks: prefill chunks split into several units
         own_cached, q_lens, groups = tree
         layout = data.draw(st.lists(st.sampled_from(["run", "scatter"]), min_size=len(groups) + len(q_lens),
                                     max_size=len(groups) + len(q_lens)), label="layout")
         meta, k_cache, v_cache, q = _batch(own_cached, q_lens, groups, layout=layout, group=group,
                                            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                                            seed=seed)
-        _check(meta, k_cache, v_cache, q, window)
-        paths = _paths(meta, group, window)
+        _check(meta, k_cache, v_cache, q, window, native)
+        paths = _paths(meta, group, window, native)
         note(f"paths: {sorted(paths)}")
         seen.update(paths)
         seen["long"] += meta.max_kv_len >= 300
-        seen["padded queries"] += any(b.valid is not None for b in _buckets(meta, group, window))
+        seen["padded queries"] += any(b.valid is not None for b in _buckets(meta, group, window, native))
         seen["windowed" if window is not None else ("shared" if groups else "nothing shared")] += 1
 
-    default_block = torch_backend.QUERY_BLOCK
+    default_block = torch_plan.QUERY_BLOCK
     try:
         check()
     finally:
-        torch_backend.QUERY_BLOCK = default_block
-    for path in ("shared_view", "shared_gather", "own_view", "own_gather", "windowed", "shared", "nothing shared",
-                 "long", "padded queries"):
+        torch_plan.QUERY_BLOCK = default_block
+    # The native kernel reads every range by slot: no views, nothing gathered.
+    views = ("shared_view", "own_view") if not native else ()
+    for path in (*views, "shared_gather", "own_gather", "windowed", "shared", "nothing shared", "long",
+                 "padded queries"):
         assert seen[path], f"no example took the {path} path: {dict(seen)}"
 
 
@@ -118,7 +127,7 @@ def test_equal_decodes_are_one_bucket(groups):
     (bucket,) = _buckets(meta, 4)
     assert bucket.num == 4 and bucket.max_q == 1 and bucket.valid is None  # no padded query
     # Gathered keys are padded to whole blocks of the op; the mask hides exactly the padding.
-    assert bucket.max_k == torch_backend.KEY_ALIGN * -(-10 // torch_backend.KEY_ALIGN)
+    assert bucket.max_k == torch_plan.KEY_ALIGN * -(-10 // torch_plan.KEY_ALIGN)
     hidden = torch.isinf(bucket.mask[:, 0]).all(dim=1)  # [num, max_k]: hidden from every query
     assert hidden[:, :10].sum() == 0 and hidden[:, 10:].all()
 
@@ -168,7 +177,7 @@ def test_request_with_no_own_cached_tokens_below_a_shared_prefix(page_size):
     assert meta.own_start_list == [37, 37, 37]
     # The decodes own 1 and 6 keys (one gathered bucket, padded to a whole key block), the
     # prefill its 6 new ones (few runs of the pool: views, not padded).
-    align = torch_backend.KEY_ALIGN
+    align = torch_plan.KEY_ALIGN
     assert sorted((b.num, b.max_q, b.max_k) for b in _buckets(meta, 4)) == [(1, 6, 6), (2, 1, align)]
 
 
@@ -240,7 +249,7 @@ def test_long_prefill_chunk_is_cut_into_causal_blocks():
     meta, k_cache, v_cache, q = _batch([40, 3], [600, 1], [([0, 1], 17)], layout="run", page_size=1)
     _check(meta, k_cache, v_cache, q)
     prefill = [b for b in _buckets(meta, 1) if b.max_q > 1]
-    block = torch_backend.QUERY_BLOCK
+    block = torch_plan.QUERY_BLOCK
     assert sorted(b.max_q for b in prefill) == sorted([block, block, 600 - 2 * block])
     assert sorted(b.max_k for b in prefill) == [40 + block, 40 + 2 * block, 40 + 600]
     assert all(b.num == 1 for b in prefill)  # long blocks are not padded together

@@ -6,6 +6,7 @@ import pytest
 from _engine_helpers import (check_greedy_against_hf, drive_staggered, hf_greedy, hf_model, make_checkpoint,
                              shared_prefix_prompts)
 from kernels_fixtures import restart_positions, zero_cached_kv
+from radixserve.kernels.attention import native as native_kernel
 from radixserve.scheduler import Engine
 
 NUM_NEW = 32
@@ -26,6 +27,11 @@ def _run(ckpt: str, prompts, shared: bool = True, **engine_kwargs):
     """shared: shared-prefix attention forced on (threshold 0) and asserted to have run; else off."""
     engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, shared_prefix_min_tokens=0,
                     disable_shared_prefix_attention=not shared, **engine_kwargs)
+    # The native kernel reads wherever it serves the head_dim (multiples of 32), unless disabled.
+    runner = engine.runner
+    native = (not engine_kwargs.get("disable_native_attention", False)
+              and native_kernel.supports(runner.dtype, runner.config.head_dim, runner.device))
+    assert runner.backend.native == native
     out = drive_staggered(engine, prompts, GREEDY)
     engine.check_integrity()
     stats = engine.stats()
@@ -59,7 +65,7 @@ def test_arch_parity(tmp_path_factory, case, shared):
 
 @pytest.fixture(scope="module")
 def llama_ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory, "llama_grid", arch="llama", num_kv_heads=2)
+    return make_checkpoint(tmp_path_factory, "llama_grid", arch="llama", num_kv_heads=2, head_dim=32)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -71,6 +77,13 @@ def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk, shared):
     out = _run(llama_ckpt, prompts, shared=shared, disable_radix_cache=cache_off, page_size=page_size,
                chunked_prefill_size=chunk)
     _check(llama_ckpt, prompts, out, expect_hits=not cache_off)
+
+
+def test_llama_parity_on_torch_flash_op(llama_ckpt):
+    """The grid's head_dim takes the native kernel where it builds; the flash-op path too."""
+    prompts = shared_prefix_prompts(prefix_len=40)
+    out = _run(llama_ckpt, prompts, page_size=16, chunked_prefill_size=12, disable_native_attention=True)
+    _check(llama_ckpt, prompts, out)
 
 
 @pytest.mark.parametrize("mutation", ["restart_positions", "zero_cached_kv"])

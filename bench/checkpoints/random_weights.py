@@ -20,6 +20,7 @@ import torch
 
 from radixserve.bench.checkpoints.scripted import build_scripted_checkpoint
 from radixserve.kernels import demo_corpus
+from radixserve.kernels.cache_dir import cache_root
 from radixserve.kernels.demo_tokenizer import (
     CHAT_TEMPLATE,
     MIN_VOCAB_SIZE,
@@ -165,17 +166,6 @@ def cached_scripted_checkpoint(chains: dict[str, Any], **kwargs: Any) -> str:
 
     key = _fingerprint(dict(chains=chains, **kwargs), inspect.getsource(scripted), demo_corpus.corpus())
     return _cached_dir(f"scripted-{key}", lambda d: build_scripted_checkpoint(d, chains, **kwargs))
-
-
-def cache_root() -> str:
-    """$RADIXSERVE_CACHE, else ~/.cache/radixserve (or a temp-dir fallback when home is not writable)."""
-    root = os.environ.get("RADIXSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "radixserve")
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError:
-        root = os.path.join(tempfile.gettempdir(), f"radixserve-cache-{os.getuid()}")
-        os.makedirs(root, exist_ok=True)
-    return root
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,79 +1,28 @@
 """The CPU attention backend: batched own-part attention plus shared-prefix (cascade) attention.
 
-Per step (built once by ``prepare`` before the first layer, cached in ``meta.step_cache``): the
-own parts ``[own_start, kv_len)`` become query units (a decode; a block of QUERY_BLOCK queries of
-a prefill chunk, seeing the keys up to its last query), packed into a few padded buckets while
-padding is cheap (PAD_SLACK), with K/V gather indices and additive masks read out of the slot
-table by device-side ops. Per layer: one gather + one attention call per bucket (or views, for
-one unit whose keys are a few runs of the pool), then one call per run of each shared prefix
-over *all* queries below it, reading the prefix's K/V once as a view of the pool, each merged
-by log-sum-exp into the rows below that prefix only. Sliding-window layers take the plain path
-(own keys = all keys).
+Per step, ``torch_plan.step_plan`` (once, before the first layer) turns the batch into buckets of
+own-part query units and pieces of shared prefixes. Per layer: one attention call per bucket, then
+one read of each shared prefix for *all* queries below it, merged by log-sum-exp into just the
+rows below that prefix. Sliding-window layers take the plain path (own keys = all keys).
 
-Decode buckets read their own keys from stages kept between steps (staging.py: only the keys
-that changed are copied), head-major, with plain matmuls. Every other read goes through
-``partials.attend`` (the CPU flash op, which returns the log-sum-exp the merges need). GQA
-without copying K/V: the ``group`` q heads of one kv head are stacked along the query axis
-(row r = token r // group, head r % group), so K/V keep their kv-head layout.
+Reads go to radixserve's compiled kernel (native.py) where it is built and the pool is fp32: it
+reads K/V by slot in place, so nothing is gathered and no mask is built (each row's key interval
+is). Elsewhere they go to torch's flash op (``partials.attend``, which returns the log-sum-exp
+the merges need) over gathered keys or views of the pool. Decode buckets read their own keys
+from stages kept between steps (staging.py: only the keys that changed are copied), head-major,
+with plain matmuls. GQA without copying K/V: the ``group`` q heads of one kv head are stacked
+along the query axis (row r = token r // group, head r % group), so K/V keep their kv-head layout.
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
 
+from radixserve.kernels.attention import native as native_kernel
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
-from radixserve.kernels.attention.metadata import slot_runs
 from radixserve.kernels.attention.partials import attend, attend_matmul, lse_merge, merge_into
-from radixserve.kernels.attention.staging import OwnKeyStages, Stage, staged_keys
+from radixserve.kernels.attention.staging import OwnKeyStages, staged_keys
+from radixserve.kernels.attention.torch_plan import Bucket, step_plan
 from radixserve.kernels.attention.torch_ref import store_kv
-
-# A bucket pads its units to one shape; it may waste at most this many padded (query, key)
-# pairs per unit, about what a separate call's overhead costs (so decodes of different lengths
-# share a call, long prefill blocks keep their own).
-PAD_SLACK = 2048
-QUERY_BLOCK = 256  # a prefill chunk's queries per unit (its causal triangle is cut at this grain)
-KEY_ALIGN = 16  # gathered keys are padded to this multiple (measured: 61 keys 69 us, 64 keys 53 us)
-
-
-@dataclass
-class _Bucket:
-    """Sequences attended in one padded call: [num, max_q] queries over [num, max_k] own keys."""
-
-    num: int
-    max_q: int
-    max_k: int
-    q_idx: torch.Tensor  # [num * max_q] int64 token rows of q (padding repeats a valid row)
-    out_rows: torch.Tensor  # [num_valid] int64 token rows the valid queries write
-    valid: torch.Tensor | None  # [num * max_q] bool, None when no query is padding
-    kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = read through `runs`
-    runs: list[tuple[int, int]] | None  # one sequence's own keys as views [(first slot, length)]
-    run_masks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None  # per run: (mask, rows seeing it)
-    mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
-    # Stacked layout: columns the valid queries' results go to, and (None = all) which of the
-    # bucket's num * max_q * group result columns are valid.
-    stack_cols: torch.Tensor
-    stack_src: torch.Tensor | None
-    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered K / V rows, reused per layer
-    seq_rows: tuple[int, ...] = ()  # the members' slot-table rows
-    k_lens: tuple[int, ...] = ()  # the members' own keys
-    stage: Stage | None = None  # a decode bucket's own keys kept from the previous step (staging.py)
-
-
-@dataclass
-class _Piece:
-    """The reads of one shared prefix: its runs of slots (views), or [None] = all of them gathered."""
-
-    shared: SharedPrefixPlan
-    runs: list[tuple[int, int] | None]
-    cols: slice | torch.Tensor  # stacked-layout columns of every query below the prefix
-
-
-@dataclass
-class _StepPlan:
-    buckets: list[_Bucket]  # the own parts
-    pieces: list[_Piece]  # shared reads, outermost prefix first
 
 
 class TorchAttentionBackend:
@@ -82,15 +31,16 @@ class TorchAttentionBackend:
     name = "torch"
     needs_kv_indices = False
 
-    def __init__(self, stage_budget_slots: int | None = None) -> None:
+    def __init__(self, stage_budget_slots: int | None = None, native: bool = False) -> None:
         # Decode own keys kept between steps, at most this many pool slots' worth (None: no limit).
         self.stages = OwnKeyStages(stage_budget_slots)
+        self.native = native  # reads go to native.py's kernel (the caller checked native_kernel.supports)
 
     def prepare(self, meta: AttentionMetadata, group: int, windows: set[int | None]) -> None:
         plans = []
         for window in windows:
             window = window if window is not None and window > 0 else None
-            plans.append((window, _step_plan(meta, window, group, bool(meta.shared) and window is None)))
+            plans.append((window, step_plan(meta, window, group, bool(meta.shared) and window is None, self.native)))
         # One stage per decode bucket of each plan (window layers have buckets of their own).
         staged = [(window, b) for window, plan in plans for b in plan.buckets if b.kv_idx is not None and b.max_q == 1]
         stages = self.stages.refresh([((window, *b.seq_rows), b.kv_idx.view(b.num, b.max_k), b.k_lens)
@@ -101,7 +51,7 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, sm_scale: float,
                 sliding_window: int | None) -> torch.Tensor:
         store_kv(k_cache, v_cache, k, v, meta.out_slot_ids)
-        return cascade_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window)
+        return cascade_attention(q, k_cache, v_cache, meta, sm_scale, sliding_window, native=self.native)
 
 
 def cascade_attention(
@@ -111,6 +61,7 @@ def cascade_attention(
     meta: AttentionMetadata,
     sm_scale: float,
     sliding_window: int | None = None,
+    native: bool | None = None,  # None: the native kernel wherever it supports the pool
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of each sequence's new tokens over its KV (same result as
     ``torch_ref.extend_attention``), reading every shared prefix of ``meta.shared`` once.
@@ -120,7 +71,9 @@ def cascade_attention(
     merge work only for the queries that sit below a shared prefix."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     group = q.shape[1] // k_cache.shape[1]
-    plan = _step_plan(meta, window, group, bool(meta.shared) and window is None)
+    if native is None:
+        native = native_kernel.supports(k_cache.dtype, k_cache.shape[2], k_cache.device)
+    plan = step_plan(meta, window, group, bool(meta.shared) and window is None, native)
     num_tokens, num_q_heads, head_dim = q.shape
     if not plan.pieces:
         out = q.new_empty((num_tokens, num_q_heads, head_dim))
@@ -150,7 +103,7 @@ def cascade_attention(
         else:
             o_acc, lse_acc = out.index_select(1, where), lse.index_select(1, where)
         for run in piece.runs:
-            o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
+            o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale, plan.native)
             merge_into(o_acc, lse_acc, o[0], s_lse[0])
         if rows is None:
             out.index_copy_(1, where, o_acc)
@@ -161,7 +114,7 @@ def cascade_attention(
 
 # -- per layer ---------------------------------------------------------------------------------
 
-def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: int, stacked: bool = False):
+def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: int, stacked: bool = False):
     """The bucket's own-part attention: token-major ([num * max_q, q_heads, d], [.., q_heads]),
     or with stacked=True in the stacked layout ([kv_heads, num * max_q * group, d], [kv_heads, ..])."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
@@ -172,6 +125,8 @@ def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: i
     elif b.stage is not None:  # a decode bucket's own keys, kept from the previous step
         keys, values = staged_keys(b.stage, k_cache, v_cache, b.max_k)  # [num, kv_heads, max_k, d]
         o, lse = attend_matmul(qb, keys, values, b.mask, sm_scale)
+    elif b.bounds is not None:  # the native kernel reads the own keys by slot, in place
+        o, lse = native_kernel.attend_paged(qb, k_cache, v_cache, b.kv_idx.view(b.num, b.max_k), b.bounds, sm_scale)
     else:
         if b.workspace is None:  # one buffer pair per step, reused by every layer
             b.workspace = (k_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)),
@@ -189,10 +144,13 @@ def _bucket_attention(q, k_cache, v_cache, b: _Bucket, sm_scale: float, group: i
 
 
 def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[int, int] | None,
-                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read of a shared prefix (a run of its slots as a view, or all of them gathered) for
-    every query below it, all in the stacked layout: qs [1, kv_heads, n * group, d] -> out (same
-    shape) and lse [1, kv_heads, n * group]. No mask: every query comes after every shared key."""
+                      sm_scale: float, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of a shared prefix (a run of its slots as a view, or all of them: by slot in the
+    native kernel, else gathered) for every query below it, all in the stacked layout:
+    qs [1, kv_heads, n * group, d] -> out (same shape) and lse [1, kv_heads, n * group]. No mask:
+    every query comes after every shared key."""
+    if native:
+        return native_kernel.attend_paged(qs, k_cache, v_cache, plan.slots[None], None, sm_scale)
     if run is not None:
         first, length = run
         keys, values = k_cache[first:first + length], v_cache[first:first + length]
@@ -228,136 +186,3 @@ def _attend_runs(q, k_cache, v_cache, runs: list[tuple[int, int]], run_masks, sc
     return o, lse
 
 
-# -- per step ----------------------------------------------------------------------------------
-
-def _step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> _StepPlan:
-    key = ("torch_plan", window, group, use_shared)
-    if key not in meta.step_cache:
-        buckets = _make_buckets(meta, window, group, use_shared)
-        pieces = _shared_pieces(meta, group) if use_shared else []
-        meta.step_cache[key] = _StepPlan(buckets, pieces)
-    return meta.step_cache[key]
-
-
-def _shared_pieces(meta: AttentionMetadata, group: int) -> list[_Piece]:
-    """One piece per shared prefix, outermost first (merging is order-free; this keeps it fixed)."""
-    out = []
-    for plan in sorted(meta.shared, key=lambda p: p.prefix.kv_start):
-        span = plan.q_row_range
-        if span is not None:
-            cols = slice(span[0] * group, span[1] * group)
-        else:
-            cols = (plan.q_rows[:, None] * group + torch.arange(group, device=plan.q_rows.device)).reshape(-1)
-        out.append(_Piece(plan, list(plan.runs) if plan.runs is not None else [None], cols))
-    return out
-
-
-def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool) -> list[_Bucket]:
-    """Own parts as units of queries (seq, first query, num queries): a decode is one unit; a
-    prefill chunk is cut into blocks of QUERY_BLOCK queries, each seeing only the keys up to its
-    last query, so the causal upper triangle beyond a block's diagonal is never computed."""
-    own = meta.own_starts() if use_shared else [0] * meta.num_seqs
-    q_lens, kv_lens = meta.q_lens_list, meta.kv_lens_list
-    units: list[tuple[int, int, int]] = []
-    for i, n in enumerate(q_lens):
-        units.extend((i, off, min(QUERY_BLOCK, n - off)) for off in range(0, n, QUERY_BLOCK))
-    k_lens = [kv_lens[i] - q_lens[i] + off + n - own[i] for i, off, n in units]  # keys the unit sees
-    unit_q = [n for _, _, n in units]
-    decodes = [u for u, (i, _, _) in enumerate(units) if q_lens[i] == 1]
-    prefills = [u for u, (i, _, _) in enumerate(units) if q_lens[i] > 1]
-    qo = list(itertools.accumulate(q_lens, initial=0))
-    buckets = []
-    for members in (decodes, prefills):
-        for pack in _pack(members, unit_q, k_lens):
-            buckets.append(_bucket(meta, [units[u] for u in pack], [k_lens[u] for u in pack], qo, own, window,
-                                   group))
-    return buckets
-
-
-def _pack(members: list[int], q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
-    """Greedy buckets, largest first, while the padded area exceeds the real one by at most
-    PAD_SLACK pairs per unit (running max / sum per bucket: O(units))."""
-    order = sorted(members, key=lambda i: (q_lens[i] * k_lens[i], i), reverse=True)
-    out: list[list[int]] = []
-    mq = mk = real = 0
-    for i in order:
-        if out:
-            n, q, k = len(out[-1]) + 1, max(mq, q_lens[i]), max(mk, k_lens[i])
-            area = real + q_lens[i] * k_lens[i]
-            if n * q * k - area <= PAD_SLACK * n:
-                out[-1].append(i)
-                mq, mk, real = q, k, area
-                continue
-        out.append([i])
-        mq, mk, real = q_lens[i], k_lens[i], q_lens[i] * k_lens[i]
-    return [sorted(g) for g in out]
-
-
-def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: list[int], qo: list[int],
-            own: list[int], window: int | None, group: int) -> _Bucket:
-    """One padded call over units (seq, first query, num queries) seeing own keys
-    [own_start, own_start + k_len) each; the unit's last query sits at the last of them."""
-    table, device = meta.slot_table, meta.slot_table.device
-    seqs = [i for i, _, _ in units]
-    num = len(units)
-    q_lens = [n for _, _, n in units]
-    starts = [own[i] for i in seqs]
-    max_q, max_k = max(q_lens), max(k_lens)
-    runs = _own_runs(table, meta, units[0][0], starts[0], k_lens[0]) if num == 1 else None
-    if runs is None:  # gathered keys: pad to whole blocks of the op (a ragged tail is slow)
-        max_k = -(-max_k // KEY_ALIGN) * KEY_ALIGN
-    ints = torch.tensor([[qo[i] + off for i, off, _ in units], q_lens, k_lens, starts], dtype=torch.int64,
-                        device=device)
-    q_first, q_len_t, k_len_t, start_t = (row[:, None] for row in ints)  # each [num, 1]
-    qj = torch.arange(max_q, device=device)[None, :]  # [1, max_q]
-    kc = torch.arange(max_k, device=device)[None, :]  # [1, max_k]
-    q_valid = qj < q_len_t  # [num, max_q]
-    q_idx = (q_first + torch.minimum(qj, q_len_t - 1)).reshape(-1)
-    valid = None if all(n == max_q for n in q_lens) else q_valid.reshape(-1)
-    out_rows = q_idx if valid is None else q_idx[valid]
-    kv_idx = None if runs is not None else _own_slots(table, meta, seqs, kc, start_t, k_len_t)
-    # Absolute positions: a unit's last query sees its last key; own key c at start + c.
-    q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
-    k_pos = start_t + kc  # [num, max_k]
-    seen = (kc[:, None, :] < k_len_t[:, :, None]) & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if window is not None:
-        seen &= k_pos[:, None, :] > q_pos[:, :, None] - window
-    seen |= ~q_valid[:, :, None] & (kc[:, None, :] == 0)  # padded queries see one key (no NaN)
-    mask = None
-    if not bool(seen.all()):
-        mask = torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
-        mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)  # [num, 1, max_q * group, max_k]
-    run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
-    g = torch.arange(group, device=device)
-    stack_cols = (out_rows[:, None] * group + g).reshape(-1)
-    stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
-    return _Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
-                   kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask, stack_cols=stack_cols,
-                   stack_src=stack_src, seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
-
-
-def _split_mask(mask: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Per run of keys: its slice of the mask (None when it hides nothing) and the [lq] rows
-    that see at least one of its keys (None when every row does)."""
-    out, col = [], 0
-    for _, length in runs:
-        part = mask[..., col:col + length]  # [1, 1, lq, length]
-        col += length
-        visible = part == 0
-        seen = visible.any(-1).reshape(-1)  # [lq]
-        out.append((None if bool(visible.all()) else part, None if bool(seen.all()) else seen))
-    return out
-
-
-def _own_runs(table, meta, seq: int, start: int, k_len: int) -> list[tuple[int, int]] | None:
-    """One sequence's own keys as a few runs of the pool (read as views), or None."""
-    if table.device.type != "cpu":
-        return None
-    return slot_runs(table[meta.rows_list[seq], start:start + k_len])
-
-
-def _own_slots(table, meta, seqs, kc, start_t, k_len_t) -> torch.Tensor:
-    """[num * max_k] gather index of the units' own keys; padding repeats a valid slot."""
-    rows = meta.rows[torch.tensor(seqs, dtype=torch.int64, device=table.device)]
-    col = torch.minimum(start_t + kc, start_t + k_len_t - 1)
-    return table[rows[:, None], col].reshape(-1)

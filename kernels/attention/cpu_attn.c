@@ -1,0 +1,208 @@
+/* radixserve's CPU attention kernel (x86-64 AVX-512, fp32), built and loaded by native.py.
+ *
+ * rs_attend: for every (batch entry b, kv head h) and every query row r of q[b, h], attention
+ * over the keys j in [lo[b, r], hi[b, r]) of that entry, where key j lives in pool slot
+ * slots[b, j] (slots == NULL: slot j). Writes out[b, h, r, :] and the natural-log LSE
+ * lse[b, h, r]; a row that sees no key gets out 0 and lse -inf. K/V are read in place from the
+ * paged pool [slot, kv_head, d] (nothing gathered); GQA rows come stacked by the caller.
+ *
+ * The work: items of QB query rows of one (b, h), spread over OpenMP threads (the libgomp torch
+ * already loaded). Per item, keys go in blocks of KB: S^T = K Q^T (keys x rows, Q packed
+ * transposed and pre-scaled by scale * log2 e, so softmax is exp2), an online softmax per row
+ * that is vectorised across rows (S^T keeps a row's scores in a column), then O += P V. Both
+ * products are register-blocked tiles (8 keys x 32 rows, 8 rows x 32 columns: 16 accumulators,
+ * the scalar side broadcast), so the FMA units, not the loads, bound them.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define QB 64   /* query rows per work item */
+#define KB 128  /* keys per block */
+#define DMAX 128
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+/* 2^t; exactly 0 below 2^-126 (masked scores are -inf), no denormals. */
+static inline __m512 exp2_ps(__m512 t) {
+    const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5]: Taylor of e^(f ln 2) to degree 6, rel. error 1.2e-7 */
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
+}
+
+/* s[k][i] = sum_c K[k][c] qt[c][i] for 8 keys and 16 * nv rows (nv = 1 or 2, a constant after inlining). */
+static inline __attribute__((always_inline)) void qk_tile(const float *const *kp, const float *qt, int d,
+                                                          float *s, const int nv) {
+    __m512 acc[8][2];
+    for (int k = 0; k < 8; ++k)
+        for (int v = 0; v < nv; ++v) acc[k][v] = _mm512_setzero_ps();
+    for (int c = 0; c < d; ++c) {
+        __m512 b[2];
+        for (int v = 0; v < nv; ++v) b[v] = _mm512_load_ps(qt + c * QB + 16 * v);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+            const __m512 a = _mm512_set1_ps(kp[k][c]);
+            for (int v = 0; v < nv; ++v) acc[k][v] = _mm512_fmadd_ps(a, b[v], acc[k][v]);
+        }
+    }
+    for (int k = 0; k < 8; ++k)
+        for (int v = 0; v < nv; ++v) _mm512_store_ps(s + k * QB + 16 * v, acc[k][v]);
+}
+
+/* o[i0 + k][c0 : c0 + 32] += sum_j p[j][i0 + k] V[j][c0 : c0 + 32] for k < 8, j < nk. */
+static inline void pv_tile(const float *p, int i0, const float *const *vp, int c0, int nk, float *o, int d) {
+    __m512 acc[8][2];
+    for (int k = 0; k < 8; ++k) {
+        acc[k][0] = _mm512_load_ps(o + (i0 + k) * d + c0);
+        acc[k][1] = _mm512_load_ps(o + (i0 + k) * d + c0 + 16);
+    }
+    for (int j = 0; j < nk; ++j) {
+        const __m512 b0 = _mm512_loadu_ps(vp[j] + c0), b1 = _mm512_loadu_ps(vp[j] + c0 + 16);
+        const float *pj = p + j * QB + i0;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+            const __m512 a = _mm512_set1_ps(pj[k]);
+            acc[k][0] = _mm512_fmadd_ps(a, b0, acc[k][0]);
+            acc[k][1] = _mm512_fmadd_ps(a, b1, acc[k][1]);
+        }
+    }
+    for (int k = 0; k < 8; ++k) {
+        _mm512_store_ps(o + (i0 + k) * d + c0, acc[k][0]);
+        _mm512_store_ps(o + (i0 + k) * d + c0 + 16, acc[k][1]);
+    }
+}
+
+typedef struct {
+    const float *q; int64_t q_sb, q_sh, q_sr;
+    const float *kc, *vc; int64_t kv_ss, kv_sh;
+    const int64_t *slots; int64_t slots_sb;
+    const int32_t *lo, *hi; int64_t bnd_sb;
+    int num_keys, d; float scale;
+    float *out; int64_t o_sb, o_sh, o_sr;
+    float *lse; int64_t l_sb, l_sh;
+} args_t;
+
+/* Per block: mask (when some row does not see every key of it), update the running max m and
+ * sum l of each row, turn s into probabilities, rescale o by exp2(old max - new max). */
+static void softmax_block(float *s, int j0, int nk, int nkp, int np, int masked, const int32_t *lo,
+                          const int32_t *hi, float *m, float *l, float *o, int d) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int v = 0; v < np / 16; ++v) {
+        const __m512i lov = _mm512_load_si512(lo + 16 * v), hiv = _mm512_load_si512(hi + 16 * v);
+        const __m512 m_old = _mm512_load_ps(m + 16 * v);
+        __m512 mx = m_old;
+        for (int j = 0; j < nkp; ++j) {
+            __m512 x = _mm512_load_ps(s + j * QB + 16 * v);
+            if (masked) {
+                const __m512i jj = _mm512_set1_epi32(j0 + j);
+                __mmask16 seen = _mm512_cmpge_epi32_mask(jj, lov) & _mm512_cmplt_epi32_mask(jj, hiv);
+                x = _mm512_mask_mov_ps(ninf, j < nk ? seen : 0, x);
+            }
+            _mm512_store_ps(s + j * QB + 16 * v, x);
+            mx = _mm512_max_ps(mx, x);
+        }
+        /* A row with no key so far keeps max -inf; subtract 0 instead (its scores are all -inf). */
+        const __m512 ref = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
+        const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, ref));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < nkp; ++j) {
+            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s + j * QB + 16 * v), ref));
+            _mm512_store_ps(s + j * QB + 16 * v, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        _mm512_store_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * v), alpha, sum));
+        _mm512_store_ps(m + 16 * v, mx);
+        float al[16] __attribute__((aligned(64)));
+        _mm512_store_ps(al, alpha);
+        for (int i = 0; i < 16; ++i) {
+            float *row = o + (16 * v + i) * d;
+            const __m512 a = _mm512_set1_ps(al[i]);
+            for (int c = 0; c < d; c += 16) _mm512_store_ps(row + c, _mm512_mul_ps(a, _mm512_load_ps(row + c)));
+        }
+    }
+}
+
+static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
+    const int d = a->d, np = (nr + 15) / 16 * 16;
+    float qt[DMAX * QB] __attribute__((aligned(64)));
+    float s[KB * QB] __attribute__((aligned(64)));
+    float o[QB * DMAX] __attribute__((aligned(64)));
+    float m[QB] __attribute__((aligned(64))), l[QB] __attribute__((aligned(64)));
+    int32_t lo[QB] __attribute__((aligned(64))), hi[QB] __attribute__((aligned(64)));
+    const float *kp[KB], *vp[KB];
+    int jmin = a->num_keys, jmax = 0;
+    for (int i = 0; i < np; ++i) {
+        lo[i] = 0, hi[i] = 0; /* padding rows: no key */
+        if (i < nr) {
+            const int64_t at = b * a->bnd_sb + r0 + i;
+            lo[i] = a->lo ? (a->lo[at] > 0 ? a->lo[at] : 0) : 0;
+            hi[i] = a->hi ? (a->hi[at] < a->num_keys ? a->hi[at] : a->num_keys) : a->num_keys;
+            if (lo[i] < hi[i]) {
+                jmin = lo[i] < jmin ? lo[i] : jmin;
+                jmax = hi[i] > jmax ? hi[i] : jmax;
+            }
+        }
+        m[i] = -INFINITY, l[i] = 0.0f;
+    }
+    const float qscale = a->scale * LOG2E;
+    const float *qb = a->q + b * a->q_sb + h * a->q_sh + r0 * a->q_sr;
+    for (int i = 0; i < np; ++i)
+        for (int c = 0; c < d; ++c) qt[c * QB + i] = i < nr ? qb[i * a->q_sr + c] * qscale : 0.0f;
+    memset(o, 0, sizeof(float) * np * d);
+    const float *kbase = a->kc + h * a->kv_sh, *vbase = a->vc + h * a->kv_sh;
+    const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
+    for (int j0 = jmin; j0 < jmax; j0 += KB) {
+        const int nk = jmax - j0 < KB ? jmax - j0 : KB, nkp = (nk + 7) / 8 * 8;
+        for (int j = 0; j < nkp; ++j) { /* the tail of the last tile repeats a key (masked) */
+            const int64_t key = j0 + (j < nk ? j : nk - 1), slot = slots ? slots[key] : key;
+            kp[j] = kbase + slot * a->kv_ss, vp[j] = vbase + slot * a->kv_ss;
+        }
+        int masked = nkp != nk;
+        for (int i = 0; i < nr && !masked; ++i) masked = lo[i] > j0 || hi[i] < j0 + nk;
+        for (int j = 0; j < nkp; j += 8) {
+            int i = 0;
+            for (; i + 32 <= np; i += 32) qk_tile(kp + j, qt + i, d, s + j * QB + i, 2);
+            if (i < np) qk_tile(kp + j, qt + i, d, s + j * QB + i, 1);
+        }
+        softmax_block(s, j0, nk, nkp, np, masked, lo, hi, m, l, o, d);
+        for (int i = 0; i < np; i += 8)
+            for (int c = 0; c < d; c += 32) pv_tile(s, i, vp, c, nkp, o, d);
+    }
+    float *ob = a->out + b * a->o_sb + h * a->o_sh + r0 * a->o_sr;
+    float *lb = a->lse + b * a->l_sb + h * a->l_sh + r0;
+    for (int i = 0; i < nr; ++i) {
+        float *row = ob + i * a->o_sr;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int c = 0; c < d; ++c) row[c] = o[i * d + c] * inv;
+        lb[i] = l[i] > 0.0f ? (m[i] + log2f(l[i])) * LN2 : -INFINITY;
+    }
+}
+
+/* Returns 0, or 1 when d is not a multiple of 32 up to DMAX (the caller falls back). */
+int rs_attend(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
+              const float *kc, const float *vc, int64_t kv_ss, int64_t kv_sh,
+              const int64_t *slots, int64_t slots_sb, const int32_t *lo, const int32_t *hi, int64_t bnd_sb,
+              int num_b, int num_h, int num_rows, int num_keys, int d, float scale,
+              float *out, int64_t o_sb, int64_t o_sh, int64_t o_sr, float *lse, int64_t l_sb, int64_t l_sh,
+              int num_threads) {
+    if (d % 32 != 0 || d > DMAX || num_rows <= 0) return 1;
+    const args_t a = {q, q_sb, q_sh, q_sr, kc, vc, kv_ss, kv_sh, slots, slots_sb, lo, hi, bnd_sb,
+                      num_keys, d, scale, out, o_sb, o_sh, o_sr, lse, l_sb, l_sh};
+    const int blocks = (num_rows + QB - 1) / QB, items = num_b * num_h * blocks;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (items > 1)
+    for (int it = 0; it < items; ++it) {
+        const int b = it / (num_h * blocks), h = it / blocks % num_h, r0 = it % blocks * QB;
+        attend_item(&a, b, h, r0, num_rows - r0 < QB ? num_rows - r0 : QB);
+    }
+    return 0;
+}

@@ -1,0 +1,113 @@
+"""The native CPU attention kernel (kernels/attention/native.py, cpu_attn.c) against plain torch.
+
+Rows see random key intervals (empty, one key, all, crossing the kernel's 64-row items, 16-row
+strips and 128-key blocks); keys sit on random slots of a pool whose other slots hold NaN, so a
+read outside a batch entry's keys shows in the output. The cascade and engine tests run it inside
+the backend; here it is checked alone, shape by shape.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixserve.kernels.attention import native
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU attention kernel not built here")
+ATOL = 1e-5
+
+
+def _reference(q, k_cache, v_cache, slots, lo, hi, scale):
+    """q [b, h, r, d]; keys of entry b = slots[b]; row r sees [lo, hi). Empty rows: 0 and -inf."""
+    keys = k_cache[slots].permute(0, 2, 1, 3).double()  # [b, h, n, d]
+    values = v_cache[slots].permute(0, 2, 1, 3).double()
+    s = q.double() @ keys.transpose(-1, -2) * scale
+    j = torch.arange(slots.shape[1])
+    seen = (j >= lo[..., None]) & (j < hi[..., None])  # [b, r, n]
+    s = s.masked_fill(~seen[:, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(seen[:, None], torch.softmax(s.nan_to_num(neginf=-1e300), -1), 0.0)
+    return (p @ values).float(), lse.float()
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), rows=st.one_of(st.integers(1, 20), st.integers(60, 140)),
+       num_keys=st.one_of(st.integers(1, 12), st.integers(120, 300)), d=st.sampled_from([32, 64, 128]),
+       threads=st.sampled_from([1, 2]), data=st.data())
+def test_matches_reference(b, h, rows, num_keys, d, threads, data):
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    pool = 2 * b * num_keys + 8
+    k_cache = torch.full((pool, h, d), float("nan"))
+    v_cache = torch.full((pool, h, d), float("nan"))
+    slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
+    k_cache[slots] = torch.randn(b, num_keys, h, d, generator=gen)
+    v_cache[slots] = torch.randn(b, num_keys, h, d, generator=gen)
+    lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
+    hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
+    kind = data.draw(st.sampled_from(["random", "all", "causal"]), label="intervals")
+    if kind == "all":
+        lo.zero_(), hi.fill_(num_keys)
+    elif kind == "causal":  # the last row sees every key, each earlier row one fewer
+        lo.zero_()
+        hi.copy_((num_keys - rows + 1 + torch.arange(rows)).clamp(0, num_keys).expand(b, rows))
+    # q as a strided view (rows of a token-major tensor), as the backend passes stacked heads.
+    q = torch.randn(b, rows, h, d, generator=gen).transpose(1, 2)
+    torch.set_num_threads(threads)
+    try:
+        out, lse = native.attend_paged(q, k_cache, v_cache, slots, (lo, hi), d ** -0.5)
+    finally:
+        torch.set_num_threads(1)
+    expected, expected_lse = _reference(q, k_cache, v_cache, slots, lo, hi, d ** -0.5)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)  # -inf where a row sees nothing
+
+
+def test_contiguous_keys_without_slots_or_bounds():
+    """slots None: key j is slot j of the (view of the) pool; bounds None: every row sees every key."""
+    gen = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(400, 2, 64, generator=gen), torch.randn(400, 2, 64, generator=gen)
+    q = torch.randn(1, 2, 70, 64, generator=gen)
+    out, lse = native.attend_paged(q, k_cache[100:300], v_cache[100:300], None, None, 0.125)
+    slots = torch.arange(100, 300)[None]
+    full = (torch.zeros(1, 70, dtype=torch.int32), torch.full((1, 70), 200, dtype=torch.int32))
+    expected, expected_lse = _reference(q, k_cache, v_cache, slots, *full, 0.125)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
+
+
+def test_reference_catches_a_one_key_shift():
+    """The comparison fails when a row reads one key past its interval."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(64, 1, 32, generator=gen), torch.randn(64, 1, 32, generator=gen)
+    slots = torch.arange(64)[None]
+    q = torch.randn(1, 1, 5, 32, generator=gen)
+    lo = torch.zeros(1, 5, dtype=torch.int32)
+    hi = torch.full((1, 5), 40, dtype=torch.int32)
+    out, _ = native.attend_paged(q, k_cache, v_cache, slots, (lo, hi + 1), 0.2)
+    expected, _ = _reference(q, k_cache, v_cache, slots, lo, hi, 0.2)
+    assert not torch.allclose(out, expected, atol=1e-3, rtol=0)
+
+
+def test_supports_only_what_it_computes():
+    assert native.supports(torch.float32, 64, torch.device("cpu"))
+    assert native.supports(torch.float32, 128, torch.device("cpu"))
+    assert not native.supports(torch.float32, 48, torch.device("cpu"))  # not a multiple of 32
+    assert not native.supports(torch.float32, 256, torch.device("cpu"))  # above MAX_HEAD_DIM
+    assert not native.supports(torch.bfloat16, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="head_dim 48"):
+        native.attend_paged(torch.zeros(1, 1, 1, 48), torch.zeros(4, 1, 48), torch.zeros(4, 1, 48), None, None, 1.0)
+
+
+def test_without_a_compiler_the_backend_uses_the_flash_op(monkeypatch, tmp_path):
+    """No compiler: load() says why once and returns None; supports() is then False everywhere."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))  # nothing built there yet
+    native.load.cache_clear()
+    try:
+        assert native.load() is None
+        assert not native.supports(torch.float32, 64, torch.device("cpu"))
+    finally:
+        native.load.cache_clear()
+    monkeypatch.undo()
+    assert native.load() is not None
