@@ -267,10 +267,17 @@ def warm_up(side: Side) -> None:
 
 
 def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, seed: int = 0,
-                     settle_s: float = 0.0) -> list[Measure]:
+                     settle_s: float = 0.0, warmup_runs: int = 0) -> list[Measure]:
     """settle_s: idle time before each run. An engine's OpenMP threads keep spinning for a
     while after its last call (measured: radixserve right after a vLLM run took 0.49 s instead
-    of 0.36 s), which would charge one engine for the previous one's tail."""
+    of 0.36 s), which would charge one engine for the previous one's tail. warmup_runs: untimed
+    runs of the workload per engine first (the first run of a new shape pays first-touch page
+    faults of the activations and of the KV pool's pages it writes)."""
+    for engine, side in sides.items():
+        for _ in range(warmup_runs):
+            side.reset()
+            wall_s = run_rounds(side, make_workload(name, size, seed)).wall_s
+            logger.info("%s warm-up %s: %.2f s", name, engine, wall_s)
     measures = []
     for rep, order in enumerate(alternation(list(sides), reps)):
         for engine in order:
@@ -349,7 +356,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for side in sides.values():
             warm_up(side)
         measures = [m for name in args.workloads
-                    for m in measure_workload(sides, name, args.size, args.reps, args.seed, args.settle_s)]
+                    for m in measure_workload(sides, name, args.size, args.reps, args.seed, args.settle_s,
+                                              args.warmup_runs)]
         engines = _engine_info(sides)
     finally:
         for side in sides.values():
@@ -380,6 +388,7 @@ def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     return {"command": "python -m radixserve.bench.peer_vllm " + " ".join(args.argv), "model": args.model,
             "model_path": os.path.basename(model_path), "size": args.size, "reps": args.reps,
             "threads": args.threads, "seed": args.seed, "workloads": args.workloads, "settle_s": args.settle_s,
+            "warmup_runs": args.warmup_runs,
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
 
 
@@ -407,6 +416,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle-s", type=float, default=3.0,
                    help="idle seconds before each run, so no engine pays for another's spinning threads")
+    p.add_argument("--warmup-runs", type=int, default=1, help="untimed runs of each workload per engine first")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
     for name in args.workloads:

@@ -151,8 +151,8 @@ def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:
 def _method(r: dict[str, Any]) -> list[str]:
     order = ", ".join(r.get("engines", {})) or "the engines"
     return [(f"Model {r.get('model')} (`{r.get('model_path')}`), {r.get('size')} workloads, seed {r.get('seed')}; "
-             "greedy, ignore_eos. Each engine is warmed up once; per workload the engines run in the order "
-             f"{order}, reversed every other repetition, each run from an emptied prefix cache after "
+             f"greedy, ignore_eos. Each engine is warmed up once, then runs each workload "
+             f"{r.get('warmup_runs', 0)} time(s) untimed; per workload the engines run in the order {order}, reversed every other repetition, each run from an emptied prefix cache after "
              f"{r.get('settle_s', 0):g} s idle "
              f"(flush_cache / reset_prefix_cache); median of {r.get('reps')} runs (min–max). Rounds go one "
              "generate call at a time; round r+1 is built from the same engine's round-r outputs. "

@@ -231,4 +231,5 @@ def test_main_end_to_end_with_a_stand_in_vllm(tmp_path, fake_vllm):
     assert 0 < fake["hit_rate"] < ours["hit_rate"]  # 32 of the 45 shared tokens are whole blocks
     assert fake["outputs_match_ours"] is False
     assert report["engines"]["vllm-b32"]["llm"]["max_num_seqs"] == 64
+    assert report["warmup_runs"] == 1 and "runs each workload 1 time(s) untimed" in (out / "peer_vllm_tiny.md").read_text()
     assert {p.name for p in out.iterdir()} == {"peer_vllm_tiny.json", "peer_vllm_tiny.md", "peer_vllm_tiny.png"}
