@@ -188,6 +188,112 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     }
 }
 
+/* Items of at most FEW rows (a decode's stacked GQA heads): a register tile of 16 or 32 rows would
+ * be mostly padding, so scores are dot products along d (one horizontal sum per key and row),
+ * and O, Q stay in registers (nd = d / 16 and nr are constants after inlining). */
+#define FEW 4
+
+static inline __attribute__((always_inline)) void attend_few_impl(const args_t *a, int b, int h, int r0,
+                                                                  const int nr, const int nd) {
+    float s[FEW][KB] __attribute__((aligned(64)));
+    __m512 q[FEW][DMAX / 16], o[FEW][DMAX / 16];
+    float m[FEW], l[FEW];
+    int lo[FEW], hi[FEW], jmin = a->num_keys, jmax = 0;
+    const float qscale = a->scale * LOG2E;
+    for (int r = 0; r < nr; ++r) {
+        const int64_t at = b * a->bnd_sb + r0 + r;
+        lo[r] = a->lo ? (a->lo[at] > 0 ? a->lo[at] : 0) : 0;
+        hi[r] = a->hi ? (a->hi[at] < a->num_keys ? a->hi[at] : a->num_keys) : a->num_keys;
+        if (lo[r] < hi[r]) {
+            jmin = lo[r] < jmin ? lo[r] : jmin;
+            jmax = hi[r] > jmax ? hi[r] : jmax;
+        }
+        m[r] = -INFINITY, l[r] = 0.0f;
+        const float *qr = a->q + b * a->q_sb + h * a->q_sh + (r0 + r) * a->q_sr;
+        for (int c = 0; c < nd; ++c) {
+            q[r][c] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_set1_ps(qscale));
+            o[r][c] = _mm512_setzero_ps();
+        }
+    }
+    const float *kbase = a->kc + h * a->kv_sh, *vbase = a->vc + h * a->kv_sh;
+    const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int j0 = jmin; j0 < jmax; j0 += KB) {
+        const int nk = jmax - j0 < KB ? jmax - j0 : KB;
+        for (int j = 0; j < nk; ++j) {
+            const float *kr = kbase + (slots ? slots[j0 + j] : j0 + j) * a->kv_ss;
+            __m512 acc[FEW];
+            for (int c = 0; c < nd; ++c) {
+                const __m512 kv = _mm512_loadu_ps(kr + 16 * c);
+                for (int r = 0; r < nr; ++r) acc[r] = c ? _mm512_fmadd_ps(q[r][c], kv, acc[r]) : _mm512_mul_ps(q[r][c], kv);
+            }
+            for (int r = 0; r < nr; ++r) s[r][j] = _mm512_reduce_add_ps(acc[r]);
+        }
+        for (int r = 0; r < nr; ++r) {
+            __m512 mx = ninf;
+            const __m512i lov = _mm512_set1_epi32(lo[r]), hiv = _mm512_set1_epi32(hi[r]);
+            for (int j = 0; j < nk; j += 16) {
+                const __m512i jj = _mm512_add_epi32(_mm512_set1_epi32(j0 + j),
+                                                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+                const __mmask16 seen = _mm512_cmpge_epi32_mask(jj, lov) & _mm512_cmplt_epi32_mask(jj, hiv) &
+                                       (__mmask16)(nk - j >= 16 ? 0xFFFF : (1u << (nk - j)) - 1);
+                const __m512 x = _mm512_mask_mov_ps(ninf, seen, _mm512_load_ps(s[r] + j));
+                _mm512_store_ps(s[r] + j, x);
+                mx = _mm512_max_ps(mx, x);
+            }
+            const float bmax = _mm512_reduce_max_ps(mx), m_new = bmax > m[r] ? bmax : m[r];
+            const float ref = m_new == -INFINITY ? 0.0f : m_new;
+            const __m512 refv = _mm512_set1_ps(ref);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < nk; j += 16) {
+                const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s[r] + j), refv));
+                _mm512_store_ps(s[r] + j, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            const float alpha = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - ref);
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+            m[r] = m_new;
+            for (int c = 0; c < nd; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(alpha));
+        }
+        for (int j = 0; j < nk; ++j) {
+            const float *vr = vbase + (slots ? slots[j0 + j] : j0 + j) * a->kv_ss;
+            for (int c = 0; c < nd; ++c) {
+                const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+                for (int r = 0; r < nr; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, o[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        float *row = a->out + b * a->o_sb + h * a->o_sh + (r0 + r) * a->o_sr;
+        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        for (int c = 0; c < nd; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(o[r][c], inv));
+        a->lse[b * a->l_sb + h * a->l_sh + r0 + r] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * LN2 : -INFINITY;
+    }
+}
+
+#define FEW_CASE(NR)                                                              \
+    case NR:                                                                      \
+        switch (a->d) {                                                           \
+        case 32: attend_few_impl(a, b, h, r0, NR, 2); return;                     \
+        case 64: attend_few_impl(a, b, h, r0, NR, 4); return;                     \
+        case 96: attend_few_impl(a, b, h, r0, NR, 6); return;                     \
+        default: attend_few_impl(a, b, h, r0, NR, 8); return;                     \
+        }
+
+static void attend_few(const args_t *a, int b, int h, int r0, int nr) {
+    switch (nr) {
+    FEW_CASE(1)
+    FEW_CASE(2)
+    FEW_CASE(3)
+    default: switch (a->d) {
+        case 32: attend_few_impl(a, b, h, r0, 4, 2); return;
+        case 64: attend_few_impl(a, b, h, r0, 4, 4); return;
+        case 96: attend_few_impl(a, b, h, r0, 4, 6); return;
+        default: attend_few_impl(a, b, h, r0, 4, 8); return;
+        }
+    }
+}
+
 /* Returns 0, or 1 when d is not a multiple of 32 up to DMAX (the caller falls back). */
 int rs_attend(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
               const float *kc, const float *vc, int64_t kv_ss, int64_t kv_sh,
@@ -202,7 +308,11 @@ int rs_attend(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (items > 1)
     for (int it = 0; it < items; ++it) {
         const int b = it / (num_h * blocks), h = it / blocks % num_h, r0 = it % blocks * QB;
-        attend_item(&a, b, h, r0, num_rows - r0 < QB ? num_rows - r0 : QB);
+        const int nr = num_rows - r0 < QB ? num_rows - r0 : QB;
+        if (nr <= FEW)
+            attend_few(&a, b, h, r0, nr);
+        else
+            attend_item(&a, b, h, r0, nr);
     }
     return 0;
 }

@@ -41,8 +41,10 @@ class TorchAttentionBackend:
         for window in windows:
             window = window if window is not None and window > 0 else None
             plans.append((window, step_plan(meta, window, group, bool(meta.shared) and window is None, self.native)))
-        # One stage per decode bucket of each plan (window layers have buckets of their own).
-        staged = [(window, b) for window, plan in plans for b in plan.buckets if b.kv_idx is not None and b.max_q == 1]
+        # One stage per decode bucket of each plan (window layers have buckets of their own). The
+        # native kernel reads decode keys by slot faster than matmuls read staged ones: no stages.
+        staged = [(window, b) for window, plan in plans for b in plan.buckets
+                  if b.kv_idx is not None and b.max_q == 1 and not self.native]
         stages = self.stages.refresh([((window, *b.seq_rows), b.kv_idx.view(b.num, b.max_k), b.k_lens)
                                       for window, b in staged])
         for (_, b), stage in zip(staged, stages):

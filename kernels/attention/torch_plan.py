@@ -161,12 +161,10 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
     kv_idx = None if runs is not None else _own_slots(table, meta, seqs, kc, start_t, k_len_t)
     # Absolute positions: a unit's last query sees its last key; own key c at start + c.
     q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
-    mask = bounds = None
-    # Staged decode buckets (max_q == 1) attend with matmuls and an additive mask, natively or not.
-    if not native or max_q == 1:
-        mask = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group)
     if native:
-        bounds = _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group)
+        mask, bounds = None, _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group)
+    else:
+        mask, bounds = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group), None
     run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
     g = torch.arange(group, device=device)
     stack_cols = (out_rows[:, None] * group + g).reshape(-1)
