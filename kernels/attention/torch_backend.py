@@ -21,7 +21,7 @@ from radixserve.kernels.attention import native as native_kernel
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
 from radixserve.kernels.attention.partials import attend, attend_matmul, lse_merge, merge_into
 from radixserve.kernels.attention.staging import OwnKeyStages, staged_keys
-from radixserve.kernels.attention.torch_plan import Bucket, step_plan
+from radixserve.kernels.attention.torch_plan import Bucket, SharedBatch, step_plan
 from radixserve.kernels.attention.torch_ref import store_kv
 
 
@@ -96,17 +96,24 @@ def cascade_attention(
             o, b_lse = o.index_select(1, b.stack_src), b_lse.index_select(1, b.stack_src)
         out.index_copy_(1, b.stack_cols, o.float())
         lse.index_copy_(1, b.stack_cols, b_lse)
-    for piece in plan.pieces:
+    batch = None
+    if plan.shared_batch is not None:  # native: every prefix's read in one call
+        batch = _shared_batch_attention(q, k_cache, v_cache, plan.shared_batch, sm_scale, group)
+    for idx, piece in enumerate(plan.pieces):
         rows, where = piece.shared.q_row_range, piece.cols
-        qs = q[rows[0]:rows[1]] if rows is not None else q.index_select(0, piece.shared.q_rows)
-        qs = qs.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
         if rows is not None:  # views: merged in place
             o_acc, lse_acc = out[:, where], lse[:, where]
         else:
             o_acc, lse_acc = out.index_select(1, where), lse.index_select(1, where)
-        for run in piece.runs:
-            o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale, plan.native)
-            merge_into(o_acc, lse_acc, o[0], s_lse[0])
+        if batch is not None:
+            n = plan.shared_batch.rows[idx]
+            merge_into(o_acc, lse_acc, batch[0][idx, :, :n], batch[1][idx, :, :n])
+        else:
+            qs = q[rows[0]:rows[1]] if rows is not None else q.index_select(0, piece.shared.q_rows)
+            qs = qs.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+            for run in piece.runs:
+                o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
+                merge_into(o_acc, lse_acc, o[0], s_lse[0])
         if rows is None:
             out.index_copy_(1, where, o_acc)
             lse.index_copy_(1, where, lse_acc)
@@ -145,14 +152,20 @@ def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: in
     return o.reshape(b.num * b.max_q, num_kv_heads * group, head_dim), lse.reshape(b.num * b.max_q, -1)
 
 
+def _shared_batch_attention(q, k_cache, v_cache, sb: SharedBatch, sm_scale: float, group: int):
+    """Every shared prefix's read for every query below it, in one native call: entry p is
+    piece p, in the stacked layout ([P, kv_heads, t_max * group, d], lse [P, kv_heads, ..])."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    qb = q.index_select(0, sb.q_idx).view(-1, sb.t_max, num_kv_heads, group, head_dim)
+    qb = qb.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, sb.t_max * group, head_dim)
+    return native_kernel.attend_paged(qb, k_cache, v_cache, sb.slots, sb.bounds, sm_scale)
+
+
 def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[int, int] | None,
-                      sm_scale: float, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One read of a shared prefix (a run of its slots as a view, or all of them: by slot in the
-    native kernel, else gathered) for every query below it, all in the stacked layout:
-    qs [1, kv_heads, n * group, d] -> out (same shape) and lse [1, kv_heads, n * group]. No mask:
-    every query comes after every shared key."""
-    if native:
-        return native_kernel.attend_paged(qs, k_cache, v_cache, plan.slots[None], None, sm_scale)
+                      sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One read of a shared prefix (a run of its slots as a view, or all of them gathered) for
+    every query below it, all in the stacked layout: qs [1, kv_heads, n * group, d] -> out (same
+    shape) and lse [1, kv_heads, n * group]. No mask: every query comes after every shared key."""
     if run is not None:
         first, length = run
         keys, values = k_cache[first:first + length], v_cache[first:first + length]

@@ -65,10 +65,24 @@ class Piece:
 
 
 @dataclass
+class SharedBatch:
+    """Every shared prefix of a step read in one native call: entry p holds piece p's queries
+    (tokens padded to t_max; stacked rows [0, rows[p]) are real) over its keys (slots padded to
+    the longest prefix); ``bounds`` gives real rows all of their prefix's keys, padding none."""
+
+    q_idx: torch.Tensor  # [P * t_max] int64 token rows of q (padding repeats a valid row)
+    t_max: int
+    slots: torch.Tensor  # [P, max keys] int64 (padding repeats a valid slot)
+    bounds: tuple[torch.Tensor, torch.Tensor]  # int32 [P, t_max * group]
+    rows: list[int]  # stacked rows of each piece: its tokens * group
+
+
+@dataclass
 class StepPlan:
     buckets: list[Bucket]  # the own parts
     pieces: list[Piece]  # shared reads, outermost prefix first
     native: bool  # read by the native kernel (native.py), else by torch's flash op / matmuls
+    shared_batch: SharedBatch | None = None  # native: all pieces in one call
 
 
 def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool, native: bool) -> StepPlan:
@@ -76,7 +90,8 @@ def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_share
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared, native)
         pieces = _shared_pieces(meta, group, native) if use_shared else []
-        meta.step_cache[key] = StepPlan(buckets, pieces, native)
+        batch = _shared_batch(pieces, group) if native and pieces else None
+        meta.step_cache[key] = StepPlan(buckets, pieces, native, batch)
     return meta.step_cache[key]
 
 
@@ -92,6 +107,19 @@ def _shared_pieces(meta: AttentionMetadata, group: int, native: bool) -> list[Pi
         runs = list(plan.runs) if plan.runs is not None and not native else [None]
         out.append(Piece(plan, runs, cols))
     return out
+
+
+def _shared_batch(pieces: list[Piece], group: int) -> SharedBatch:
+    tokens = [p.shared.q_rows for p in pieces]
+    slots = [p.shared.slots for p in pieces]
+    t_max, k_max = max(t.shape[0] for t in tokens), max(s.shape[0] for s in slots)
+    q_idx = torch.cat([torch.cat([t, t[-1:].expand(t_max - t.shape[0])]) for t in tokens])
+    padded = torch.stack([torch.cat([s, s[-1:].expand(k_max - s.shape[0])]) for s in slots])
+    device = padded.device
+    rows = [t.shape[0] * group for t in tokens]
+    real = torch.arange(t_max * group, device=device)[None, :] < torch.tensor(rows, device=device)[:, None]
+    hi = torch.where(real, torch.tensor([s.shape[0] for s in slots], device=device)[:, None], 0).to(torch.int32)
+    return SharedBatch(q_idx=q_idx, t_max=t_max, slots=padded, bounds=(torch.zeros_like(hi), hi), rows=rows)
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool,
