@@ -83,7 +83,7 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 decode_stage_fraction: float = 0.25, native_attention: bool = True) -> None:
+                 decode_stage_fraction: float = 0.25, native_kernels: bool = True) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -105,7 +105,7 @@ class ModelRunner:
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
-        native = native_attention and _native_supports(self.dtype, config.head_dim, self.device)
+        native = native_kernels and _native_supports(self.dtype, config.head_dim, self.device)
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
                                                        int(num_slots * decode_stage_fraction), native)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
@@ -291,7 +291,7 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
 
 
 def _native_supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    from radixserve.kernels.attention import native
+    from radixserve.kernels import native
     return native.supports(dtype, head_dim, device)
 
 

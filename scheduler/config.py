@@ -104,9 +104,9 @@ class EngineConfig:
     disable_shared_prefix_attention: bool = option(
         False, "read shared prefixes per request instead of once per step")
     shared_prefix_min_tokens: int = option(32, "shortest shared prefix read once for all requests below it (0: any)")
-    disable_native_attention: bool = option(
+    disable_native_kernels: bool = option(
         False, "CPU: attend with torch's flash attention op instead of radixserve's compiled kernel "
-               "(kernels/attention/native.py; used where it builds: x86-64 with AVX-512, a C compiler, fp32)")
+               "(kernels/native.py; used where it builds: x86-64 with AVX-512, a C compiler; fp32)")
     decode_stage_fraction: float = option(
         0.25, "CPU attention: decode requests' own keys are kept between steps (only new keys copied), in at most "
               "this fraction of the KV pool's size (0: gather them every step)")

@@ -54,7 +54,7 @@ class Engine:
                                   num_threads=cfg.resolved_num_threads(),
                                   retain_host_memory=not cfg.release_host_memory,
                                   decode_stage_fraction=cfg.decode_stage_fraction,
-                                  native_attention=not cfg.disable_native_attention)
+                                  native_kernels=not cfg.disable_native_kernels)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = self.runner.context_length

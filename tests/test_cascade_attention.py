@@ -16,7 +16,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from _cascade_batches import make_shared_batch, shared_layout, shared_trees
-from radixserve.kernels.attention import native as native_kernel
+from radixserve.kernels import native as native_kernel
 from radixserve.kernels.attention import torch_backend, torch_plan, torch_ref
 from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.kernels.attention.torch_backend import TorchAttentionBackend, cascade_attention

@@ -246,7 +246,7 @@ def test_engine_stage_fraction_zero_turns_stages_off(tmp_path_factory):
     runs = {}
     for fraction in (0.25, 0.0):
         engine = Engine(ckpt, num_threads=1, kv_cache_tokens=4096, decode_stage_fraction=fraction,
-                        disable_native_attention=True)  # stages serve the flash-op path
+                        disable_native_kernels=True)  # stages serve the flash-op path
         out = drive_staggered(engine, prompts, params)
         stats = engine.stats()
         assert (stats["num_staged_keys_reused"] > 0) == (fraction > 0), stats
@@ -260,7 +260,7 @@ def test_engine_drops_its_stages_when_idle(tmp_path_factory):
     from radixserve.scheduler import Engine
 
     engine = Engine(make_checkpoint(tmp_path_factory, "staging_idle"), num_threads=1, kv_cache_tokens=2048,
-                    disable_native_attention=True)
+                    disable_native_kernels=True)
     stages = engine.runner.backend.stages
     for i in range(3):
         engine.add_request(list(range(20 + i, 60)), dict(max_new_tokens=6, temperature=0.0, ignore_eos=True))

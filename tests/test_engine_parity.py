@@ -6,7 +6,7 @@ import pytest
 from _engine_helpers import (check_greedy_against_hf, drive_staggered, hf_greedy, hf_model, make_checkpoint,
                              shared_prefix_prompts)
 from kernels_fixtures import restart_positions, zero_cached_kv
-from radixserve.kernels.attention import native as native_kernel
+from radixserve.kernels import native as native_kernel
 from radixserve.scheduler import Engine
 
 NUM_NEW = 32
@@ -29,7 +29,7 @@ def _run(ckpt: str, prompts, shared: bool = True, **engine_kwargs):
                     disable_shared_prefix_attention=not shared, **engine_kwargs)
     # The native kernel reads wherever it serves the head_dim (multiples of 32), unless disabled.
     runner = engine.runner
-    native = (not engine_kwargs.get("disable_native_attention", False)
+    native = (not engine_kwargs.get("disable_native_kernels", False)
               and native_kernel.supports(runner.dtype, runner.config.head_dim, runner.device))
     assert runner.backend.native == native
     out = drive_staggered(engine, prompts, GREEDY)
@@ -86,7 +86,7 @@ def test_llama_grid_parity(llama_ckpt, cache_off, page_size, chunk, shared):
 def test_llama_parity_on_torch_flash_op(llama_ckpt):
     """The grid's head_dim takes the native kernel where it builds; the flash-op path too."""
     prompts = shared_prefix_prompts(prefix_len=40)
-    out = _run(llama_ckpt, prompts, page_size=16, chunked_prefill_size=12, disable_native_attention=True)
+    out = _run(llama_ckpt, prompts, page_size=16, chunked_prefill_size=12, disable_native_kernels=True)
     _check(llama_ckpt, prompts, out)
 
 

@@ -1,4 +1,4 @@
-"""The native CPU attention kernel (kernels/attention/native.py, cpu_attn.c) against plain torch.
+"""The native CPU attention kernel (kernels/native.py, kernels/cpu_kernels.c) against plain torch.
 
 Rows see random key intervals (empty, one key, all, crossing the kernel's 64-row items, 16-row
 strips and 128-key blocks); keys sit on random slots of a pool whose other slots hold NaN, so a
@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.kernels.attention import native
+from radixserve.kernels import native
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU attention kernel not built here")
 ATOL = 1e-5

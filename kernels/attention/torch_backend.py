@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels.attention import native as native_kernel
+from radixserve.kernels import native as native_kernel
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
 from radixserve.kernels.attention.partials import attend, attend_matmul, lse_merge, merge_into
 from radixserve.kernels.attention.staging import OwnKeyStages, staged_keys

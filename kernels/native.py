@@ -1,11 +1,12 @@
-"""radixserve's compiled CPU attention kernel (``cpu_attn.c``): build once per machine, load, call.
+"""radixserve's compiled CPU kernels (``cpu_kernels.c``): build once per machine, load, call.
 
-The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) and
+``attend_paged`` is the attention over the paged KV pool that the CPU attention backend reads
+with (kernels/attention/torch_backend.py). The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) and
 ``-O3 -march=native -fopenmp`` into the radixserve cache, keyed by the source, the flags and the
 CPU's feature flags (a binary built for another CPU is never loaded). It links libgomp, which
 resolves to the copy torch has already loaded, so kernel and torch share one OpenMP runtime.
 Where it cannot be had (no x86-64 AVX-512, no compiler, the build fails) ``load()`` returns None
-and says why once in the log; the torch backend then uses torch's flash op (partials.attend).
+and says why once in the log; the backend then uses torch's flash op (partials.attend).
 
 Measured against that op on this repository's bench shapes (2 threads, fp32): 3.8-4.3x on causal
 prefill blocks, 2.3x on a shared prefix read by 512 queries, 2.0x on decode reads of a shared
@@ -30,7 +31,7 @@ from radixserve.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attn.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 
@@ -79,23 +80,23 @@ def _build(target: Path) -> None:
 
 @functools.lru_cache(maxsize=1)
 def load():
-    """The kernel's entry point (ctypes), or None where it cannot be built here (logged once)."""
+    """The library (ctypes, entry points typed), or None where it cannot be built here (logged once)."""
     flags = _cpu_flags()
     reason = _why_not(flags)
     if reason is None:
         key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), flags.encode(),
                                          os.environ.get("CC", "cc").encode()])).hexdigest()[:16]
-        target = Path(cache_root()) / "kernels" / f"cpu_attn-{key}.so"
+        target = Path(cache_root()) / "kernels" / f"cpu_kernels-{key}.so"
         try:
             if not target.exists():
                 _build(target)
-            fn = ctypes.CDLL(str(target)).rs_attend
+            lib = ctypes.CDLL(str(target))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"building it failed: {exc}"
         else:
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-            return fn
-    logger.info("native CPU attention kernel unavailable (%s); using torch's flash attention op", reason)
+            lib.rs_attend.argtypes, lib.rs_attend.restype = _ARGTYPES, ctypes.c_int
+            return lib
+    logger.info("native CPU kernels unavailable (%s); using torch's flash attention op", reason)
     return None
 
 
@@ -113,7 +114,7 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     run of the pool). ``bounds`` = (lo, hi), int32 [b, rows]: row r sees keys [lo, hi) (None: all).
     Returns (out [b, h, rows, d] float32, natural-log LSE [b, h, rows]); a row that sees no key
     gets out 0 and LSE -inf. Every tensor's last dimension must be contiguous; ``supports`` must hold."""
-    fn = load()
+    fn = load().rs_attend
     num_b, num_h, rows, d = q.shape
     num_keys = slots.shape[1] if slots is not None else k_cache.shape[0]
     if out is None:
@@ -131,3 +132,4 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if rc != 0:
         raise ValueError(f"native attention refused head_dim {d} or {rows} rows")
     return out, lse
+

@@ -1,4 +1,4 @@
-/* radixserve's CPU attention kernel (x86-64 AVX-512, fp32), built and loaded by native.py.
+/* radixserve's compiled CPU kernels (x86-64 AVX-512, fp32), built and loaded by native.py.
  *
  * rs_attend: for every (batch entry b, kv head h) and every query row r of q[b, h], attention
  * over the keys j in [lo[b, r], hi[b, r]) of that entry, where key j lives in pool slot
@@ -316,3 +316,4 @@ int rs_attend(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
     }
     return 0;
 }
+
