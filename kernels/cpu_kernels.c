@@ -132,6 +132,17 @@ static void softmax_block(float *s, int j0, int nk, int nkp, int np, int masked,
     }
 }
 
+/* Row `row` of entry b sees keys [lo, hi), clamped to the entry's keys; [jmin, jmax) grows to cover it. */
+static inline void row_bounds(const args_t *a, int b, int row, int32_t *lo, int32_t *hi, int *jmin, int *jmax) {
+    const int64_t at = b * a->bnd_sb + row;
+    *lo = a->lo && a->lo[at] > 0 ? a->lo[at] : 0;
+    *hi = a->hi && a->hi[at] < a->num_keys ? a->hi[at] : a->num_keys;
+    if (*lo < *hi) {
+        *jmin = *lo < *jmin ? *lo : *jmin;
+        *jmax = *hi > *jmax ? *hi : *jmax;
+    }
+}
+
 static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     const int d = a->d, np = (nr + 15) / 16 * 16;
     float qt[DMAX * QB] __attribute__((aligned(64)));
@@ -143,15 +154,7 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     int jmin = a->num_keys, jmax = 0;
     for (int i = 0; i < np; ++i) {
         lo[i] = 0, hi[i] = 0; /* padding rows: no key */
-        if (i < nr) {
-            const int64_t at = b * a->bnd_sb + r0 + i;
-            lo[i] = a->lo ? (a->lo[at] > 0 ? a->lo[at] : 0) : 0;
-            hi[i] = a->hi ? (a->hi[at] < a->num_keys ? a->hi[at] : a->num_keys) : a->num_keys;
-            if (lo[i] < hi[i]) {
-                jmin = lo[i] < jmin ? lo[i] : jmin;
-                jmax = hi[i] > jmax ? hi[i] : jmax;
-            }
-        }
+        if (i < nr) row_bounds(a, b, r0 + i, &lo[i], &hi[i], &jmin, &jmax);
         m[i] = -INFINITY, l[i] = 0.0f;
     }
     const float qscale = a->scale * LOG2E;
@@ -198,16 +201,11 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
     float s[FEW][KB] __attribute__((aligned(64)));
     __m512 q[FEW][DMAX / 16], o[FEW][DMAX / 16];
     float m[FEW], l[FEW];
-    int lo[FEW], hi[FEW], jmin = a->num_keys, jmax = 0;
+    int32_t lo[FEW], hi[FEW];
+    int jmin = a->num_keys, jmax = 0;
     const float qscale = a->scale * LOG2E;
     for (int r = 0; r < nr; ++r) {
-        const int64_t at = b * a->bnd_sb + r0 + r;
-        lo[r] = a->lo ? (a->lo[at] > 0 ? a->lo[at] : 0) : 0;
-        hi[r] = a->hi ? (a->hi[at] < a->num_keys ? a->hi[at] : a->num_keys) : a->num_keys;
-        if (lo[r] < hi[r]) {
-            jmin = lo[r] < jmin ? lo[r] : jmin;
-            jmax = hi[r] > jmax ? hi[r] : jmax;
-        }
+        row_bounds(a, b, r0 + r, &lo[r], &hi[r], &jmin, &jmax);
         m[r] = -INFINITY, l[r] = 0.0f;
         const float *qr = a->q + b * a->q_sb + h * a->q_sh + (r0 + r) * a->q_sr;
         for (int c = 0; c < nd; ++c) {
