@@ -269,26 +269,21 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
     }
 }
 
-#define FEW_CASE(NR)                                                              \
-    case NR:                                                                      \
-        switch (a->d) {                                                           \
-        case 32: attend_few_impl(a, b, h, r0, NR, 2); return;                     \
-        case 64: attend_few_impl(a, b, h, r0, NR, 4); return;                     \
-        case 96: attend_few_impl(a, b, h, r0, NR, 6); return;                     \
-        default: attend_few_impl(a, b, h, r0, NR, 8); return;                     \
-        }
+/* attend_few_impl specialised on the rows and d / 16 (d is a multiple of 32, at most DMAX = 128). */
+#define FEW_D(NR)                                                                \
+    switch (a->d) {                                                              \
+    case 32: attend_few_impl(a, b, h, r0, NR, 2); return;                        \
+    case 64: attend_few_impl(a, b, h, r0, NR, 4); return;                        \
+    case 96: attend_few_impl(a, b, h, r0, NR, 6); return;                        \
+    default: attend_few_impl(a, b, h, r0, NR, 8); return;                        \
+    }
 
 static void attend_few(const args_t *a, int b, int h, int r0, int nr) {
     switch (nr) {
-    FEW_CASE(1)
-    FEW_CASE(2)
-    FEW_CASE(3)
-    default: switch (a->d) {
-        case 32: attend_few_impl(a, b, h, r0, 4, 2); return;
-        case 64: attend_few_impl(a, b, h, r0, 4, 4); return;
-        case 96: attend_few_impl(a, b, h, r0, 4, 6); return;
-        default: attend_few_impl(a, b, h, r0, 4, 8); return;
-        }
+    case 1: FEW_D(1)
+    case 2: FEW_D(2)
+    case 3: FEW_D(3)
+    default: FEW_D(4)
     }
 }
 

@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from radixserve.kernels import native as native_lib
 from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from radixserve.kernels.attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
 from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
@@ -105,7 +106,7 @@ class ModelRunner:
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
-        native = native_kernels and _native_supports(self.dtype, config.head_dim, self.device)
+        native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
                                                        int(num_slots * decode_stage_fraction), native)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
@@ -288,11 +289,6 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     element_size = torch.empty((), dtype=dtype).element_size()
     bytes_per_slot = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
-
-
-def _native_supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    from radixserve.kernels import native
-    return native.supports(dtype, head_dim, device)
 
 
 def _make_backend(name: str, device: torch.device, stage_budget_slots: int, native: bool) -> AttentionBackend:

@@ -8,9 +8,9 @@ rows below that prefix. Sliding-window layers take the plain path (own keys = al
 Reads go to radixserve's compiled kernel (native.py) where it is built and the pool is fp32: it
 reads K/V by slot in place, so nothing is gathered and no mask is built (each row's key interval
 is). Elsewhere they go to torch's flash op (``partials.attend``, which returns the log-sum-exp
-the merges need) over gathered keys or views of the pool. Decode buckets read their own keys
-from stages kept between steps (staging.py: only the keys that changed are copied), head-major,
-with plain matmuls. GQA without copying K/V: the ``group`` q heads of one kv head are stacked
+the merges need) over gathered keys or views of the pool; there, decode buckets read their own
+keys from stages kept between steps (staging.py: only the keys that changed are copied),
+head-major, with plain matmuls. GQA without copying K/V: the ``group`` q heads of one kv head are stacked
 along the query axis (row r = token r // group, head r % group), so K/V keep their kv-head layout.
 """
 from __future__ import annotations
@@ -127,8 +127,7 @@ def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: in
     """The bucket's own-part attention: token-major ([num * max_q, q_heads, d], [.., q_heads]),
     or with stacked=True in the stacked layout ([kv_heads, num * max_q * group, d], [kv_heads, ..])."""
     num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    qb = q.index_select(0, b.q_idx).view(b.num, b.max_q, num_kv_heads, group, head_dim)
-    qb = qb.permute(0, 2, 1, 3, 4).reshape(b.num, num_kv_heads, b.max_q * group, head_dim)
+    qb = _stacked_queries(q, b.q_idx, b.max_q, num_kv_heads, group)
     if b.kv_idx is None:  # one sequence whose own keys are a few runs of the pool: views
         o, lse = _attend_runs(qb, k_cache, v_cache, b.runs, b.run_masks, sm_scale)
     elif b.stage is not None:  # a decode bucket's own keys, kept from the previous step
@@ -152,12 +151,18 @@ def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: in
     return o.reshape(b.num * b.max_q, num_kv_heads * group, head_dim), lse.reshape(b.num * b.max_q, -1)
 
 
+def _stacked_queries(q, token_idx: torch.Tensor, per_entry: int, num_kv_heads: int, group: int) -> torch.Tensor:
+    """q's rows token_idx, per_entry tokens an entry, in the stacked layout the readers take:
+    [entries, kv_heads, per_entry * group, d] (row r of kv head h = token r // group, q head h * group + r % group)."""
+    head_dim = q.shape[2]
+    qb = q.index_select(0, token_idx).view(-1, per_entry, num_kv_heads, group, head_dim)
+    return qb.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, per_entry * group, head_dim)
+
+
 def _shared_batch_attention(q, k_cache, v_cache, sb: SharedBatch, sm_scale: float, group: int):
     """Every shared prefix's read for every query below it, in one native call: entry p is
     piece p, in the stacked layout ([P, kv_heads, t_max * group, d], lse [P, kv_heads, ..])."""
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
-    qb = q.index_select(0, sb.q_idx).view(-1, sb.t_max, num_kv_heads, group, head_dim)
-    qb = qb.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, sb.t_max * group, head_dim)
+    qb = _stacked_queries(q, sb.q_idx, sb.t_max, k_cache.shape[1], group)
     return native_kernel.attend_paged(qb, k_cache, v_cache, sb.slots, sb.bounds, sm_scale)
 
 

@@ -57,7 +57,8 @@ class Bucket:
 
 @dataclass
 class Piece:
-    """The reads of one shared prefix: its runs of slots (views), or [None] = all of them by slot."""
+    """The reads of one shared prefix under the flash op: its runs of slots (views), or [None] =
+    all of them gathered (the native kernel reads every piece by slot, in one SharedBatch)."""
 
     shared: SharedPrefixPlan
     runs: list[tuple[int, int] | None]
@@ -89,13 +90,13 @@ def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_share
     key = ("torch_plan", window, group, use_shared, native)
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared, native)
-        pieces = _shared_pieces(meta, group, native) if use_shared else []
+        pieces = _shared_pieces(meta, group) if use_shared else []
         batch = _shared_batch(pieces, group) if native and pieces else None
         meta.step_cache[key] = StepPlan(buckets, pieces, native, batch)
     return meta.step_cache[key]
 
 
-def _shared_pieces(meta: AttentionMetadata, group: int, native: bool) -> list[Piece]:
+def _shared_pieces(meta: AttentionMetadata, group: int) -> list[Piece]:
     """One piece per shared prefix, outermost first (merging is order-free; this keeps it fixed)."""
     out = []
     for plan in sorted(meta.shared, key=lambda p: p.prefix.kv_start):
@@ -104,8 +105,7 @@ def _shared_pieces(meta: AttentionMetadata, group: int, native: bool) -> list[Pi
             cols = slice(span[0] * group, span[1] * group)
         else:
             cols = (plan.q_rows[:, None] * group + torch.arange(group, device=plan.q_rows.device)).reshape(-1)
-        runs = list(plan.runs) if plan.runs is not None and not native else [None]
-        out.append(Piece(plan, runs, cols))
+        out.append(Piece(plan, list(plan.runs) if plan.runs is not None else [None], cols))
     return out
 
 
