@@ -8,9 +8,9 @@ resolves to the copy torch has already loaded, so kernel and torch share one Ope
 Where it cannot be had (no x86-64 AVX-512, no compiler, the build fails) ``load()`` returns None
 and says why once in the log; the backend then uses torch's flash op (partials.attend).
 
-Measured against that op on this repository's bench shapes (2 threads, fp32): 3.8-4.3x on causal
-prefill blocks, 2.3x on a shared prefix read by 512 queries, 2.0x on decode reads of a shared
-prefix (ARCHITECTURE.md §3b).
+Measured against that op on this repository's bench shapes (alternating, median of 7, 2 threads,
+fp32): 2.55x on a causal 256-query block over 1088 keys, 2.06x on a shared prefix read by 512
+queries, 1.5-1.7x on decode reads of a shared prefix (ARCHITECTURE.md §3b).
 """
 from __future__ import annotations
 
