@@ -9,9 +9,11 @@ from radixserve.kernels.forward_io import TokenLogprob
 class TokenTexts:
     """Per-token text and bytes, cached (the vocabulary is small and tokens repeat)."""
 
-    def __init__(self, decode_one: Callable[[int], str], token_bytes: Callable[[int], bytes] | None = None) -> None:
+    def __init__(self, decode_one: Callable[[int], str], token_bytes: Callable[[int], bytes] | None = None,
+                 decode_many: Callable[[list[int]], str] | None = None) -> None:
         self._decode_one = decode_one
         self._token_bytes = token_bytes
+        self._decode_many = decode_many
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
@@ -20,6 +22,12 @@ class TokenTexts:
         if text is None:
             text = self._text[token_id] = self._decode_one(token_id)
         return text
+
+    def joined(self, token_ids: list[int]) -> str:
+        """The text of several tokens decoded together (a character split over byte tokens is whole)."""
+        if self._decode_many is None:
+            return "".join(self.text(t) for t in token_ids)
+        return self._decode_many(token_ids)
 
     def bytes(self, token_id: int) -> list[int]:
         raw = self._bytes.get(token_id)
@@ -45,16 +53,35 @@ def _chat_entry(token_id: int, logprob: float, texts: TokenTexts,
 
 
 class CompletionLogprobs:
-    """`choice.logprobs` of a completion, built incrementally (text_offset keeps counting)."""
+    """`choice.logprobs` of a completion, built incrementally (text_offset keeps counting).
+
+    Each token's string is the text it adds, so the strings join to the choice's text as the
+    detokenizer emits it: a character split over byte tokens is "" on the tokens before the one
+    that completes it, which carries the whole character (held across build calls while streaming)."""
+
+    MAX_SPLIT = 4  # a UTF-8 character has at most 4 bytes
 
     def __init__(self, texts: TokenTexts, text_offset: int = 0) -> None:
         self.texts = texts
         self.offset = text_offset
+        self._pending: list[int] = []  # tokens of a character not complete yet
 
-    def build(self, token_ids: list[int], entries: list[TokenLogprob | None]) -> dict[str, Any]:
+    def _added_text(self, token_id: int, final: bool) -> str:
+        text = self.texts.text(token_id)
+        if not self._pending and "\ufffd" not in text:
+            return text
+        self._pending.append(token_id)
+        joined = self.texts.joined(self._pending)
+        if joined.endswith("\ufffd") and len(self._pending) < self.MAX_SPLIT and not final:
+            return ""
+        self._pending = []
+        return joined
+
+    def build(self, token_ids: list[int], entries: list[TokenLogprob | None], final: bool = True) -> dict[str, Any]:
+        """final: the last call for this choice (a character still split is emitted as is)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, lp in zip(token_ids, entries):
-            text = self.texts.text(token_id)
+        for idx, (token_id, lp) in enumerate(zip(token_ids, entries)):
+            text = self._added_text(token_id, final and idx == len(token_ids) - 1)
             tokens.append(text)
             offsets.append(self.offset)
             self.offset += len(text)

@@ -305,7 +305,7 @@ class _CompletionStream(_StreamEnd):
         self.builders = []
         for job in jobs:
             # Offsets of generated tokens continue after the echoed prompt tokens.
-            start = sum(len(state.texts.text(t)) for t in job.prompt_ids) if echo_texts is not None else 0
+            start = len(state.texts.joined(list(job.prompt_ids))) if echo_texts is not None else 0
             self.builders.append(CompletionLogprobs(state.texts, text_offset=start))
 
     def chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None,
@@ -322,7 +322,8 @@ class _CompletionStream(_StreamEnd):
 
     def on_delta(self, i: int, delta: StreamDelta) -> list[bytes]:
         out: list[bytes] = []
-        logprobs = self.builders[i].build(delta.token_ids, delta.logprobs) if self.want_logprobs else None
+        logprobs = (self.builders[i].build(delta.token_ids, delta.logprobs, final=delta.finished)
+                    if self.want_logprobs else None)
         token_ids = delta.token_ids if self.req.common.return_token_ids else None
         if delta.text or (logprobs is not None or token_ids) and delta.token_ids:
             out.append(self.chunk(i, delta.text, logprobs=logprobs, token_ids=token_ids))

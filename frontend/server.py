@@ -38,7 +38,8 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
     _use_chat_template(tokenizer, config.chat_template)
-    texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer))
+    texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer),
+                       lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(), texts=texts,
                        created=int(time.time()),

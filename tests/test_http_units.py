@@ -226,6 +226,25 @@ def test_logprob_payloads():
     assert prompt_entries([1, 2, 3], 2, lp[1:])[0] == [3]
 
 
+def test_completion_logprob_tokens_join_to_the_text_across_split_characters():
+    """Byte tokens 5 and 6 make one character (UTF-8 of "\u00d9"): alone each decodes to U+FFFD. The
+    tokens before the completing one carry "", the completing one the whole character, so the token
+    strings join to the text and text_offset counts real characters, within a call and across the
+    calls of a stream; a character still split at the end is emitted as decoded."""
+    raw = {1: b"ab", 5: b"\xc3", 6: b"\x99", 7: b" c"}
+    texts = TokenTexts(lambda t: raw[t].decode("utf-8", "replace"),
+                       decode_many=lambda ids: b"".join(raw[t] for t in ids).decode("utf-8", "replace"))
+    lp = TokenLogprob(7, -0.1, [(7, -0.1)])
+    out = CompletionLogprobs(texts).build([1, 5, 6, 7], [None, lp, lp, lp])
+    assert out["tokens"] == ["ab", "", "\u00d9", " c"] and "".join(out["tokens"]) == "ab\u00d9 c"
+    assert out["text_offset"] == [0, 2, 2, 3]
+    stream = CompletionLogprobs(texts)
+    first, second = stream.build([1, 5], [None, lp], final=False), stream.build([6, 7], [lp, lp])
+    assert first["tokens"] + second["tokens"] == ["ab", "", "\u00d9", " c"]
+    assert second["text_offset"] == [2, 3]
+    assert CompletionLogprobs(texts).build([1, 5], [None, lp])["tokens"] == ["ab", "\ufffd"]  # cut mid-character
+
+
 def test_metrics_text_format():
     metrics = ServerMetrics()
     metrics.observe_result(0.02, 0.5, 5, "stop")
