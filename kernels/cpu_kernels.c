@@ -6,6 +6,14 @@
  * lse[b, h, r]; a row that sees no key gets out 0 and lse -inf. K/V are read in place from the
  * paged pool [slot, kv_head, d] (nothing gathered); GQA rows come stacked by the caller.
  *
+ * Rows are addressed one of two ways. Strided: row r of (b, h) of q / out / lse sits at
+ * b * sb + h * sh + r * sr. By token (tok != NULL): stacked row r of entry b is token
+ * t = tok[b, r / group] and q head h * group + r % group, so it sits at t * sb + h * sh +
+ * (r % group) * sr of token-major [tokens, q_heads, d] tensors (t < 0: a padding row, neither
+ * read nor written). With merge set, a row's result is log-sum-exp merged into what out / lse
+ * already hold (a partial over disjoint keys) instead of overwriting it: the caller then must not
+ * give one output row to two rows of a call (items run in parallel).
+ *
  * The work: items of QB query rows of one (b, h), spread over OpenMP threads (the libgomp torch
  * already loaded). Per item, keys go in blocks of KB: S^T = K Q^T (keys x rows, Q packed
  * transposed and pre-scaled by scale * log2 e, so softmax is exp2), an online softmax per row
@@ -82,15 +90,52 @@ static inline void pv_tile(const float *p, int i0, const float *const *vp, int c
     }
 }
 
+/* The call's arguments; native.py mirrors this layout (ctypes.Structure _Args), field for field. */
 typedef struct {
     const float *q; int64_t q_sb, q_sh, q_sr;
-    const float *kc, *vc; int64_t kv_ss, kv_sh;
-    const int64_t *slots; int64_t slots_sb;
-    const int32_t *lo, *hi; int64_t bnd_sb;
-    int num_keys, d; float scale;
+    const float *kc, *vc; int64_t kv_ss, kv_sh;   /* pool [slot, kv_head, d]: slot / head strides */
+    const int64_t *slots; int64_t slots_sb;       /* [b, keys] or NULL: key j is slot j */
+    const int32_t *lo, *hi; int64_t bnd_sb;       /* [b, rows] or NULL: every key */
+    const int32_t *tok; int64_t tok_sb;           /* [b, rows / group] or NULL: strided rows */
     float *out; int64_t o_sb, o_sh, o_sr;
-    float *lse; int64_t l_sb, l_sh;
+    float *lse; int64_t l_sb, l_sh, l_sr;
+    int32_t num_b, num_h, num_rows, num_keys, d, group, merge, num_threads;
+    float scale;
 } args_t;
+
+/* Offset of row r of (b, h) in a tensor with strides (sb, sh, sr); -1 for a padding row. */
+static inline int64_t row_at(const args_t *a, int b, int h, int r, int64_t sb, int64_t sh, int64_t sr) {
+    if (!a->tok) return b * sb + h * sh + r * sr;
+    const int64_t t = a->tok[b * a->tok_sb + r / a->group];
+    return t < 0 ? -1 : t * sb + h * sh + (r % a->group) * sr;
+}
+
+/* Writes a row's result, o_row / l in log2 units with max m (l = 0: it saw no key), into out /
+ * lse at (b, h, r): overwriting, or merged by log-sum-exp with the partial already there. */
+static inline void put_row(const args_t *a, int b, int h, int r, const float *o_row, float m, float l) {
+    const int64_t at = row_at(a, b, h, r, a->o_sb, a->o_sh, a->o_sr);
+    if (at < 0) return;
+    float *dst = a->out + at, *lse = a->lse + row_at(a, b, h, r, a->l_sb, a->l_sh, a->l_sr);
+    const float mine = l > 0.0f ? m + log2f(l) : -INFINITY; /* this call's LSE, log2 */
+    float w_old = 0.0f, w_new = l > 0.0f ? 1.0f / l : 0.0f, top = mine;
+    if (a->merge) {
+        const float old = *lse * LOG2E;
+        if (mine == -INFINITY) return; /* nothing seen here: the partial stands */
+        if (old != -INFINITY) {
+            top = old > mine ? old : mine;
+            const float e_old = exp2f(old - top), e_new = exp2f(mine - top), inv = 1.0f / (e_old + e_new);
+            w_old = e_old * inv, w_new = e_new * inv / l;
+            top += log2f(e_old + e_new);
+        }
+    }
+    const __m512 wn = _mm512_set1_ps(w_new), wo = _mm512_set1_ps(w_old);
+    for (int c = 0; c < a->d; c += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o_row + c), wn);
+        if (w_old != 0.0f) x = _mm512_fmadd_ps(_mm512_loadu_ps(dst + c), wo, x);
+        _mm512_storeu_ps(dst + c, x);
+    }
+    *lse = top == -INFINITY ? -INFINITY : top * LN2;
+}
 
 /* Per block: mask (when some row does not see every key of it), update the running max m and
  * sum l of each row, turn s into probabilities, rescale o by exp2(old max - new max). */
@@ -154,13 +199,15 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     int jmin = a->num_keys, jmax = 0;
     for (int i = 0; i < np; ++i) {
         lo[i] = 0, hi[i] = 0; /* padding rows: no key */
-        if (i < nr) row_bounds(a, b, r0 + i, &lo[i], &hi[i], &jmin, &jmax);
+        if (i < nr && (!a->tok || a->tok[b * a->tok_sb + (r0 + i) / a->group] >= 0))
+            row_bounds(a, b, r0 + i, &lo[i], &hi[i], &jmin, &jmax);
         m[i] = -INFINITY, l[i] = 0.0f;
     }
     const float qscale = a->scale * LOG2E;
-    const float *qb = a->q + b * a->q_sb + h * a->q_sh + r0 * a->q_sr;
-    for (int i = 0; i < np; ++i)
-        for (int c = 0; c < d; ++c) qt[c * QB + i] = i < nr ? qb[i * a->q_sr + c] * qscale : 0.0f;
+    for (int i = 0; i < np; ++i) {
+        const int64_t at = i < nr ? row_at(a, b, h, r0 + i, a->q_sb, a->q_sh, a->q_sr) : -1;
+        for (int c = 0; c < d; ++c) qt[c * QB + i] = at >= 0 ? a->q[at + c] * qscale : 0.0f;
+    }
     memset(o, 0, sizeof(float) * np * d);
     const float *kbase = a->kc + h * a->kv_sh, *vbase = a->vc + h * a->kv_sh;
     const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
@@ -181,14 +228,7 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
         for (int i = 0; i < np; i += 8)
             for (int c = 0; c < d; c += 32) pv_tile(s, i, vp, c, nkp, o, d);
     }
-    float *ob = a->out + b * a->o_sb + h * a->o_sh + r0 * a->o_sr;
-    float *lb = a->lse + b * a->l_sb + h * a->l_sh + r0;
-    for (int i = 0; i < nr; ++i) {
-        float *row = ob + i * a->o_sr;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int c = 0; c < d; ++c) row[c] = o[i * d + c] * inv;
-        lb[i] = l[i] > 0.0f ? (m[i] + log2f(l[i])) * LN2 : -INFINITY;
-    }
+    for (int i = 0; i < nr; ++i) put_row(a, b, h, r0 + i, o + i * d, m[i], l[i]);
 }
 
 /* Items of at most FEW rows (a decode's stacked GQA heads): a register tile of 16 or 32 rows would
@@ -205,11 +245,13 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
     int jmin = a->num_keys, jmax = 0;
     const float qscale = a->scale * LOG2E;
     for (int r = 0; r < nr; ++r) {
-        row_bounds(a, b, r0 + r, &lo[r], &hi[r], &jmin, &jmax);
+        const int64_t at = row_at(a, b, h, r0 + r, a->q_sb, a->q_sh, a->q_sr);
+        lo[r] = hi[r] = 0; /* a padding row sees nothing */
+        if (at >= 0) row_bounds(a, b, r0 + r, &lo[r], &hi[r], &jmin, &jmax);
         m[r] = -INFINITY, l[r] = 0.0f;
-        const float *qr = a->q + b * a->q_sb + h * a->q_sh + (r0 + r) * a->q_sr;
         for (int c = 0; c < nd; ++c) {
-            q[r][c] = _mm512_mul_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_set1_ps(qscale));
+            q[r][c] = at >= 0 ? _mm512_mul_ps(_mm512_loadu_ps(a->q + at + 16 * c), _mm512_set1_ps(qscale))
+                              : _mm512_setzero_ps();
             o[r][c] = _mm512_setzero_ps();
         }
     }
@@ -262,10 +304,9 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
         }
     }
     for (int r = 0; r < nr; ++r) {
-        float *row = a->out + b * a->o_sb + h * a->o_sh + (r0 + r) * a->o_sr;
-        const __m512 inv = _mm512_set1_ps(l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
-        for (int c = 0; c < nd; ++c) _mm512_storeu_ps(row + 16 * c, _mm512_mul_ps(o[r][c], inv));
-        a->lse[b * a->l_sb + h * a->l_sh + r0 + r] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * LN2 : -INFINITY;
+        float row[DMAX] __attribute__((aligned(64)));
+        for (int c = 0; c < nd; ++c) _mm512_store_ps(row + 16 * c, o[r][c]);
+        put_row(a, b, h, r0 + r, row, m[r], l[r]);
     }
 }
 
@@ -287,26 +328,18 @@ static void attend_few(const args_t *a, int b, int h, int r0, int nr) {
     }
 }
 
-/* Returns 0, or 1 when d is not a multiple of 32 up to DMAX (the caller falls back). */
-int rs_attend(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_sr,
-              const float *kc, const float *vc, int64_t kv_ss, int64_t kv_sh,
-              const int64_t *slots, int64_t slots_sb, const int32_t *lo, const int32_t *hi, int64_t bnd_sb,
-              int num_b, int num_h, int num_rows, int num_keys, int d, float scale,
-              float *out, int64_t o_sb, int64_t o_sh, int64_t o_sr, float *lse, int64_t l_sb, int64_t l_sh,
-              int num_threads) {
-    if (d % 32 != 0 || d > DMAX || num_rows <= 0) return 1;
-    const args_t a = {q, q_sb, q_sh, q_sr, kc, vc, kv_ss, kv_sh, slots, slots_sb, lo, hi, bnd_sb,
-                      num_keys, d, scale, out, o_sb, o_sh, o_sr, lse, l_sb, l_sh};
-    const int blocks = (num_rows + QB - 1) / QB, items = num_b * num_h * blocks;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (items > 1)
+/* Returns 0, or 1 when d is not a multiple of 32 up to DMAX or group < 1 (the caller falls back). */
+int rs_attend(const args_t *a) {
+    if (a->d % 32 != 0 || a->d > DMAX || a->num_rows <= 0 || a->group < 1) return 1;
+    const int blocks = (a->num_rows + QB - 1) / QB, items = a->num_b * a->num_h * blocks;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads) if (items > 1)
     for (int it = 0; it < items; ++it) {
-        const int b = it / (num_h * blocks), h = it / blocks % num_h, r0 = it % blocks * QB;
-        const int nr = num_rows - r0 < QB ? num_rows - r0 : QB;
+        const int b = it / (a->num_h * blocks), h = it / blocks % a->num_h, r0 = it % blocks * QB;
+        const int nr = a->num_rows - r0 < QB ? a->num_rows - r0 : QB;
         if (nr <= FEW)
-            attend_few(&a, b, h, r0, nr);
+            attend_few(a, b, h, r0, nr);
         else
-            attend_item(&a, b, h, r0, nr);
+            attend_item(a, b, h, r0, nr);
     }
     return 0;
 }
-

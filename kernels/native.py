@@ -35,13 +35,22 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 
-_I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_ARGTYPES = [_PTR, _I64, _I64, _I64,  # q, its batch / head / row strides
-             _PTR, _PTR, _I64, _I64,  # k_cache, v_cache, slot / head strides
-             _PTR, _I64, _PTR, _PTR, _I64,  # slots, its batch stride; lo, hi, their batch stride
-             _I32, _I32, _I32, _I32, _I32, _F32,  # batch, kv heads, rows, keys, head_dim, scale
-             _PTR, _I64, _I64, _I64, _PTR, _I64, _I64,  # out and its strides, lse and its strides
-             _I32]  # threads
+
+
+class _Args(ctypes.Structure):
+    """cpu_kernels.c's args_t, field for field."""
+
+    _fields_ = [(name, kind) for names, kind in [
+        ("q", ctypes.c_void_p), (("q_sb", "q_sh", "q_sr"), ctypes.c_int64),
+        (("kc", "vc"), ctypes.c_void_p), (("kv_ss", "kv_sh"), ctypes.c_int64),
+        ("slots", ctypes.c_void_p), ("slots_sb", ctypes.c_int64),
+        (("lo", "hi"), ctypes.c_void_p), ("bnd_sb", ctypes.c_int64),
+        ("tok", ctypes.c_void_p), ("tok_sb", ctypes.c_int64),
+        ("out", ctypes.c_void_p), (("o_sb", "o_sh", "o_sr"), ctypes.c_int64),
+        ("lse", ctypes.c_void_p), (("l_sb", "l_sh", "l_sr"), ctypes.c_int64),
+        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads"), ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ] for name in ((names,) if isinstance(names, str) else names)]
 
 
 def _cpu_flags() -> str:
@@ -94,7 +103,7 @@ def load():
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             reason = f"building it failed: {exc}"
         else:
-            lib.rs_attend.argtypes, lib.rs_attend.restype = _ARGTYPES, ctypes.c_int
+            lib.rs_attend.argtypes, lib.rs_attend.restype = [ctypes.POINTER(_Args)], ctypes.c_int
             return lib
     logger.info("native CPU kernels unavailable (%s); using torch's flash attention op", reason)
     return None
@@ -114,22 +123,44 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     run of the pool). ``bounds`` = (lo, hi), int32 [b, rows]: row r sees keys [lo, hi) (None: all).
     Returns (out [b, h, rows, d] float32, natural-log LSE [b, h, rows]); a row that sees no key
     gets out 0 and LSE -inf. Every tensor's last dimension must be contiguous; ``supports`` must hold."""
-    fn = load().rs_attend
     num_b, num_h, rows, d = q.shape
-    num_keys = slots.shape[1] if slots is not None else k_cache.shape[0]
     if out is None:
         out = torch.empty((num_b, num_h, rows, d), dtype=torch.float32)
     lse = torch.empty((num_b, num_h, rows), dtype=torch.float32)
-    lo, hi = bounds if bounds is not None else (None, None)
-    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-            k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-            None if slots is None else slots.data_ptr(), 0 if slots is None else slots.stride(0),
-            None if lo is None else lo.data_ptr(), None if hi is None else hi.data_ptr(),
-            0 if lo is None else lo.stride(0),
-            num_b, num_h, rows, num_keys, d, scale,
-            out.data_ptr(), out.stride(0), out.stride(1), out.stride(2), lse.data_ptr(), lse.stride(0), lse.stride(1),
-            torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"native attention refused head_dim {d} or {rows} rows")
+    _call(q, q.stride()[:3], k_cache, v_cache, slots, bounds, None, 1, out, out.stride()[:3], lse,
+          lse.stride(), num_b, num_h, rows, scale, merge=False)
     return out, lse
 
+
+def attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor | None,
+                  bounds: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor, scale: float,
+                  out: torch.Tensor, lse: torch.Tensor, merge: bool) -> None:
+    """attend_paged for rows named by token, reading q and writing out in place, token-major:
+    q / out [num_tokens, q_heads, d], lse [num_tokens, q_heads] float32. Entry b's stacked row r
+    is token ``tokens[b, r // group]`` (int32 [b, rows / group]; -1: padding, skipped), q head
+    kv_head * group + r % group, with group = q_heads / kv_heads; ``bounds`` are per stacked row.
+    merge: each row's result is log-sum-exp merged into the partial out / lse hold (over other
+    keys), else it overwrites them. No token may appear twice in one call."""
+    num_h, group = k_cache.shape[1], q.shape[1] // k_cache.shape[1]
+    q_strides = (q.stride(0), group * q.stride(1), q.stride(1))
+    o_strides = (out.stride(0), group * out.stride(1), out.stride(1))
+    _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse,
+          (lse.stride(0), group * lse.stride(1), lse.stride(1)), tokens.shape[0], num_h, tokens.shape[1] * group,
+          scale, merge)
+
+
+def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse, l_strides,
+          num_b, num_h, rows, scale, merge) -> None:
+    lo, hi = bounds if bounds is not None else (None, None)
+    args = _Args(q.data_ptr(), *q_strides, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                 k_cache.stride(1), _ptr(slots), 0 if slots is None else slots.stride(0), _ptr(lo), _ptr(hi),
+                 0 if lo is None else lo.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
+                 out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
+                 num_b, num_h, rows, slots.shape[1] if slots is not None else k_cache.shape[0], q.shape[-1],
+                 group, int(merge), torch.get_num_threads(), scale)
+    if load().rs_attend(ctypes.byref(args)) != 0:
+        raise ValueError(f"native attention refused head_dim {q.shape[-1]}, {rows} rows or group {group}")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -63,6 +63,67 @@ def test_matches_reference(b, h, rows, num_keys, d, threads, data):
     torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)  # -inf where a row sees nothing
 
 
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
+       per_entry=st.one_of(st.integers(1, 4), st.integers(20, 50)), num_keys=st.one_of(st.integers(1, 9), st.integers(120, 200)),
+       d=st.sampled_from([32, 64]), merge=st.booleans(), threads=st.sampled_from([1, 2]), data=st.data())
+def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, num_keys, d, merge, threads, data):
+    """attend_tokens: q and out are token-major [tokens, q_heads, d]; entry rows name their tokens
+    (-1: padding, never written). merge=True folds the call's keys into the partial out / lse
+    already hold, so prior keys + these keys = attention over both; untouched tokens keep their bytes."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    num_tokens, q_heads = b * per_entry + 5, kv_heads * group
+    pool = 2 * b * num_keys + 8
+    k_cache = torch.full((pool, kv_heads, d), float("nan"))
+    v_cache = torch.full((pool, kv_heads, d), float("nan"))
+    slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
+    k_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    v_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    tokens = torch.randperm(num_tokens, generator=gen)[:b * per_entry].view(b, per_entry).to(torch.int32)
+    tokens[torch.rand(b, per_entry, generator=gen) < 0.2] = -1  # padding rows
+    rows = per_entry * group
+    lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
+    hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
+    q = torch.randn(num_tokens, q_heads + 1, d, generator=gen)[:, 1:]  # a strided view, as after a split
+    # The partial already held: each token's attention over 30 prior keys of its own (or nothing, lse -inf).
+    prior_k, prior_v = torch.randn(num_tokens, kv_heads, 30, d, generator=gen), torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
+    heads = torch.arange(q_heads) // group
+    ps = torch.einsum("thd,thkd->thk", q.double(), prior_k[:, heads].double()) * d ** -0.5
+    no_prior = torch.rand(num_tokens, generator=gen) < 0.2
+    ps[no_prior] = float("-inf")
+    out = torch.einsum("thk,thkd->thd", torch.softmax(ps, -1).nan_to_num(0.0), prior_v[:, heads].double()).float()
+    lse = torch.logsumexp(ps, -1).float()
+    before_out, before_lse = out.clone(), lse.clone()
+    torch.set_num_threads(threads)
+    try:
+        native.attend_tokens(q, k_cache, v_cache, slots, (lo, hi), tokens, d ** -0.5, out, lse, merge=merge)
+    finally:
+        torch.set_num_threads(1)
+    # Reference per written (token, q head): scores over the call's keys, plus the prior's when merging.
+    expected_out, expected_lse = before_out.clone(), before_lse.clone()
+    for e in range(b):
+        for r in range(rows):
+            t, head = int(tokens[e, r // group]), (r % group)
+            if t < 0:
+                continue
+            for h in range(kv_heads):
+                qh = h * group + head
+                keys = slots[e, lo[e, r]:max(lo[e, r], hi[e, r])]
+                s = (k_cache[keys, h].double() @ q[t, qh].double()) * d ** -0.5
+                vals = v_cache[keys, h].double()
+                if merge:
+                    s = torch.cat([s, ps[t, qh]])
+                    vals = torch.cat([vals, prior_v[t, h].double()])
+                if s.numel() == 0 or bool(torch.isinf(s).all()):
+                    if not merge:
+                        expected_out[t, qh], expected_lse[t, qh] = 0.0, float("-inf")
+                    continue
+                expected_out[t, qh] = (torch.softmax(s, 0) @ vals).float()
+                expected_lse[t, qh] = torch.logsumexp(s, 0).float()
+    torch.testing.assert_close(out, expected_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
+
+
 def test_contiguous_keys_without_slots_or_bounds():
     """slots None: key j is slot j of the (view of the) pool; bounds None: every row sees every key."""
     gen = torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ from radixserve.kernels import native as native_kernel
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
 from radixserve.kernels.attention.partials import attend, attend_matmul, lse_merge, merge_into
 from radixserve.kernels.attention.staging import OwnKeyStages, staged_keys
-from radixserve.kernels.attention.torch_plan import Bucket, SharedBatch, step_plan
+from radixserve.kernels.attention.torch_plan import Bucket, StepPlan, step_plan
 from radixserve.kernels.attention.torch_ref import store_kv
 
 
@@ -76,6 +76,8 @@ def cascade_attention(
     if native is None:
         native = native_kernel.supports(k_cache.dtype, k_cache.shape[2], k_cache.device)
     plan = step_plan(meta, window, group, bool(meta.shared) and window is None, native)
+    if native:
+        return _native_attention(q, k_cache, v_cache, plan, sm_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     if not plan.pieces:
         out = q.new_empty((num_tokens, num_q_heads, head_dim))
@@ -96,24 +98,17 @@ def cascade_attention(
             o, b_lse = o.index_select(1, b.stack_src), b_lse.index_select(1, b.stack_src)
         out.index_copy_(1, b.stack_cols, o.float())
         lse.index_copy_(1, b.stack_cols, b_lse)
-    batch = None
-    if plan.shared_batch is not None:  # native: every prefix's read in one call
-        batch = _shared_batch_attention(q, k_cache, v_cache, plan.shared_batch, sm_scale, group)
-    for idx, piece in enumerate(plan.pieces):
+    for piece in plan.pieces:
         rows, where = piece.shared.q_row_range, piece.cols
         if rows is not None:  # views: merged in place
             o_acc, lse_acc = out[:, where], lse[:, where]
         else:
             o_acc, lse_acc = out.index_select(1, where), lse.index_select(1, where)
-        if batch is not None:
-            n = plan.shared_batch.rows[idx]
-            merge_into(o_acc, lse_acc, batch[0][idx, :, :n], batch[1][idx, :, :n])
-        else:
-            qs = q[rows[0]:rows[1]] if rows is not None else q.index_select(0, piece.shared.q_rows)
-            qs = qs.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-            for run in piece.runs:
-                o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
-                merge_into(o_acc, lse_acc, o[0], s_lse[0])
+        qs = q[rows[0]:rows[1]] if rows is not None else q.index_select(0, piece.shared.q_rows)
+        qs = qs.view(-1, num_kv_heads, group, head_dim).transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+        for run in piece.runs:
+            o, s_lse = _shared_attention(qs, k_cache, v_cache, piece.shared, run, sm_scale)
+            merge_into(o_acc, lse_acc, o[0], s_lse[0])
         if rows is None:
             out.index_copy_(1, where, o_acc)
             lse.index_copy_(1, where, lse_acc)
@@ -122,6 +117,23 @@ def cascade_attention(
 
 
 # -- per layer ---------------------------------------------------------------------------------
+
+def _native_attention(q, k_cache, v_cache, plan: StepPlan, sm_scale: float) -> torch.Tensor:
+    """The native kernel reads q and writes the result by token, in place: each bucket's own
+    part first, then each level of shared prefixes merged into the rows below it, so no query is
+    copied, no partial result is gathered and no merge runs outside the kernel."""
+    dtype = q.dtype
+    q = q.float() if q.stride(-1) == 1 else q.float().contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for b in plan.buckets:  # the own parts cover every token: every token sees itself
+        native_kernel.attend_tokens(q, k_cache, v_cache, b.kv_idx.view(b.num, b.max_k), b.bounds, b.tokens,
+                                    sm_scale, out, lse, merge=False)
+    for batch in plan.shared_batches:
+        native_kernel.attend_tokens(q, k_cache, v_cache, batch.slots, batch.bounds, batch.tokens, sm_scale,
+                                    out, lse, merge=True)
+    return out.to(dtype)
+
 
 def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: int, stacked: bool = False):
     """The bucket's own-part attention: token-major ([num * max_q, q_heads, d], [.., q_heads]),
@@ -133,8 +145,6 @@ def _bucket_attention(q, k_cache, v_cache, b: Bucket, sm_scale: float, group: in
     elif b.stage is not None:  # a decode bucket's own keys, kept from the previous step
         keys, values = staged_keys(b.stage, k_cache, v_cache, b.max_k)  # [num, kv_heads, max_k, d]
         o, lse = attend_matmul(qb, keys, values, b.mask, sm_scale)
-    elif b.bounds is not None:  # the native kernel reads the own keys by slot, in place
-        o, lse = native_kernel.attend_paged(qb, k_cache, v_cache, b.kv_idx.view(b.num, b.max_k), b.bounds, sm_scale)
     else:
         if b.workspace is None:  # one buffer pair per step, reused by every layer
             b.workspace = (k_cache.new_empty((b.kv_idx.numel(), num_kv_heads * head_dim)),
@@ -157,13 +167,6 @@ def _stacked_queries(q, token_idx: torch.Tensor, per_entry: int, num_kv_heads: i
     head_dim = q.shape[2]
     qb = q.index_select(0, token_idx).view(-1, per_entry, num_kv_heads, group, head_dim)
     return qb.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, per_entry * group, head_dim)
-
-
-def _shared_batch_attention(q, k_cache, v_cache, sb: SharedBatch, sm_scale: float, group: int):
-    """Every shared prefix's read for every query below it, in one native call: entry p is
-    piece p, in the stacked layout ([P, kv_heads, t_max * group, d], lse [P, kv_heads, ..])."""
-    qb = _stacked_queries(q, sb.q_idx, sb.t_max, k_cache.shape[1], group)
-    return native_kernel.attend_paged(qb, k_cache, v_cache, sb.slots, sb.bounds, sm_scale)
 
 
 def _shared_attention(qs, k_cache, v_cache, plan: SharedPrefixPlan, run: tuple[int, int] | None,

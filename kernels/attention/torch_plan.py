@@ -37,17 +37,19 @@ class Bucket:
     max_q: int
     max_k: int
     q_idx: torch.Tensor  # [num * max_q] int64 token rows of q (padding repeats a valid row)
-    out_rows: torch.Tensor  # [num_valid] int64 token rows the valid queries write
     valid: torch.Tensor | None  # [num * max_q] bool, None when no query is padding
+    out_rows: torch.Tensor | None  # [num_valid] int64 token rows the valid queries write (flash op)
     kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = read through `runs`
     runs: list[tuple[int, int]] | None  # one sequence's own keys as views [(first slot, length)]
     run_masks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None  # per run: (mask, rows seeing it)
     mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
     # Native kernel: stacked row r of unit u sees own keys [lo[u, r], hi[u, r]); int32 [num, max_q * group].
     bounds: tuple[torch.Tensor, torch.Tensor] | None
-    # Stacked layout: columns the valid queries' results go to, and (None = all) which of the
-    # bucket's num * max_q * group result columns are valid.
-    stack_cols: torch.Tensor
+    # Native kernel: int32 [num, max_q] the token (row of q and of the result) of each query, -1 = padding.
+    tokens: torch.Tensor | None
+    # Flash op, stacked layout: columns the valid queries' results go to, and (None = all) which
+    # of the bucket's num * max_q * group result columns are valid.
+    stack_cols: torch.Tensor | None
     stack_src: torch.Tensor | None
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # gathered K / V rows, reused per layer
     seq_rows: tuple[int, ...] = ()  # the members' slot-table rows
@@ -67,15 +69,14 @@ class Piece:
 
 @dataclass
 class SharedBatch:
-    """Every shared prefix of a step read in one native call: entry p holds piece p's queries
-    (tokens padded to t_max; stacked rows [0, rows[p]) are real) over its keys (slots padded to
-    the longest prefix); ``bounds`` gives real rows all of their prefix's keys, padding none."""
+    """Shared prefixes read in one native call, each merged into the rows below it: entry p
+    holds piece p's queries (``tokens``, -1 = padding to the longest) over its keys (slots padded
+    to the longest prefix); ``bounds`` give real rows all of their prefix's keys. No token sits
+    below two pieces of one batch (nested prefixes go to successive batches)."""
 
-    q_idx: torch.Tensor  # [P * t_max] int64 token rows of q (padding repeats a valid row)
-    t_max: int
+    tokens: torch.Tensor  # int32 [P, t_max] rows of q below each piece
     slots: torch.Tensor  # [P, max keys] int64 (padding repeats a valid slot)
     bounds: tuple[torch.Tensor, torch.Tensor]  # int32 [P, t_max * group]
-    rows: list[int]  # stacked rows of each piece: its tokens * group
 
 
 @dataclass
@@ -83,7 +84,7 @@ class StepPlan:
     buckets: list[Bucket]  # the own parts
     pieces: list[Piece]  # shared reads, outermost prefix first
     native: bool  # read by the native kernel (native.py), else by torch's flash op / matmuls
-    shared_batch: SharedBatch | None = None  # native: all pieces in one call
+    shared_batches: list[SharedBatch] | None = None  # native: the pieces, one call per nesting level
 
 
 def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool, native: bool) -> StepPlan:
@@ -91,8 +92,8 @@ def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_share
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared, native)
         pieces = _shared_pieces(meta, group) if use_shared else []
-        batch = _shared_batch(pieces, group) if native and pieces else None
-        meta.step_cache[key] = StepPlan(buckets, pieces, native, batch)
+        batches = [_shared_batch(level, group) for level in _levels(pieces)] if native else None
+        meta.step_cache[key] = StepPlan(buckets, pieces, native, batches)
     return meta.step_cache[key]
 
 
@@ -109,17 +110,33 @@ def _shared_pieces(meta: AttentionMetadata, group: int) -> list[Piece]:
     return out
 
 
+def _levels(pieces: list[Piece]) -> list[list[Piece]]:
+    """The pieces in groups whose query rows are disjoint (so one call may merge them all in
+    place): each piece, outermost first, joins the first group none of whose sequences it shares."""
+    levels: list[tuple[set[int], list[Piece]]] = []
+    for piece in pieces:
+        seqs = set(piece.shared.prefix.seq_idx)
+        level = next((lv for lv in levels if lv[0].isdisjoint(seqs)), None)
+        if level is None:
+            levels.append(level := (set(), []))
+        level[0].update(seqs)
+        level[1].append(piece)
+    return [members for _, members in levels]
+
+
 def _shared_batch(pieces: list[Piece], group: int) -> SharedBatch:
     tokens = [p.shared.q_rows for p in pieces]
     slots = [p.shared.slots for p in pieces]
     t_max, k_max = max(t.shape[0] for t in tokens), max(s.shape[0] for s in slots)
-    q_idx = torch.cat([torch.cat([t, t[-1:].expand(t_max - t.shape[0])]) for t in tokens])
+    device = slots[0].device
+    padded_tokens = torch.full((len(pieces), t_max), -1, dtype=torch.int32, device=device)
+    for p, t in enumerate(tokens):
+        padded_tokens[p, :t.shape[0]] = t
     padded = torch.stack([torch.cat([s, s[-1:].expand(k_max - s.shape[0])]) for s in slots])
-    device = padded.device
-    rows = [t.shape[0] * group for t in tokens]
-    real = torch.arange(t_max * group, device=device)[None, :] < torch.tensor(rows, device=device)[:, None]
+    rows = torch.tensor([t.shape[0] * group for t in tokens], device=device)
+    real = torch.arange(t_max * group, device=device)[None, :] < rows[:, None]
     hi = torch.where(real, torch.tensor([s.shape[0] for s in slots], device=device)[:, None], 0).to(torch.int32)
-    return SharedBatch(q_idx=q_idx, t_max=t_max, slots=padded, bounds=(torch.zeros_like(hi), hi), rows=rows)
+    return SharedBatch(tokens=padded_tokens, slots=padded, bounds=(torch.zeros_like(hi), hi))
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool,
@@ -185,21 +202,23 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
     q_valid = qj < q_len_t  # [num, max_q]
     q_idx = (q_first + torch.minimum(qj, q_len_t - 1)).reshape(-1)
     valid = None if all(n == max_q for n in q_lens) else q_valid.reshape(-1)
-    out_rows = q_idx if valid is None else q_idx[valid]
     kv_idx = None if runs is not None else _own_slots(table, meta, seqs, kc, start_t, k_len_t)
     # Absolute positions: a unit's last query sees its last key; own key c at start + c.
     q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
-    if native:
-        mask, bounds = None, _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group)
-    else:
-        mask, bounds = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group), None
-    run_masks = None if runs is None or mask is None else _split_mask(mask, runs)
+    bucket = Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, valid=valid, out_rows=None, kv_idx=kv_idx,
+                    runs=runs, run_masks=None, mask=None, bounds=None, tokens=None, stack_cols=None, stack_src=None,
+                    seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
+    if native:  # rows named by token; padding -1
+        bucket.bounds = _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group)
+        bucket.tokens = torch.where(q_valid, q_idx.view(num, max_q), -1).to(torch.int32)
+        return bucket
+    bucket.mask = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group)
+    bucket.run_masks = None if runs is None or bucket.mask is None else _split_mask(bucket.mask, runs)
+    bucket.out_rows = q_idx if valid is None else q_idx[valid]
     g = torch.arange(group, device=device)
-    stack_cols = (out_rows[:, None] * group + g).reshape(-1)
-    stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
-    return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, out_rows=out_rows, valid=valid,
-                  kv_idx=kv_idx, runs=runs, run_masks=run_masks, mask=mask, bounds=bounds, stack_cols=stack_cols,
-                  stack_src=stack_src, seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
+    bucket.stack_cols = (bucket.out_rows[:, None] * group + g).reshape(-1)
+    bucket.stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
+    return bucket
 
 
 def _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group) -> torch.Tensor | None:
