@@ -103,6 +103,12 @@ typedef struct {
     float scale;
 } args_t;
 
+/* Software prefetch of one K or V row of d floats. The hardware prefetchers stop at 4 KB pages,
+ * which hold only 8 slots of a 2-kv-head pool, and cannot guess scattered slots: DRAM-resident
+ * shared prefixes streamed at ~10 GB/s of the ~35 available (measured with a cold cache). */
+#define PREFETCH_ROW(row, d, hint)                                                     \
+    for (int c_ = 0; c_ < (d); c_ += 16) _mm_prefetch((const char *)((row) + c_), hint)
+
 /* Offset of row r of (b, h) in a tensor with strides (sb, sh, sr); -1 for a padding row. */
 static inline int64_t row_at(const args_t *a, int b, int h, int r, int64_t sb, int64_t sh, int64_t sr) {
     if (!a->tok) return b * sb + h * sh + r * sr;
@@ -220,6 +226,11 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
         int masked = nkp != nk;
         for (int i = 0; i < nr && !masked; ++i) masked = lo[i] > j0 || hi[i] < j0 + nk;
         for (int j = 0; j < nkp; j += 8) {
+            for (int jj = j0 + KB + j; jj < jmax && jj < j0 + KB + j + 8; ++jj) { /* the next block, spread over tiles */
+                const int64_t slot = slots ? slots[jj] : jj;
+                PREFETCH_ROW(kbase + slot * a->kv_ss, d, _MM_HINT_T1);
+                PREFETCH_ROW(vbase + slot * a->kv_ss, d, _MM_HINT_T1);
+            }
             int i = 0;
             for (; i + 32 <= np; i += 32) qk_tile(kp + j, qt + i, d, s + j * QB + i, 2);
             if (i < np) qk_tile(kp + j, qt + i, d, s + j * QB + i, 1);
@@ -261,7 +272,11 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
     for (int j0 = jmin; j0 < jmax; j0 += KB) {
         const int nk = jmax - j0 < KB ? jmax - j0 : KB;
         for (int j = 0; j < nk; ++j) {
-            const float *kr = kbase + (slots ? slots[j0 + j] : j0 + j) * a->kv_ss;
+            const int64_t slot = slots ? slots[j0 + j] : j0 + j;
+            const float *kr = kbase + slot * a->kv_ss;
+            if (j0 + j + 16 < jmax) /* decode keys lie on scattered slots: K 16 keys ahead, V for the P V pass */
+                PREFETCH_ROW(kbase + (slots ? slots[j0 + j + 16] : j0 + j + 16) * a->kv_ss, nd * 16, _MM_HINT_T0);
+            PREFETCH_ROW(vbase + slot * a->kv_ss, nd * 16, _MM_HINT_T1);
             __m512 acc[FEW];
             for (int c = 0; c < nd; ++c) {
                 const __m512 kv = _mm512_loadu_ps(kr + 16 * c);
