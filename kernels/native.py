@@ -120,7 +120,8 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [b, h, rows, d] over keys read in place from the pool: key j of entry b is
     slot ``slots[b, j]`` of k_cache / v_cache [slots, h, d] (slots None: slot j, for a view of a
-    run of the pool). ``bounds`` = (lo, hi), int32 [b, rows]: row r sees keys [lo, hi) (None: all).
+    run of the pool). ``bounds`` = (lo, hi), int32 [b, rows] with the same strides: row r sees keys
+    [lo, hi) (None: all; lo None: from 0).
     Returns (out [b, h, rows, d] float32, natural-log LSE [b, h, rows]); a row that sees no key
     gets out 0 and LSE -inf. Every tensor's last dimension must be contiguous; ``supports`` must hold."""
     num_b, num_h, rows, d = q.shape
@@ -152,9 +153,12 @@ def attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse, l_strides,
           num_b, num_h, rows, scale, merge) -> None:
     lo, hi = bounds if bounds is not None else (None, None)
+    for name, t in (("lo", lo), ("hi", hi), ("tokens", tokens), ("slots", slots)):
+        if t is not None and t.stride(-1) != 1:  # the kernel steps through their rows one by one
+            raise ValueError(f"native attention needs {name} contiguous along its last dimension")
     args = _Args(q.data_ptr(), *q_strides, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                  k_cache.stride(1), _ptr(slots), 0 if slots is None else slots.stride(0), _ptr(lo), _ptr(hi),
-                 0 if lo is None else lo.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
+                 0 if hi is None else hi.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
                  out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
                  num_b, num_h, rows, slots.shape[1] if slots is not None else k_cache.shape[0], q.shape[-1],
                  group, int(merge), torch.get_num_threads(), scale)

@@ -253,3 +253,20 @@ def test_long_prefill_chunk_is_cut_into_causal_blocks():
     assert sorted(b.max_q for b in prefill) == sorted([block, block, 600 - 2 * block])
     assert sorted(b.max_k for b in prefill) == [40 + block, 40 + 2 * block, 40 + 600]
     assert all(b.num == 1 for b in prefill)  # long blocks are not padded together
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(1, 6), st.sampled_from([0, 0, 1, 5, -20])), min_size=1, max_size=8),
+                min_size=1, max_size=5), st.integers(1, 4))
+def test_runs_of_all_prefixes_at_once_equal_each_alone(pieces, max_runs):
+    """metadata._runs_of_each (one pass over every shared prefix of a step) = slot_runs per prefix:
+    runs never cross from one prefix into the next, even where the slots happen to continue."""
+    from radixserve.kernels.attention.metadata import _runs_of_each, slot_runs
+    tensors, base = [], 50
+    for runs in pieces:
+        slots = []
+        for length, gap in runs:
+            slots.extend(range(base, base + length))
+            base += length + gap
+        tensors.append(torch.tensor(slots))
+    assert _runs_of_each(tensors, max_runs) == [slot_runs(t, max_runs) for t in tensors]

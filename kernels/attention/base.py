@@ -91,6 +91,7 @@ class AttentionMetadata:
     shared: list[SharedPrefixPlan] = field(default_factory=list)
     # Derived tensors a backend builds on first use in a step and reuses in every layer.
     step_cache: dict[Any, Any] = field(default_factory=dict)
+    counters: Any = None  # metadata.HostCounters of the step: a backend's plan counts its host tensors too
 
     @property
     def num_seqs(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
-from radixserve.kernels.attention.metadata import slot_runs
+from radixserve.kernels.attention.metadata import host_tensor, slot_runs
 from radixserve.kernels.attention.staging import Stage
 
 # A bucket pads its units to one shape; it may waste at most this many padded (query, key)
@@ -36,15 +36,16 @@ class Bucket:
     num: int
     max_q: int
     max_k: int
-    q_idx: torch.Tensor  # [num * max_q] int64 token rows of q (padding repeats a valid row)
+    q_idx: torch.Tensor | None  # [num * max_q] int64 token rows of q, padding repeats a valid row (flash op)
     valid: torch.Tensor | None  # [num * max_q] bool, None when no query is padding
     out_rows: torch.Tensor | None  # [num_valid] int64 token rows the valid queries write (flash op)
     kv_idx: torch.Tensor | None  # [num * max_k] int64 slots; None = read through `runs`
     runs: list[tuple[int, int]] | None  # one sequence's own keys as views [(first slot, length)]
     run_masks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None  # per run: (mask, rows seeing it)
     mask: torch.Tensor | None  # [num, 1, max_q * group, max_k] additive float mask, None = none
-    # Native kernel: stacked row r of unit u sees own keys [lo[u, r], hi[u, r]); int32 [num, max_q * group].
-    bounds: tuple[torch.Tensor, torch.Tensor] | None
+    # Native kernel: stacked row r of unit u sees own keys [lo[u, r], hi[u, r]); int32 [num, max_q * group]
+    # (lo None: 0).
+    bounds: tuple[torch.Tensor | None, torch.Tensor] | None
     # Native kernel: int32 [num, max_q] the token (row of q and of the result) of each query, -1 = padding.
     tokens: torch.Tensor | None
     # Flash op, stacked layout: columns the valid queries' results go to, and (None = all) which
@@ -76,7 +77,7 @@ class SharedBatch:
 
     tokens: torch.Tensor  # int32 [P, t_max] rows of q below each piece
     slots: torch.Tensor  # [P, max keys] int64 (padding repeats a valid slot)
-    bounds: tuple[torch.Tensor, torch.Tensor]  # int32 [P, t_max * group]
+    bounds: tuple[None, torch.Tensor]  # (lo = 0, hi int32 [P, t_max * group]: the piece's length)
 
 
 @dataclass
@@ -92,7 +93,7 @@ def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_share
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared, native)
         pieces = _shared_pieces(meta, group) if use_shared else []
-        batches = [_shared_batch(level, group) for level in _levels(pieces)] if native else None
+        batches = [_shared_batch(meta, level, group) for level in _levels(pieces)] if native else None
         meta.step_cache[key] = StepPlan(buckets, pieces, native, batches)
     return meta.step_cache[key]
 
@@ -124,19 +125,22 @@ def _levels(pieces: list[Piece]) -> list[list[Piece]]:
     return [members for _, members in levels]
 
 
-def _shared_batch(pieces: list[Piece], group: int) -> SharedBatch:
-    tokens = [p.shared.q_rows for p in pieces]
-    slots = [p.shared.slots for p in pieces]
-    t_max, k_max = max(t.shape[0] for t in tokens), max(s.shape[0] for s in slots)
-    device = slots[0].device
-    padded_tokens = torch.full((len(pieces), t_max), -1, dtype=torch.int32, device=device)
-    for p, t in enumerate(tokens):
-        padded_tokens[p, :t.shape[0]] = t
-    padded = torch.stack([torch.cat([s, s[-1:].expand(k_max - s.shape[0])]) for s in slots])
-    rows = torch.tensor([t.shape[0] * group for t in tokens], device=device)
-    real = torch.arange(t_max * group, device=device)[None, :] < rows[:, None]
-    hi = torch.where(real, torch.tensor([s.shape[0] for s in slots], device=device)[:, None], 0).to(torch.int32)
-    return SharedBatch(tokens=padded_tokens, slots=padded, bounds=(torch.zeros_like(hi), hi))
+def _shared_batch(meta: AttentionMetadata, pieces: list[Piece], group: int) -> SharedBatch:
+    """Host lists O(queries below the pieces + pieces); the slots come out of the slot table."""
+    qo = list(itertools.accumulate(meta.q_lens_list, initial=0))
+    below = [[t for i in p.shared.prefix.seq_idx for t in range(qo[i], qo[i + 1])] for p in pieces]
+    t_max = max(len(rows) for rows in below)
+    device, num = meta.slot_table.device, len(pieces)
+    tokens = host_tensor([t for rows in below for t in itertools.chain(rows, itertools.repeat(-1, t_max - len(rows)))],
+                         device, meta.counters, torch.int32).view(num, t_max)
+    prefixes = [p.shared.prefix for p in pieces]
+    lens = [p.num_tokens for p in prefixes]
+    ints = host_tensor([meta.rows_list[p.seq_idx[0]] for p in prefixes] + [p.kv_start for p in prefixes] + lens,
+                       device, meta.counters).view(3, num, 1)
+    row, start, length = ints
+    cols = start + torch.minimum(torch.arange(max(lens), device=device)[None, :], length - 1)
+    hi = length.to(torch.int32).expand(num, t_max * group).contiguous()  # padding rows are skipped by token
+    return SharedBatch(tokens=tokens, slots=meta.slot_table[row, cols], bounds=(None, hi))
 
 
 def _make_buckets(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool,
@@ -185,14 +189,16 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
             own: list[int], window: int | None, group: int, native: bool) -> Bucket:
     """One padded call over units (seq, first query, num queries) seeing own keys
     [own_start, own_start + k_len) each; the unit's last query sits at the last of them."""
+    if native:
+        return _native_bucket(meta, units, k_lens, qo, own, window, group)
     table, device = meta.slot_table, meta.slot_table.device
     seqs = [i for i, _, _ in units]
     num = len(units)
     q_lens = [n for _, _, n in units]
     starts = [own[i] for i in seqs]
     max_q, max_k = max(q_lens), max(k_lens)
-    runs = _own_runs(table, meta, units[0][0], starts[0], k_lens[0]) if num == 1 and not native else None
-    if runs is None and not native:  # gathered keys: pad to whole blocks of the op (a ragged tail is slow)
+    runs = _own_runs(table, meta, units[0][0], starts[0], k_lens[0]) if num == 1 else None
+    if runs is None:  # gathered keys: pad to whole blocks of the op (a ragged tail is slow)
         max_k = -(-max_k // KEY_ALIGN) * KEY_ALIGN
     ints = torch.tensor([[qo[i] + off for i, off, _ in units], q_lens, k_lens, starts], dtype=torch.int64,
                         device=device)
@@ -205,20 +211,47 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
     kv_idx = None if runs is not None else _own_slots(table, meta, seqs, kc, start_t, k_len_t)
     # Absolute positions: a unit's last query sees its last key; own key c at start + c.
     q_pos = (k_len_t + start_t - q_len_t) + qj  # [num, max_q]
-    bucket = Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, valid=valid, out_rows=None, kv_idx=kv_idx,
-                    runs=runs, run_masks=None, mask=None, bounds=None, tokens=None, stack_cols=None, stack_src=None,
-                    seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
-    if native:  # rows named by token; padding -1
-        bucket.bounds = _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group)
-        bucket.tokens = torch.where(q_valid, q_idx.view(num, max_q), -1).to(torch.int32)
-        return bucket
-    bucket.mask = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group)
-    bucket.run_masks = None if runs is None or bucket.mask is None else _split_mask(bucket.mask, runs)
-    bucket.out_rows = q_idx if valid is None else q_idx[valid]
+    mask = _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group)
+    out_rows = q_idx if valid is None else q_idx[valid]
     g = torch.arange(group, device=device)
-    bucket.stack_cols = (bucket.out_rows[:, None] * group + g).reshape(-1)
-    bucket.stack_src = None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1)
-    return bucket
+    return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, valid=valid, out_rows=out_rows, kv_idx=kv_idx,
+                  runs=runs, run_masks=None if runs is None or mask is None else _split_mask(mask, runs), mask=mask,
+                  bounds=None, tokens=None, stack_cols=(out_rows[:, None] * group + g).reshape(-1),
+                  stack_src=None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1),
+                  seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
+
+
+def _native_bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: list[int], qo: list[int],
+                   own: list[int], window: int | None, group: int) -> Bucket:
+    """_bucket for the native kernel: each query's token and own-key interval as host lists
+    (O(new tokens)), the own keys' slots out of the slot table. Query j of a unit of n queries
+    seeing k_len keys sees [lo, k_len - (n - 1 - j)), lo = 0 or the window's first key."""
+    num, max_q, max_k = len(units), max(n for _, _, n in units), max(k_lens)
+    tok: list[int] = []
+    lo: list[int] = []
+    hi: list[int] = []
+    for (i, off, n), k_len in zip(units, k_lens):
+        ends = range(k_len - n + 1, k_len + 1)
+        tok.extend(range(qo[i] + off, qo[i] + off + n))
+        hi.extend(ends)
+        if window is not None:
+            lo.extend(max(0, e - window) for e in ends)
+        if n < max_q:  # padding: no token, no key
+            tok.extend(itertools.repeat(-1, max_q - n))
+            hi.extend(itertools.repeat(0, max_q - n))
+            lo.extend(itertools.repeat(0, (max_q - n) * (window is not None)))
+    device = meta.slot_table.device
+    ints = host_tensor(tok + hi + lo, device, meta.counters, torch.int32).view(-1, num, max_q)
+    seqs = [i for i, _, _ in units]
+    longs = host_tensor([meta.rows_list[i] for i in seqs] + [own[i] for i in seqs] + k_lens, device,
+                        meta.counters).view(3, num, 1)
+    row, start, k_len = longs
+    cols = start + torch.minimum(torch.arange(max_k, device=device)[None, :], k_len - 1)
+    per_row = [x.repeat_interleave(group, dim=1) for x in ints[1:]]  # [num, max_q * group], contiguous
+    return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=None, out_rows=None, kv_idx=meta.slot_table[row, cols].reshape(-1),
+                  valid=(ints[0] >= 0).reshape(-1) if any(n < max_q for _, _, n in units) else None,
+                  runs=None, run_masks=None, mask=None, bounds=(per_row[1] if window is not None else None, per_row[0]),
+                  tokens=ints[0], stack_cols=None, stack_src=None)
 
 
 def _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group) -> torch.Tensor | None:
@@ -232,17 +265,6 @@ def _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group) -> torch
         return None
     mask = torch.zeros(seen.shape, dtype=torch.float32, device=seen.device).masked_fill_(~seen, float("-inf"))
     return mask.repeat_interleave(group, dim=1).unsqueeze(1)
-
-
-def _key_bounds(k_len_t, start_t, q_pos, q_valid, window, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same visibility as _additive_mask, as each stacked row's own-key interval [lo, hi):
-    causal (keys up to the query's position), within the window; padded queries see nothing."""
-    hi = torch.minimum(k_len_t, q_pos - start_t + 1)
-    lo = (q_pos - start_t - window + 1).clamp_min(0) if window is not None else torch.zeros_like(hi)
-    hi = torch.where(q_valid, hi, 0)
-    lo = torch.where(q_valid, lo, 0)
-    return (lo.repeat_interleave(group, dim=1).to(torch.int32).contiguous(),
-            hi.repeat_interleave(group, dim=1).to(torch.int32).contiguous())
 
 
 def _split_mask(mask: torch.Tensor, runs: list[tuple[int, int]]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
