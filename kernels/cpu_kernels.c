@@ -358,3 +358,30 @@ int rs_attend(const args_t *a) {
     }
     return 0;
 }
+
+/* out[r] = the index of the largest value of row r of x [rows, cols] (row stride `stride`): the
+ * first one on ties, the first NaN where a row has one (torch.argmax's answer). One pass for
+ * the max, one for its first index; rows spread over the threads. */
+void rs_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * stride;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;
+        for (int64_t c = 0; c < cols; c += 16) {
+            const __mmask16 live = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + c);
+            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            mx = _mm512_max_ps(mx, v);
+        }
+        const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        int64_t at = 0;
+        for (int64_t c = 0; c < cols; c += 16) {
+            const __mmask16 live = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
+            const __m512 v = _mm512_maskz_loadu_ps(live, row + c);
+            const __mmask16 hit = live & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ));
+            if (hit) { at = c + __builtin_ctz(hit); break; }
+        }
+        out[r] = at;
+    }
+}

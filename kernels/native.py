@@ -104,6 +104,9 @@ def load():
             reason = f"building it failed: {exc}"
         else:
             lib.rs_attend.argtypes, lib.rs_attend.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+            lib.rs_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_int]
+            lib.rs_argmax_rows.restype = None
             return lib
     logger.info("native CPU kernels unavailable (%s); using torch's flash attention op", reason)
     return None
@@ -168,3 +171,15 @@ def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_s
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a 2-D tensor (same answer: the first max, the first NaN where a row has
+    one); through the native library for float32 on the CPU with contiguous rows: torch's CPU
+    argmax is a scalar loop (measured, 2 threads, 64 x 4096: 160 us, against ~10 here)."""
+    if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
+            or x.shape[1] == 0 or load() is None):
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    load().rs_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out

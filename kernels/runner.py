@@ -107,6 +107,7 @@ class ModelRunner:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",
                            context_length, config.max_position_embeddings, self.context_length)
         native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
+        self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
                                                        int(num_slots * decode_stage_fraction), native)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
@@ -159,7 +160,7 @@ class ModelRunner:
         num_sampled = len(fi.sample_seq_idx)
         if num_sampled:
             tokens, logprobs = sample_next_tokens(logits[:num_sampled], [seqs[i] for i in fi.sample_seq_idx],
-                                                 penalties=self.penalties)
+                                                 penalties=self.penalties, native=self.native_sampling)
             for i, token, lp in zip(fi.sample_seq_idx, tokens, logprobs):
                 outputs[i].next_token_id = token
                 outputs[i].next_logprob = lp

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from radixserve.kernels.forward_io import SeqInput, TokenLogprob
+from radixserve.kernels.native import argmax_rows
 from radixserve.kernels.sampling_noise import gumbel_rows, seed_words
 from radixserve.kernels.step_upload import StepUpload
 
@@ -146,10 +147,12 @@ def sample_next_tokens(
     logits: torch.Tensor,  # [num_rows, vocab] float32, one row per sampled sequence
     seqs: list[SeqInput],
     penalties: PenaltyState | None = None,
+    native: bool = False,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """Picks one token per row and, where `sampling.logprobs` is set, its logprob + top-k.
 
     penalties: the runner's per-row state (incremental penalties); None rebuilds them per step.
+    native: the greedy argmax goes through the native library (native.argmax_rows, same answer).
     """
     params = _read_params(seqs)
     random_rows = [i for i, g in enumerate(params.greedy) if not g]
@@ -162,7 +165,7 @@ def sample_next_tokens(
         up.add_ints("logprob_rows", want)
     up.send(logits.device)
     adjusted = _adjust(logits, params, up, penalties)
-    tokens = adjusted.argmax(dim=-1)  # [num_rows]; final for greedy rows
+    tokens = argmax_rows(adjusted) if native else adjusted.argmax(dim=-1)  # [num_rows]; final for greedy rows
     if random_rows:
         idx = up.ints("random_rows")
         tokens[idx] = _sample_random(adjusted[idx], up)

@@ -172,3 +172,24 @@ def test_without_a_compiler_the_backend_uses_the_flash_op(monkeypatch, tmp_path)
         native.load.cache_clear()
     monkeypatch.undo()
     assert native.load() is not None
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 300), threads=st.sampled_from([1, 2]), data=st.data())
+def test_argmax_rows_equals_torch_argmax(rows, cols, threads, data):
+    """Ties (the first max), NaN (the first NaN), -inf rows, tails shorter than a vector, strided rows."""
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    x = torch.randint(-3, 4, (rows, cols + 3), generator=gen).float()[:, 2:cols + 2]  # few values: many ties
+    specials = data.draw(st.lists(st.tuples(st.integers(0, rows - 1), st.integers(0, cols - 1),
+                                            st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e30])),
+                                  max_size=6), label="specials")
+    for r, c, value in specials:
+        x[r, c] = value
+    if data.draw(st.booleans(), label="an all -inf row"):
+        x[0] = float("-inf")
+    torch.set_num_threads(threads)
+    try:
+        got = native.argmax_rows(x)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(got, x.argmax(dim=-1))

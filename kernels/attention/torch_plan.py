@@ -247,11 +247,19 @@ def _native_bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k
                         meta.counters).view(3, num, 1)
     row, start, k_len = longs
     cols = start + torch.minimum(torch.arange(max_k, device=device)[None, :], k_len - 1)
-    per_row = [x.repeat_interleave(group, dim=1) for x in ints[1:]]  # [num, max_q * group], contiguous
+    per_row = [_per_stacked_row(x, group) for x in ints[1:]]
     return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=None, out_rows=None, kv_idx=meta.slot_table[row, cols].reshape(-1),
                   valid=(ints[0] >= 0).reshape(-1) if any(n < max_q for _, _, n in units) else None,
                   runs=None, run_masks=None, mask=None, bounds=(per_row[1] if window is not None else None, per_row[0]),
                   tokens=ints[0], stack_cols=None, stack_src=None)
+
+
+def _per_stacked_row(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[num, max_q] -> [num, max_q * group], each value once per GQA head, contiguous (a copy into
+    a fresh tensor: repeat_interleave costs ~30 us on the CPU, an expanded view has stride 0)."""
+    out = x.new_empty((x.shape[0], x.shape[1] * group))
+    out.view(x.shape[0], x.shape[1], group).copy_(x[:, :, None])
+    return out
 
 
 def _additive_mask(kc, k_len_t, start_t, q_pos, q_valid, window, group) -> torch.Tensor | None:
