@@ -25,6 +25,11 @@ from radixserve.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
+# A decoding request takes the slots of its next this-many tokens at once (when the pool has them
+# free twice over): its generated tokens' K/V then lie in runs of consecutive slots, which the
+# attention streams, instead of one slot per step scattered between the other requests'.
+DECODE_AHEAD = 16
+
 
 class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
@@ -80,14 +85,15 @@ class PrefixKV:
     def reserve(self, req: Req, num_new_tokens: int) -> bool:
         """Allocate slots for the next num_new_tokens positions, evicting cached leaves if needed.
 
-        The first chunk of a prefill takes the slots of the whole rest of the sequence at once
-        when the pool has them free twice over (never by evicting), so a chunked prompt is one
-        run of consecutive slots and attention reads it as one view; under memory pressure it
-        allocates chunk by chunk."""
+        Ahead, when the pool has the slots free twice over (never by evicting): the first chunk
+        of a prefill takes the slots of the whole rest of the prompt, so a chunked prompt is one
+        run of consecutive slots; a decode takes those of its next DECODE_AHEAD tokens (at most
+        what max_new_tokens leaves), so its outputs' K/V form runs too. Slots held ahead and
+        never used are freed with the request. Under memory pressure: only what the step needs."""
         need = self.slots_needed(req, num_new_tokens)
         if need == 0:
             return True
-        ahead = self.pages_for(req.seq_len - len(req.kv_slots)) * self.page_size
+        ahead = self.pages_for(self.tokens_ahead(req)) * self.page_size
         if ahead > need and self.allocator.num_free_slots >= 2 * ahead:
             slots = self.allocator.alloc(ahead)
             if slots is not None:
@@ -98,6 +104,19 @@ class PrefixKV:
             return False
         req.kv_slots.extend(slots)
         return True
+
+    @staticmethod
+    def tokens_ahead(req: Req) -> int:
+        """Positions past the slots the request holds that reserve may take at once."""
+        rest = req.seq_len - len(req.kv_slots)  # the rest of a prompt
+        if req.is_decoding:
+            rest = max(rest, min(DECODE_AHEAD, req.params.max_new_tokens - len(req.output_ids)))
+        return rest
+
+    @staticmethod
+    def held_ahead(req: Req) -> int:
+        """Slots the request holds past its sequence (taken ahead, not yet used)."""
+        return max(len(req.kv_slots) - req.seq_len, 0)
 
     def cache_prefix(self, req: Req) -> None:
         """Insert the request's computed whole pages into the tree and re-lock at the new end.

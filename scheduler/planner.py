@@ -195,7 +195,7 @@ class Planner:
         return num if num > 0 and self.kv.reserve(req, num) else 0
 
     def _estimate(self, req: Req) -> int:
-        remaining = req.params.max_new_tokens - len(req.output_ids)
+        remaining = req.params.max_new_tokens - len(req.output_ids) - self.kv.held_ahead(req)
         return int(self.new_token_ratio * max(remaining, 0))
 
     def _decode_room_estimate(self) -> int:

@@ -109,6 +109,42 @@ def test_fresh_prompt_is_one_run_and_a_shared_prefix_is_a_view(long_ckpt):
     assert engine.stats()["num_shared_prefix_reads_saved"] > 0
 
 
+def _runs(slots: list[int]) -> list[int]:
+    """Lengths of the runs of consecutive ids in slots."""
+    lengths = [1]
+    for a, b in zip(slots, slots[1:]):
+        if b == a + 1:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def test_decodes_take_their_next_slots_in_runs(long_ckpt):
+    """Two requests decoding side by side: each takes its next DECODE_AHEAD slots at once, so its
+    outputs' K/V lie in runs of that length (one slot per step would alternate between them), at
+    most what max_new_tokens leaves; what is taken ahead and unused goes back at the finish."""
+    from radixserve.scheduler.kv_ops import DECODE_AHEAD
+    engine = Engine(long_ckpt, num_threads=1, kv_cache_tokens=4096)
+    prompts = [list(range(5, 45)), list(range(50, 90))]
+    for prompt, new in zip(prompts, (40, 5)):
+        engine.add_request(prompt, dict(GREEDY, max_new_tokens=new))
+    while len(engine.planner.running) == 2 and any(not r.is_decoding for r in engine.planner.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    long_req, short_req = sorted(engine.planner.running, key=lambda r: -r.params.max_new_tokens)
+    assert len(short_req.kv_slots) == len(prompts[1]) + 5 - 1  # never more than its outputs need
+    for _ in range(30):
+        engine.step()
+    generated = long_req.kv_slots[len(prompts[0]):long_req.kv_len]
+    assert len(generated) >= 2 * DECODE_AHEAD
+    assert _runs(generated)[:2] == [DECODE_AHEAD, DECODE_AHEAD], _runs(generated)
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()  # free + cached == all slots: the unused ones taken ahead went back
+
+
 def test_step_profile_adds_up_to_the_wall_time(long_ckpt):
     engine = Engine(long_ckpt, num_threads=1, kv_cache_tokens=8192, chunked_prefill_size=64)
     for i in range(6):
