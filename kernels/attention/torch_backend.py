@@ -7,7 +7,8 @@ rows below that prefix. Sliding-window layers take the plain path (own keys = al
 
 Reads go to radixserve's compiled kernel (native.py) where it is built and the pool is fp32: it
 reads K/V by slot in place, so nothing is gathered and no mask is built (each row's key interval
-is). Elsewhere they go to torch's flash op (``partials.attend``, which returns the log-sum-exp
+is); it reads q and writes the result by token and merges each shared read into the rows below
+it itself, so a layer is one call per bucket and one per nesting level of shared prefixes. Elsewhere they go to torch's flash op (``partials.attend``, which returns the log-sum-exp
 the merges need) over gathered keys or views of the pool; there, decode buckets read their own
 keys from stages kept between steps (staging.py: only the keys that changed are copied),
 head-major, with plain matmuls. GQA without copying K/V: the ``group`` q heads of one kv head are stacked
