@@ -13,10 +13,13 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from starlette.requests import ClientDisconnect, Request
+
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_proc import EngineDead
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.metrics import ServerMetrics
+from radixserve.frontend.sse import run_watching_disconnect
 from radixserve.scheduler.errors import RequestError
 from radixserve.scheduler.req import GenerateResult, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
@@ -102,12 +105,22 @@ class EngineClient:
 
     # -- generation -----------------------------------------------------------------------
 
-    async def submit(self, jobs: list[Job], lease: "Lease") -> "Submission":
+    async def submit(self, jobs: list[Job], lease: "Lease", request: Request | None = None) -> "Submission":
         """Queue every job in the engine, or none: a refused job is a 400 (an unreachable
-        engine a 503) raised before the caller has sent anything; the lease is closed then."""
+        engine a 503) raised before the caller has sent anything; the lease is closed then.
+        With the HTTP `request`, a client that leaves before every job is admitted (a grammar can
+        take seconds to compile) raises ClientDisconnect, and its jobs are aborted: the engine
+        drops a held one right after its admission instead of running it."""
         sub = Submission(self, jobs, lease)
-        outcomes = await asyncio.gather(*(self.engine.add(job.rid, job.prompt_ids, job.params, sub.queue, i)
-                                          for i, job in enumerate(jobs)), return_exceptions=True)
+        adds = asyncio.gather(*(self.engine.add(job.rid, job.prompt_ids, job.params, sub.queue, i)
+                                for i, job in enumerate(jobs)), return_exceptions=True)
+        if request is None:
+            outcomes = await adds
+        else:
+            gone, outcomes = await run_watching_disconnect(request, adds)  # cancelled adds send their aborts
+            if gone:
+                sub.close()
+                raise ClientDisconnect()
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is None:
             return sub

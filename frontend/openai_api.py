@@ -42,7 +42,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     rid = state.new_id("chatcmpl")
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
                            max_new_tokens=max_new, logprobs=common.logprobs)
-    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)))  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
     head = _head(state, rid, common)
     if common.stream:
         handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
@@ -78,7 +78,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
     lease = state.client.reserve(len(jobs), "n" if len(prompts_ids) == 1 else None)
-    sub = await state.client.submit(jobs, lease)  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, lease, request)  # a refusal is a 400 here
     head = _head(state, rid, common)
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])

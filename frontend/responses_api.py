@@ -55,7 +55,7 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     rid = state.new_id("resp").replace("-", "_")
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, max_new_tokens=max_new,
                            logprobs=common.logprobs)
-    sub = await state.client.submit(jobs, state.client.reserve(1))  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
     turn = _Turn(state, req, rid, prompt_ids, prev)
     if common.stream:
         return SSEResponse(sse_events(sub, _Stream(turn), request), on_close=sub.close)

@@ -113,12 +113,13 @@ def test_a_client_gone_while_its_grammar_compiles_is_aborted(slow_server):
         httpx.post(slow_server.url + "/v1/completions", json=body, timeout=1.0)
     held = slow_server.server_info()["stats"]  # ~2 s of its 3 s compile are left: still held
     assert held["num_grammar_pending"] == 1 and held["num_waiting"] >= 1, held
-    # The compile (3 s) finishes, the request is admitted and aborted at once. A held request is in no engine
-    # queue yet, so wait for its abort to show rather than for idle (a loaded machine compiles slower).
+    # The server saw the client leave while the grammar compiled and sent the abort then; the compile (3 s)
+    # finishes, and the request is admitted and aborted before any step. A held request is in no engine queue
+    # yet, so wait for its abort to show rather than for idle (a loaded machine compiles slower).
     deadline = time.monotonic() + 60
     while slow_server.server_info()["stats"]["num_requests_aborted"] == guard.stats_before["num_requests_aborted"]:
         assert time.monotonic() < deadline, "the held request was never aborted"
         time.sleep(0.1)
     stats = guard.check()
     assert stats["num_requests_aborted"] == guard.stats_before["num_requests_aborted"] + 1
-    assert stats["num_generated_tokens"] - guard.stats_before["num_generated_tokens"] < 10  # not its 800
+    assert stats["num_generated_tokens"] == guard.stats_before["num_generated_tokens"]  # not one of its 800
