@@ -1,7 +1,8 @@
 """radixserve's compiled CPU kernels (``cpu_kernels.c``): build once per machine, load, call.
 
-``attend_paged`` is the attention over the paged KV pool that the CPU attention backend reads
-with (kernels/attention/torch_backend.py). The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) and
+``attend_paged`` / ``attend_tokens`` are the attention over the paged KV pool that the CPU attention
+backend reads with (kernels/attention/torch_backend.py); ``argmax_rows`` is the sampler's greedy
+argmax. The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) and
 ``-O3 -march=native -fopenmp`` into the radixserve cache, keyed by the source, the flags and the
 CPU's feature flags (a binary built for another CPU is never loaded). It links libgomp, which
 resolves to the copy torch has already loaded, so kernel and torch share one OpenMP runtime.

@@ -65,7 +65,8 @@ def test_matches_reference(b, h, rows, num_keys, d, threads, data):
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), kv_heads=st.integers(1, 2), group=st.sampled_from([1, 2, 3]),
-       per_entry=st.one_of(st.integers(1, 4), st.integers(20, 50)), num_keys=st.one_of(st.integers(1, 9), st.integers(120, 200)),
+       per_entry=st.one_of(st.integers(1, 4), st.integers(20, 50)),
+       num_keys=st.one_of(st.integers(1, 9), st.integers(120, 200)),
        d=st.sampled_from([32, 64]), merge=st.booleans(), threads=st.sampled_from([1, 2]), data=st.data())
 def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, num_keys, d, merge, threads, data):
     """attend_tokens: q and out are token-major [tokens, q_heads, d]; entry rows name their tokens
@@ -86,7 +87,8 @@ def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, n
     hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     q = torch.randn(num_tokens, q_heads + 1, d, generator=gen)[:, 1:]  # a strided view, as after a split
     # The partial already held: each token's attention over 30 prior keys of its own (or nothing, lse -inf).
-    prior_k, prior_v = torch.randn(num_tokens, kv_heads, 30, d, generator=gen), torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
+    prior_k = torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
+    prior_v = torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
     heads = torch.arange(q_heads) // group
     ps = torch.einsum("thd,thkd->thk", q.double(), prior_k[:, heads].double()) * d ** -0.5
     no_prior = torch.rand(num_tokens, generator=gen) < 0.2

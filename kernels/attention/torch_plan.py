@@ -131,8 +131,8 @@ def _shared_batch(meta: AttentionMetadata, pieces: list[Piece], group: int) -> S
     below = [[t for i in p.shared.prefix.seq_idx for t in range(qo[i], qo[i + 1])] for p in pieces]
     t_max = max(len(rows) for rows in below)
     device, num = meta.slot_table.device, len(pieces)
-    tokens = host_tensor([t for rows in below for t in itertools.chain(rows, itertools.repeat(-1, t_max - len(rows)))],
-                         device, meta.counters, torch.int32).view(num, t_max)
+    padded = [t for rows in below for t in itertools.chain(rows, itertools.repeat(-1, t_max - len(rows)))]
+    tokens = host_tensor(padded, device, meta.counters, torch.int32).view(num, t_max)
     prefixes = [p.shared.prefix for p in pieces]
     lens = [p.num_tokens for p in prefixes]
     ints = host_tensor([meta.rows_list[p.seq_idx[0]] for p in prefixes] + [p.kv_start for p in prefixes] + lens,
@@ -217,7 +217,8 @@ def _bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k_lens: 
     return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=q_idx, valid=valid, out_rows=out_rows, kv_idx=kv_idx,
                   runs=runs, run_masks=None if runs is None or mask is None else _split_mask(mask, runs), mask=mask,
                   bounds=None, tokens=None, stack_cols=(out_rows[:, None] * group + g).reshape(-1),
-                  stack_src=None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group + g).reshape(-1),
+                  stack_src=None if valid is None else (torch.nonzero(valid).flatten()[:, None] * group
+                                                        + g).reshape(-1),
                   seq_rows=tuple(meta.rows_list[i] for i in seqs), k_lens=tuple(k_lens))
 
 
@@ -248,10 +249,11 @@ def _native_bucket(meta: AttentionMetadata, units: list[tuple[int, int, int]], k
     row, start, k_len = longs
     cols = start + torch.minimum(torch.arange(max_k, device=device)[None, :], k_len - 1)
     per_row = [_per_stacked_row(x, group) for x in ints[1:]]
-    return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=None, out_rows=None, kv_idx=meta.slot_table[row, cols].reshape(-1),
-                  valid=(ints[0] >= 0).reshape(-1) if any(n < max_q for _, _, n in units) else None,
-                  runs=None, run_masks=None, mask=None, bounds=(per_row[1] if window is not None else None, per_row[0]),
-                  tokens=ints[0], stack_cols=None, stack_src=None)
+    padded = any(n < max_q for _, _, n in units)
+    return Bucket(num=num, max_q=max_q, max_k=max_k, q_idx=None, out_rows=None,
+                  kv_idx=meta.slot_table[row, cols].reshape(-1), valid=(ints[0] >= 0).reshape(-1) if padded else None,
+                  runs=None, run_masks=None, mask=None, tokens=ints[0], stack_cols=None, stack_src=None,
+                  bounds=(per_row[1] if window is not None else None, per_row[0]))
 
 
 def _per_stacked_row(x: torch.Tensor, group: int) -> torch.Tensor:
