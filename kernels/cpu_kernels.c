@@ -203,15 +203,12 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     int32_t lo[QB] __attribute__((aligned(64))), hi[QB] __attribute__((aligned(64)));
     const float *kp[KB], *vp[KB];
     int jmin = a->num_keys, jmax = 0;
-    for (int i = 0; i < np; ++i) {
-        lo[i] = 0, hi[i] = 0; /* padding rows: no key */
-        if (i < nr && (!a->tok || a->tok[b * a->tok_sb + (r0 + i) / a->group] >= 0))
-            row_bounds(a, b, r0 + i, &lo[i], &hi[i], &jmin, &jmax);
-        m[i] = -INFINITY, l[i] = 0.0f;
-    }
     const float qscale = a->scale * LOG2E;
     for (int i = 0; i < np; ++i) {
         const int64_t at = i < nr ? row_at(a, b, h, r0 + i, a->q_sb, a->q_sh, a->q_sr) : -1;
+        lo[i] = 0, hi[i] = 0; /* padding rows: no key */
+        if (at >= 0) row_bounds(a, b, r0 + i, &lo[i], &hi[i], &jmin, &jmax);
+        m[i] = -INFINITY, l[i] = 0.0f;
         for (int c = 0; c < d; ++c) qt[c * QB + i] = at >= 0 ? a->q[at + c] * qscale : 0.0f;
     }
     memset(o, 0, sizeof(float) * np * d);

@@ -147,11 +147,14 @@ def attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     merge: each row's result is log-sum-exp merged into the partial out / lse hold (over other
     keys), else it overwrites them. No token may appear twice in one call."""
     num_h, group = k_cache.shape[1], q.shape[1] // k_cache.shape[1]
-    q_strides = (q.stride(0), group * q.stride(1), q.stride(1))
-    o_strides = (out.stride(0), group * out.stride(1), out.stride(1))
-    _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse,
-          (lse.stride(0), group * lse.stride(1), lse.stride(1)), tokens.shape[0], num_h, tokens.shape[1] * group,
-          scale, merge)
+    _call(q, _by_token(q, group), k_cache, v_cache, slots, bounds, tokens, group, out, _by_token(out, group), lse,
+          _by_token(lse, group), tokens.shape[0], num_h, tokens.shape[1] * group, scale, merge)
+
+
+def _by_token(t: torch.Tensor, group: int) -> tuple[int, int, int]:
+    """Strides of a token-major [tokens, q_heads, ...] tensor as the kernel takes them: per token,
+    per kv head (group q heads), per q head within the group."""
+    return t.stride(0), group * t.stride(1), t.stride(1)
 
 
 def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse, l_strides,
@@ -177,7 +180,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D tensor (same answer: the first max, the first NaN where a row has
     one); through the native library for float32 on the CPU with contiguous rows: torch's CPU
-    argmax is a scalar loop (measured, 2 threads, 64 x 4096: 160 us, against ~10 here)."""
+    argmax is a scalar loop (measured, 2 threads, 64 x 4096: 160 us, against 16 here)."""
     if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
             or x.shape[1] == 0 or load() is None):
         return x.argmax(dim=-1)

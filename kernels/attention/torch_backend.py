@@ -124,7 +124,9 @@ def _native_attention(q, k_cache, v_cache, plan: StepPlan, sm_scale: float) -> t
     part first, then each level of shared prefixes merged into the rows below it, so no query is
     copied, no partial result is gathered and no merge runs outside the kernel."""
     dtype = q.dtype
-    q = q.float() if q.stride(-1) == 1 else q.float().contiguous()
+    q = q.float()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     for b in plan.buckets:  # the own parts cover every token: every token sees itself

@@ -1,9 +1,9 @@
 """The CPU attention backend's per-step plan, built once by ``step_plan`` before the first layer
 and cached in ``meta.step_cache``: own parts ``[own_start, kv_len)`` as query units (a decode; a
 block of QUERY_BLOCK queries of a prefill chunk, seeing the keys up to its last query), packed
-into a few padded buckets while padding is cheap (PAD_SLACK), with K/V slot indices and the keys
-each query row sees read out of the slot table by device-side ops; and one piece per shared
-prefix, outermost first.
+into a few padded buckets while padding is cheap (PAD_SLACK), with K/V slot indices read out of
+the slot table by device-side ops; and the shared prefixes, outermost first: one piece each for
+torch's flash op, one SharedBatch per nesting level for the native kernel.
 
 What a row sees is said two ways, for the two kernels that read it: the native kernel
 (native.py) takes each stacked query row's key interval [lo, hi) and reads K/V by slot in place;
@@ -61,7 +61,7 @@ class Bucket:
 @dataclass
 class Piece:
     """The reads of one shared prefix under the flash op: its runs of slots (views), or [None] =
-    all of them gathered (the native kernel reads every piece by slot, in one SharedBatch)."""
+    all of them gathered (the native kernel reads shared prefixes through SharedBatch instead)."""
 
     shared: SharedPrefixPlan
     runs: list[tuple[int, int] | None]
@@ -71,7 +71,7 @@ class Piece:
 @dataclass
 class SharedBatch:
     """Shared prefixes read in one native call, each merged into the rows below it: entry p
-    holds piece p's queries (``tokens``, -1 = padding to the longest) over its keys (slots padded
+    holds prefix p's queries (``tokens``, -1 = padding to the longest) over its keys (slots padded
     to the longest prefix); ``bounds`` give real rows all of their prefix's keys. No token sits
     below two pieces of one batch (nested prefixes go to successive batches)."""
 
@@ -83,25 +83,29 @@ class SharedBatch:
 @dataclass
 class StepPlan:
     buckets: list[Bucket]  # the own parts
-    pieces: list[Piece]  # shared reads, outermost prefix first
+    pieces: list[Piece]  # flash op: shared reads, outermost prefix first (native: none)
     native: bool  # read by the native kernel (native.py), else by torch's flash op / matmuls
-    shared_batches: list[SharedBatch] | None = None  # native: the pieces, one call per nesting level
+    shared_batches: list[SharedBatch] | None = None  # native: the shared prefixes, one call per nesting level
 
 
 def step_plan(meta: AttentionMetadata, window: int | None, group: int, use_shared: bool, native: bool) -> StepPlan:
     key = ("torch_plan", window, group, use_shared, native)
     if key not in meta.step_cache:
         buckets = _make_buckets(meta, window, group, use_shared, native)
-        pieces = _shared_pieces(meta, group) if use_shared else []
-        batches = [_shared_batch(meta, level, group) for level in _levels(pieces)] if native else None
-        meta.step_cache[key] = StepPlan(buckets, pieces, native, batches)
+        # Outermost first (merging is order-free; this keeps it fixed).
+        shared = sorted(meta.shared, key=lambda p: p.prefix.kv_start) if use_shared else []
+        if native:
+            batches = [_shared_batch(meta, level, group) for level in _levels(shared)]
+            meta.step_cache[key] = StepPlan(buckets, [], native, batches)
+        else:
+            meta.step_cache[key] = StepPlan(buckets, _shared_pieces(shared, group), native)
     return meta.step_cache[key]
 
 
-def _shared_pieces(meta: AttentionMetadata, group: int) -> list[Piece]:
-    """One piece per shared prefix, outermost first (merging is order-free; this keeps it fixed)."""
+def _shared_pieces(shared: list[SharedPrefixPlan], group: int) -> list[Piece]:
+    """One piece per shared prefix, in the given order."""
     out = []
-    for plan in sorted(meta.shared, key=lambda p: p.prefix.kv_start):
+    for plan in shared:
         span = plan.q_row_range
         if span is not None:
             cols = slice(span[0] * group, span[1] * group)
@@ -111,29 +115,29 @@ def _shared_pieces(meta: AttentionMetadata, group: int) -> list[Piece]:
     return out
 
 
-def _levels(pieces: list[Piece]) -> list[list[Piece]]:
-    """The pieces in groups whose query rows are disjoint (so one call may merge them all in
-    place): each piece, outermost first, joins the first group none of whose sequences it shares."""
-    levels: list[tuple[set[int], list[Piece]]] = []
-    for piece in pieces:
-        seqs = set(piece.shared.prefix.seq_idx)
+def _levels(shared: list[SharedPrefixPlan]) -> list[list[SharedPrefixPlan]]:
+    """The prefixes in groups whose query rows are disjoint (so one call may merge them all in
+    place): each, outermost first, joins the first group none of whose sequences it shares."""
+    levels: list[tuple[set[int], list[SharedPrefixPlan]]] = []
+    for plan in shared:
+        seqs = set(plan.prefix.seq_idx)
         level = next((lv for lv in levels if lv[0].isdisjoint(seqs)), None)
         if level is None:
             levels.append(level := (set(), []))
         level[0].update(seqs)
-        level[1].append(piece)
+        level[1].append(plan)
     return [members for _, members in levels]
 
 
-def _shared_batch(meta: AttentionMetadata, pieces: list[Piece], group: int) -> SharedBatch:
-    """Host lists O(queries below the pieces + pieces); the slots come out of the slot table."""
+def _shared_batch(meta: AttentionMetadata, shared: list[SharedPrefixPlan], group: int) -> SharedBatch:
+    """Host lists O(queries below the prefixes + prefixes); the slots come out of the slot table."""
     qo = list(itertools.accumulate(meta.q_lens_list, initial=0))
-    below = [[t for i in p.shared.prefix.seq_idx for t in range(qo[i], qo[i + 1])] for p in pieces]
+    below = [[t for i in p.prefix.seq_idx for t in range(qo[i], qo[i + 1])] for p in shared]
     t_max = max(len(rows) for rows in below)
-    device, num = meta.slot_table.device, len(pieces)
+    device, num = meta.slot_table.device, len(shared)
     padded = [t for rows in below for t in itertools.chain(rows, itertools.repeat(-1, t_max - len(rows)))]
     tokens = host_tensor(padded, device, meta.counters, torch.int32).view(num, t_max)
-    prefixes = [p.shared.prefix for p in pieces]
+    prefixes = [p.prefix for p in shared]
     lens = [p.num_tokens for p in prefixes]
     ints = host_tensor([meta.rows_list[p.seq_idx[0]] for p in prefixes] + [p.kv_start for p in prefixes] + lens,
                        device, meta.counters).view(3, num, 1)
