@@ -31,18 +31,24 @@ def _reference(q, k_cache, v_cache, slots, lo, hi, scale):
     return (p @ values).float(), lse.float()
 
 
+def _nan_pool(gen, b, num_keys, kv_heads, d):
+    """A pool of NaN where b entries' num_keys keys each sit on random slots: (k_cache, v_cache, slots [b, keys])."""
+    pool = 2 * b * num_keys + 8
+    k_cache = torch.full((pool, kv_heads, d), float("nan"))
+    v_cache = torch.full((pool, kv_heads, d), float("nan"))
+    slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
+    k_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    v_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    return k_cache, v_cache, slots
+
+
 @settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 3), h=st.integers(1, 3), rows=st.one_of(st.integers(1, 20), st.integers(60, 140)),
        num_keys=st.one_of(st.integers(1, 12), st.integers(120, 300)), d=st.sampled_from([32, 64, 128]),
        threads=st.sampled_from([1, 2]), data=st.data())
 def test_matches_reference(b, h, rows, num_keys, d, threads, data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    pool = 2 * b * num_keys + 8
-    k_cache = torch.full((pool, h, d), float("nan"))
-    v_cache = torch.full((pool, h, d), float("nan"))
-    slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
-    k_cache[slots] = torch.randn(b, num_keys, h, d, generator=gen)
-    v_cache[slots] = torch.randn(b, num_keys, h, d, generator=gen)
+    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, h, d)
     lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     kind = data.draw(st.sampled_from(["random", "all", "causal"]), label="intervals")
@@ -74,12 +80,7 @@ def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, n
     already hold, so prior keys + these keys = attention over both; untouched tokens keep their bytes."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     num_tokens, q_heads = b * per_entry + 5, kv_heads * group
-    pool = 2 * b * num_keys + 8
-    k_cache = torch.full((pool, kv_heads, d), float("nan"))
-    v_cache = torch.full((pool, kv_heads, d), float("nan"))
-    slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
-    k_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
-    v_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, kv_heads, d)
     tokens = torch.randperm(num_tokens, generator=gen)[:b * per_entry].view(b, per_entry).to(torch.int32)
     tokens[torch.rand(b, per_entry, generator=gen) < 0.2] = -1  # padding rows
     rows = per_entry * group
