@@ -1,9 +1,10 @@
 """Logprob payloads in the three wire formats: OpenAI chat, OpenAI completions, SGLang native."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from radixserve.kernels.forward_io import TokenLogprob
+from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 
 
 class TokenTexts:
@@ -55,27 +56,19 @@ def _chat_entry(token_id: int, logprob: float, texts: TokenTexts,
 class CompletionLogprobs:
     """`choice.logprobs` of a completion, built incrementally (text_offset keeps counting).
 
-    Each token's string is the text it adds, so the strings join to the choice's text as the
-    detokenizer emits it: a character split over byte tokens is "" on the tokens before the one
-    that completes it, which carries the whole character (held across build calls while streaming)."""
-
-    MAX_SPLIT = 4  # a UTF-8 character has at most 4 bytes
+    Each token's string is the text it adds, as the engine's IncrementalDetokenizer emits it, so
+    the strings join to the choice's text: a character split over byte tokens is "" on the tokens
+    before the one that completes it, which carries the whole character (held across build calls
+    while streaming)."""
 
     def __init__(self, texts: TokenTexts, text_offset: int = 0) -> None:
         self.texts = texts
         self.offset = text_offset
-        self._pending: list[int] = []  # tokens of a character not complete yet
+        self._detok = IncrementalDetokenizer(_JoinedTexts(texts), skip_special_tokens=False)
 
     def _added_text(self, token_id: int, final: bool) -> str:
-        text = self.texts.text(token_id)
-        if not self._pending and "\ufffd" not in text:
-            return text
-        self._pending.append(token_id)
-        joined = self.texts.joined(self._pending)
-        if joined.endswith("\ufffd") and len(self._pending) < self.MAX_SPLIT and not final:
-            return ""
-        self._pending = []
-        return joined
+        text = self._detok.add(token_id)
+        return text + self._detok.finish() if final else text
 
     def build(self, token_ids: list[int], entries: list[TokenLogprob | None], final: bool = True) -> dict[str, Any]:
         """final: the last call for this choice (a character still split is emitted as is)."""
@@ -93,6 +86,16 @@ class CompletionLogprobs:
                 top_logprobs.append(_top_dict(lp.top, self.texts))
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
+
+
+class _JoinedTexts:
+    """TokenTexts as the decoder IncrementalDetokenizer takes (special tokens are always shown)."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self._texts = texts
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, **kwargs: bool) -> str:
+        return self._texts.joined(list(ids))
 
 
 def _top_dict(top: list[tuple[int, float]], texts: TokenTexts) -> dict[str, float]:
