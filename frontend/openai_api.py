@@ -159,7 +159,12 @@ def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateRe
         message["tool_calls"] = [c.to_openai() for c in calls]
     logprobs = chat_logprobs(r.logprobs or [], state.texts) if req.common.logprobs is not None else None
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": "tool_calls" if calls else r.finish_reason, "matched_stop": r.matched_stop}
+            "finish_reason": chat_finish_reason(r, bool(calls)), "matched_stop": r.matched_stop}
+
+
+def chat_finish_reason(r: GenerateResult, made_calls: bool) -> str:
+    """"tool_calls" when the reply made calls, unless it was aborted (the caller asked it to stop)."""
+    return "tool_calls" if made_calls and r.finish_reason != "abort" else r.finish_reason
 
 
 class _StreamEnd:
@@ -211,7 +216,7 @@ class _ChatStream(_StreamEnd):
         if delta.finished:
             r = delta.result
             self.results.append(r)
-            finish = "tool_calls" if parser is not None and parser.num_calls else r.finish_reason
+            finish = chat_finish_reason(r, parser is not None and parser.num_calls > 0)
             out.append(self.chunk(i, {}, finish=finish))
         return out
 
@@ -253,8 +258,10 @@ async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIt
 
 
 def raise_if_failed(r: GenerateResult | None) -> None:
-    if r is None or r.finish_reason == "abort":
-        raise APIError(500, f"generation failed: {(r.error if r else None) or 'aborted'}", code="generation_failed")
+    """A 500 for an engine failure. An abort asked for (/abort_request) is a normal end, finish_reason "abort",
+    with what was generated until then (as SGLang answers it, and /generate here)."""
+    if r is None or r.failed:
+        raise APIError(500, f"generation failed: {(r.error if r else None) or 'no result'}", code="generation_failed")
 
 
 # -- completions ------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ from radixserve.frontend.sse import SSEResponse, collect
 from radixserve.frontend.state import ServerState
 from radixserve.scheduler.req import GenerateResult, StreamDelta
 
+# incomplete_details.reason of a response whose generation ended for this finish_reason (an abort asked for
+# with /abort_request keeps the engine's name, as chat and completions' finish_reason do).
+_INCOMPLETE_REASONS = {"length": "max_output_tokens", "abort": "abort"}
 # The engine's parameter names -> this API's (for the engine's refusals).
 _NAMES = {"prompt": "input", "max_new_tokens": "max_output_tokens", "json_schema": "text.format",
           "structural_tag": "tools", "logit_bias": "logit_bias"}
@@ -128,9 +131,8 @@ class _Turn:
                  "input_tokens_details": {"cached_tokens": r.cached_tokens},
                  "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": len(self.prompt_ids) + r.completion_tokens}
-        incomplete = r.finish_reason == "length"
-        events = self.builder.finish("incomplete" if incomplete else "completed", usage,
-                                     "max_output_tokens" if incomplete else None)
+        reason = _INCOMPLETE_REASONS.get(r.finish_reason)
+        events = self.builder.finish("incomplete" if reason else "completed", usage, reason)
         if self.req.store:
             self.state.responses.put(self._stored(r))
         return events

@@ -22,7 +22,7 @@ from radixserve.scheduler.metrics import EngineMetrics
 from radixserve.scheduler.output import OutputProcessor
 from radixserve.scheduler.planner import Batch, BatchItem, Planner
 from radixserve.scheduler.policy import SchedulePolicy
-from radixserve.scheduler.req import GenerateResult, Req, ReqStatus, StreamDelta
+from radixserve.scheduler.req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
 from radixserve.scheduler.serving import EngineLoop
 from radixserve.scheduler.shared_prefix import order_and_share
@@ -302,7 +302,7 @@ class Engine:
         req = self._reqs.get(rid)
         if req is None or req.status is ReqStatus.FINISHED:
             return []
-        self.outputs.finish(req, "abort", error="aborted")
+        self.outputs.finish(req, "abort", error=ABORTED)
         self._finish(req)
         self._reqs.pop(rid, None)
         delta = self.outputs.take_delta(req)

@@ -8,6 +8,9 @@ from typing import Any
 from radixserve.kernels.forward_io import TokenLogprob
 from radixserve.scheduler.sampling_params import SamplingParams
 
+# GenerateResult.error of a request its caller aborted (Engine.abort): a normal end, not a failure.
+ABORTED = "aborted"
+
 
 @dataclass
 class GenerateResult:
@@ -24,6 +27,11 @@ class GenerateResult:
     error: str | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Ended by a failure in the engine (finish_reason "abort" for any other reason than Engine.abort)."""
+        return self.finish_reason == "abort" and self.error != ABORTED
 
 
 @dataclass
