@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import types
 import typing
@@ -150,13 +151,19 @@ def _walk(cls: type, path: tuple[str, ...], prefix: str) -> Iterator[_Flag]:
 
 
 def _with_flag_name(message: str) -> str:
-    """'page_size must be >= 1, ...' -> '--page-size must be >= 1, ...' (the name the user typed)."""
-    head, sep, rest = message.partition(" ")
+    """'page_size must be >= 1, ...' -> '--page-size must be >= 1, ...': the settings a message names, as the flags
+    the user typed (its first word, and any snake_case setting further on: "raise kv_cache_tokens to ...")."""
+    flags: dict[str, str] = {}
     for flag in config_flags():
-        names = {flag.dest, ".".join(flag.path), ".".join(flag.path[1:]) if flag.path[0] in _UNPREFIXED else ""}
-        if head in names:
-            return _flag_name(flag) + sep + rest
-    return message
+        for name in (flag.dest, ".".join(flag.path), ".".join(flag.path[1:]) if flag.path[0] in _UNPREFIXED else ""):
+            flags[name] = _flag_name(flag)
+    flags.pop("", None)
+    head, sep, rest = message.partition(" ")
+    rest = _SNAKE_CASE.sub(lambda m: flags.get(m.group(0), m.group(0)), rest)
+    return flags.get(head, head) + sep + rest
+
+
+_SNAKE_CASE = re.compile(r"(?<![\w/.-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/.-])")
 
 
 def _field(path: tuple[str, ...]) -> dataclasses.Field:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -38,6 +39,16 @@ class Job:
     rid: str
     # The engine's parameter names ("prompt", "max_new_tokens") -> the ones the client sent.
     param_names: dict[str, str] = field(default_factory=dict)
+
+    def refusal(self, error: RequestError) -> APIError:
+        """The engine's refusal as a 400 in the client's terms: the parameter it sent, named so in the message too
+        (identifiers only: "prompt" is also a plain word of the engine's messages)."""
+        message = error.message
+        for engine_name, api_name in self.param_names.items():
+            if "_" in engine_name:
+                message = re.sub(rf"\b{engine_name}\b", api_name, message)
+        param = self.param_names.get(error.param or "", error.param)
+        return bad_request(message, param, code=error.code or "invalid_value")
 
 
 def engine_unavailable(exc: BaseException) -> APIError:
@@ -126,9 +137,7 @@ class EngineClient:
             return sub
         sub.close()
         if isinstance(error, RequestError):
-            job = jobs[outcomes.index(error)]
-            param = job.param_names.get(error.param or "", error.param)
-            raise bad_request(error.message, param, code=error.code or "invalid_value") from error
+            raise jobs[outcomes.index(error)].refusal(error) from error
         if isinstance(error, EngineDead):
             raise engine_unavailable(error) from error
         raise error

@@ -19,6 +19,7 @@ from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from radixserve.frontend.protocol import (
     ChatRequest,
+    CommonOptions,
     CompletionRequest,
     check_logit_bias,
     parse_chat_request,
@@ -38,9 +39,10 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     state.check_model(common.model)
     check_logit_bias(common.sampling, state.client.vocab_size)
     prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
-    max_new = resolve_max_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
+    names = dict(_CHAT_NAMES, max_new_tokens=common.max_tokens_param)
+    max_new = resolve_max_tokens(state, len(prompt_ids), common, names)
     rid = state.new_id("chatcmpl")
-    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, _CHAT_NAMES,
+    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names,
                            max_new_tokens=max_new, logprobs=common.logprobs)
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
     head = _head(state, rid, common)
@@ -112,17 +114,20 @@ _COMPLETION_NAMES = {"prompt": "prompt", "max_new_tokens": "max_tokens", "json_s
                      "logit_bias": "logit_bias"}
 
 
-def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | None, min_tokens: int) -> int:
-    if max_tokens is None:
-        # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag and by the
-        # checkpoint's generation_config.json max_new_tokens.
-        cap = min(state.config.max_tokens_default, state.engine.tokenizer.default_max_new_tokens or sys.maxsize)
-        default = state.client.default_max_tokens(prompt_len, cap, "messages")
-        if min_tokens > default:  # parsing checked min_tokens only against an explicit max_tokens
-            raise bad_request(f"min_tokens ({min_tokens}) must be <= max_tokens, whose default for this prompt "
-                              f"is {default} (the room left in the context, capped by the server)", "min_tokens")
-        return default
-    return max_tokens
+def resolve_max_tokens(state: ServerState, prompt_len: int, common: CommonOptions, names: dict[str, str]) -> int:
+    """The request's max_tokens, or its default for this prompt; a refusal names the API's parameters
+    (`names`: the engine's names -> this API's, as a job's param_names)."""
+    if common.max_tokens is not None:
+        return common.max_tokens
+    # Chat default: until EOS or the end of the context (and KV pool), capped by the server flag and by the
+    # checkpoint's generation_config.json max_new_tokens.
+    cap = min(state.config.max_tokens_default, state.engine.tokenizer.default_max_new_tokens or sys.maxsize)
+    default = state.client.default_max_tokens(prompt_len, cap, names["prompt"])
+    min_tokens = common.sampling["min_new_tokens"]
+    if min_tokens > default:  # parsing checked min_tokens only against an explicit max_tokens
+        raise bad_request(f"min_tokens ({min_tokens}) must be <= {names['max_new_tokens']}, whose default for this "
+                          f"prompt is {default} (the room left in the context, capped by the server)", "min_tokens")
+    return default
 
 
 def openai_usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dict[str, Any]:

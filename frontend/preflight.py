@@ -1,4 +1,5 @@
-"""Checks that fail in one line before the model loads: device, attention backend, model path, port.
+"""Checks that fail in one line before the model loads: device, attention backend, model path, port, and a
+--context-length the KV pool cannot hold.
 
 `radixserve serve` calls `check_before_load(config)` and `bind_listen_socket(host, port)` before it
 starts the engine, so a wrong `--device`, `--attention-backend` or a busy port costs no model load
@@ -22,7 +23,12 @@ import subprocess
 import sys
 
 from radixserve.frontend.config import ServerConfig
-from radixserve.scheduler.config import EngineConfig
+from radixserve.scheduler.config import (
+    DEFAULT_CPU_KV_TOKENS,
+    EngineConfig,
+    fit_context_to_pool,
+    kv_pool_slots,
+)
 
 LISTEN_BACKLOG = 2048  # uvicorn's default
 CUDA_PROBE_TIMEOUT_S = 60.0
@@ -57,6 +63,38 @@ def check_before_load(config: ServerConfig) -> None:
     if config.chat_template is not None and not os.path.isfile(config.chat_template):
         raise ConfigError(f"--chat-template {config.chat_template!r} is not a file (give a Jinja template file)")
     check_device_and_backend(config.engine)
+    check_context_fits_pool(config)
+
+
+def check_context_fits_pool(config: ServerConfig) -> None:
+    """A --context-length the KV pool cannot hold one request of, refused before the model loads where the pool's
+    size is known here (--kv-cache-tokens, or the CPU's default); the engine checks again once it has loaded."""
+    engine = config.engine
+    if engine.context_length is None:
+        return  # the engine caps the model's context to the pool instead
+    if engine.kv_cache_tokens is not None:
+        pool = kv_pool_slots(engine.kv_cache_tokens, engine.page_size)
+    elif engine.device == "cpu" or (engine.device is None and cuda_device_count() == 0):
+        pool = kv_pool_slots(DEFAULT_CPU_KV_TOKENS, engine.page_size)
+    else:
+        return  # CUDA: the default pool is sized from the free memory, measured when the engine loads
+    context = min(engine.context_length, _model_positions(config.model) or engine.context_length)
+    try:
+        fit_context_to_pool(context, pool, engine.page_size, context_set=True)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _model_positions(model: str | None) -> int | None:
+    """The checkpoint's max_position_embeddings (the engine's context is at most that); None if unreadable
+    (the engine then reports what is wrong with the checkpoint)."""
+    from radixserve.kernels.demo import DEMO_CHECKPOINT_DIR
+    from radixserve.kernels.model_config import load_model_config
+
+    try:
+        return load_model_config(model or DEMO_CHECKPOINT_DIR).max_position_embeddings
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
 
 
 def check_model_dir(model: str) -> None:
@@ -69,7 +107,7 @@ def check_model_dir(model: str) -> None:
     if slash and owner and name and "/" not in name and not model.startswith(".") and not os.path.isabs(model):
         raise ConfigError(f"--model {model!r} looks like a Hugging Face hub id, and there is no such local "
                           "directory: radixserve loads local checkpoints only (download it first, e.g. "
-                          f"`huggingface-cli download {model} --local-dir DIR`, then --model DIR)")
+                          f"`hf download {model} --local-dir DIR`, then --model DIR)")
     raise ConfigError(f"--model {model!r}: no such directory (give a local checkpoint directory)")
 
 

@@ -42,6 +42,7 @@ class CommonOptions:
     # key a client can hand the router (README "Replicas").
     prompt_cache_key: str | None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs (validated)
+    max_tokens_param: str = "max_tokens"  # the name the client gave it (chat: or max_completion_tokens)
 
 
 @dataclass(frozen=True)
@@ -61,17 +62,16 @@ class CompletionRequest:
 def parse_chat_request(body: Any, max_n: int) -> ChatRequest:
     reader = FieldReader(body)
     messages = _parse_messages(reader.raw("messages"))
-    if reader.has("max_completion_tokens"):
-        max_tokens = reader.int("max_completion_tokens", lo=1)
-    else:
-        max_tokens = reader.int("max_tokens", lo=1)
+    max_tokens_param = "max_completion_tokens" if reader.has("max_completion_tokens") else "max_tokens"
+    max_tokens = reader.int(max_tokens_param, lo=1)
     logprobs_on = reader.bool("logprobs", False)
     top_logprobs = reader.int("top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     if top_logprobs and not logprobs_on:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     _refuse_unsupported(reader)
     tools, tool_grammar = _parse_tools(reader)
-    common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None, tool_grammar)
+    common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None, tool_grammar,
+                           max_tokens_param)
     return ChatRequest(common=common, messages=messages, tools=tools)
 
 
@@ -95,8 +95,9 @@ class _Missing:
     pass
 
 
-def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
-                  logprobs: int | None, tool_grammar: tuple[dict[str, Any], bool] | None = None) -> CommonOptions:
+def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None, logprobs: int | None,
+                  tool_grammar: tuple[dict[str, Any], bool] | None = None,
+                  max_tokens_param: str = "max_tokens") -> CommonOptions:
     n = reader.int("n", 1, lo=1, hi=max_n)
     stream = reader.bool("stream", False)
     options = reader.obj("stream_options")
@@ -125,7 +126,8 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None,
     return CommonOptions(model=model, n=n, stream=stream, include_usage=include_usage,
                          max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                          return_token_ids=reader.bool("return_token_ids", False),
-                         prompt_cache_key=reader.str("prompt_cache_key"), sampling=sampling)
+                         prompt_cache_key=reader.str("prompt_cache_key"), sampling=sampling,
+                         max_tokens_param=max_tokens_param)
 
 
 # Other servers' constrained-decoding fields: refused, so a client never gets unconstrained output.

@@ -32,7 +32,12 @@ from radixserve.frontend.openai_api import (
 from radixserve.frontend.protocol import check_logit_bias
 from radixserve.frontend.response_store import StoredResponse
 from radixserve.frontend.responses_output import ResponseBuilder, sse
-from radixserve.frontend.responses_protocol import ResponsesRequest, items_to_messages, parse_responses_request
+from radixserve.frontend.responses_protocol import (
+    ResponsesRequest,
+    items_to_messages,
+    parse_responses_request,
+    rename_param,
+)
 from radixserve.frontend.sse import SSEResponse, collect
 from radixserve.frontend.state import ServerState
 from radixserve.scheduler.req import GenerateResult, StreamDelta
@@ -53,8 +58,12 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     prev = await _previous(state, req.previous_response_id)
     if not req.input_items and prev is None:
         raise bad_request("input must not be empty", "input")
-    prompt_ids = await asyncio.to_thread(_prompt_ids, state, req, prev)
-    max_new = resolve_max_tokens(state, len(prompt_ids), common.max_tokens, common.sampling["min_new_tokens"])
+    try:
+        prompt_ids = await asyncio.to_thread(_prompt_ids, state, req, prev)
+    except APIError as exc:  # the chat template's refusals name the chat's `messages`
+        exc.param = rename_param(exc.param)
+        raise
+    max_new = resolve_max_tokens(state, len(prompt_ids), common, _NAMES)
     rid = state.new_id("resp").replace("-", "_")
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, max_new_tokens=max_new,
                            logprobs=common.logprobs)

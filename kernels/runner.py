@@ -51,7 +51,7 @@ from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve
 from radixserve.kernels.model import CausalLM
 from radixserve.kernels.model_config import ModelConfig, load_model_config
 from radixserve.kernels.sampling import PenaltyState, sample_next_tokens, token_logprobs
-from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS
+from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,7 @@ class ModelRunner:
         self.config: ModelConfig = replace(config, dtype=str(self.dtype).removeprefix("torch."))
         if num_slots is None:
             num_slots = default_kv_slots(config, self.dtype, self.device)
-        # Whole pages only (the allocator hands out pages).
-        self.num_slots = num_slots = max(num_slots // page_size, 1) * page_size
+        self.num_slots = num_slots = kv_pool_slots(num_slots, page_size)
         self.context_length = min(config.max_position_embeddings, context_length or config.max_position_embeddings)
         if context_length and context_length > config.max_position_embeddings:
             logger.warning("context_length %d exceeds the model's max_position_embeddings %d; using %d",

@@ -73,6 +73,26 @@ DEFAULT_CPU_KV_TOKENS = 16384  # small on the CPU: several test servers share on
 CUDA_KV_MEMORY_FRACTION = 1 / 3  # of the free memory before loading; weights and activations need the rest
 
 
+def fit_context_to_pool(context_length: int, pool_slots: int, page_size: int, context_set: bool) -> int:
+    """The longest request (prompt + output) the engine accepts. `context_length` is the model's, or the smaller
+    context_length the user set (`context_set`); `pool_slots` the KV pool's slots (whole pages). A pool that
+    cannot hold one request of that length refuses a context the user set (ValueError naming the pool it needs,
+    and the largest context that fits) and caps the model's own to what it holds."""
+    if pool_slots >= context_length:
+        return context_length
+    if context_set:
+        need = -(-context_length // page_size) * page_size
+        raise ValueError(f"context_length {context_length} needs a KV cache of {need} token slots to hold one request "
+                         f"that long, and it has {pool_slots}: raise kv_cache_tokens to {need} or more, or lower "
+                         f"context_length to {pool_slots}")
+    return pool_slots
+
+
+def kv_pool_slots(kv_cache_tokens: int, page_size: int) -> int:
+    """The KV pool's slots for a kv_cache_tokens setting: whole pages only (the allocator hands out pages)."""
+    return max(kv_cache_tokens // page_size, 1) * page_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str | None = option(None, "checkpoint directory (None: the built-in demo model)")

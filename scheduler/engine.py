@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from radixserve.kernels.forward_io import SeqInput
 from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.scheduler.checks import token_id_list
-from radixserve.scheduler.config import EngineConfig
+from radixserve.scheduler.config import EngineConfig, fit_context_to_pool
 from radixserve.scheduler.constrained import ConstrainedDecoding
 from radixserve.scheduler.detokenizer import IncrementalDetokenizer
 from radixserve.scheduler.errors import RequestError
@@ -57,7 +57,12 @@ class Engine:
                                   native_kernels=not cfg.disable_native_kernels)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
-        self.context_length: int = self.runner.context_length
+        self.context_length: int = fit_context_to_pool(self.runner.context_length, num_slots, cfg.page_size,
+                                                       context_set=cfg.context_length is not None)
+        if self.context_length < self.runner.context_length:
+            logger.info("context length capped to %d tokens, what the KV cache holds (the model's is %d): longer "
+                        "requests are refused; raise kv_cache_tokens (--kv-cache-tokens) to accept them",
+                        self.context_length, self.runner.context_length)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.kv = PrefixKV(num_slots, cfg.page_size, cfg.disable_radix_cache, cfg.eviction_policy,
                            num_rows=cfg.max_running_requests, reuse_bonus=cfg.reuse_bonus)
@@ -394,16 +399,16 @@ class Engine:
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> Any | None:
         """The one check of a request against this engine's limits (the server maps the
         RequestError's param to its API's name and answers 400); returns the compiled grammar
-        (or None), compiled here so that a bad grammar is a 400 too."""
+        (or None), compiled here so that a bad grammar is a 400 too. The context never exceeds
+        the KV pool (fit_context_to_pool), so a request within it fits the pool alone."""
         num, total = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
+        if num + min(params.max_new_tokens, 1) > self.context_length:  # the prompt's fault: no max_new_tokens fits
+            raise RequestError(f"the prompt has {num} tokens, which leaves no room to generate in the context length "
+                               f"{self.context_length}", "prompt", "context_length_exceeded")
         if total > self.context_length:
             raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
                                f"{total} exceeds the context length {self.context_length}", "max_new_tokens",
                                "context_length_exceeded")
-        if self.kv.pages_for(total) * self.config.page_size > self.kv.total_slots:
-            raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
-                               f"{total} tokens exceed the KV cache of {self.kv.total_slots} slots "
-                               f"(raise kv_cache_tokens)", "max_new_tokens")
         if params.logit_bias:
             vocab = self.model_config.vocab_size
             bad = next((t for t in params.logit_bias if t >= vocab), None)

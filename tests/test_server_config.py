@@ -15,7 +15,7 @@ from radixserve.frontend.cli import build_parser, config_flags, config_from_args
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.preflight import ConfigError, bind_listen_socket, check_before_load
 from radixserve.scheduler.checks import describe_range
-from radixserve.scheduler.config import EngineConfig, PolicyConfig
+from radixserve.scheduler.config import EngineConfig, PolicyConfig, fit_context_to_pool
 from radixserve.scheduler.sampling_params import SamplingParams
 
 FAIL_FAST_S = 20.0  # far below a model load in a fresh interpreter (torch import alone takes seconds)
@@ -105,7 +105,7 @@ def test_preflight_in_process():
     check_before_load(ServerConfig())  # the demo model, torch on the CPU: nothing to refuse
     with pytest.raises(ConfigError, match="no such directory"):
         check_before_load(ServerConfig(model="/no/such/checkpoint"))
-    with pytest.raises(ConfigError, match="looks like a Hugging Face hub id"):
+    with pytest.raises(ConfigError, match="looks like a Hugging Face hub id.*`hf download Qwen/Qwen2.5-0.5B-Instruct "):
         check_before_load(ServerConfig(model="Qwen/Qwen2.5-0.5B-Instruct"))
     with pytest.raises(ConfigError, match="is a file"):
         check_before_load(ServerConfig(model=__file__))
@@ -181,6 +181,48 @@ def test_triton_without_cuda_or_interpreter_fails_before_the_model_loads():
 def test_bad_flag_value_is_one_line_naming_the_flag():
     out, elapsed = _serve("--port", "0", "--policy-overtake-ratio", "-1")
     _assert_failed_fast(out, elapsed, "--policy-overtake-ratio must be >= 0, got -1")
+
+
+def test_context_the_kv_pool_cannot_hold_is_refused_before_the_model_loads():
+    out, elapsed = _serve("--port", "0", "--context-length", "1000", "--kv-cache-tokens", "10")
+    _assert_failed_fast(out, elapsed, "--context-length 1000 needs a KV cache of 1000 token slots",
+                        "raise --kv-cache-tokens to 1000 or more, or lower --context-length to 10")
+
+
+def test_preflight_context_against_the_pool():
+    tiny = tiny_model_path()  # 1024 positions
+    with pytest.raises(ConfigError, match="context_length 1000 needs a KV cache of 1008 .* lower context_length to 96"):
+        check_before_load(ServerConfig(model=tiny, engine={"context_length": 1000, "kv_cache_tokens": 100,
+                                                           "page_size": 16}))
+    with pytest.raises(ConfigError, match="context_length 1024 needs"):  # the model's positions bound the context
+        check_before_load(ServerConfig(model=tiny, engine={"context_length": 100_000, "kv_cache_tokens": 1000}))
+    check_before_load(ServerConfig(model=tiny, engine={"context_length": 100_000, "kv_cache_tokens": 1024}))
+    check_before_load(ServerConfig(model=tiny, engine={"kv_cache_tokens": 10}))  # no --context-length: capped later
+    # The demo model (4096 positions) with the CPU's default pool (16,384 slots).
+    check_before_load(ServerConfig(engine={"context_length": 100_000, "device": "cpu"}))
+
+
+def test_fit_context_to_pool():
+    assert fit_context_to_pool(4096, 16384, 1, context_set=True) == 4096
+    assert fit_context_to_pool(32768, 16384, 1, context_set=False) == 16384  # the model's own: capped
+    assert fit_context_to_pool(16384, 16384, 1, context_set=True) == 16384
+    with pytest.raises(ValueError, match="needs a KV cache of 48 token slots .* and it has 32"):
+        fit_context_to_pool(33, 32, 16, context_set=True)
+
+
+def test_engine_refuses_a_context_its_pool_cannot_hold():
+    from radixserve.scheduler import Engine
+
+    with pytest.raises(ValueError, match="context_length 500 needs a KV cache of 500 token slots"):
+        Engine(tiny_model_path(), num_threads=1, kv_cache_tokens=100, context_length=500)
+    engine = Engine(tiny_model_path(), num_threads=1, kv_cache_tokens=100)
+    try:
+        assert engine.context_length == 100  # the model's 1024, capped to the pool
+        with pytest.raises(ValueError, match="the prompt has 90 tokens and max_new_tokens is 20: 110 exceeds the "
+                                             "context length 100"):
+            engine.add_request(list(range(90)), {"max_new_tokens": 20})
+    finally:
+        engine.shutdown()
 
 
 def test_listen_socket_gives_accepted_connections_tcp_nodelay():
