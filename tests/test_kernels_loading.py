@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kernels_fixtures import hf_logits, load_hf, make_checkpoint, make_prompts
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import ModelRunner, RopeConfig, SeqInput, load_model_config
+from radixserve.kernels.loader import BF16_CPU_FLAGS, cpu_flags, resolve_dtype
 from radixserve.kernels.model_config import parse_model_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -134,6 +137,35 @@ def test_bfloat16_runs_close_to_float32(llama_path):
     prompt = make_prompts(1, shared_len=0, tail_lens=[12], vocab=256, seed=4)[0]
     a, b = _prompt_logits(fp32, prompt), _prompt_logits(bf16, prompt)
     assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()
+
+
+@pytest.mark.parametrize("requested, ckpt, flags, expected", [
+    ("auto", "bfloat16", {"avx512_bf16"}, torch.bfloat16),
+    ("auto", "bfloat16", {"amx_bf16", "avx512f"}, torch.bfloat16),
+    ("auto", "bfloat16", {"avx512f", "avx2"}, torch.float32),  # no native bf16 dot products
+    ("auto", "float32", {"avx512_bf16", "amx_bf16"}, torch.float32),  # an fp32 checkpoint stays fp32
+    ("auto", "float16", {"avx512_bf16"}, torch.float32),
+    ("bfloat16", "float32", set(), torch.bfloat16),  # asked for: whatever the CPU
+])
+def test_auto_dtype_on_the_cpu(requested, ckpt, flags, expected, caplog):
+    with caplog.at_level(logging.INFO, logger="radixserve.kernels.loader"):
+        assert resolve_dtype(requested, ckpt, torch.device("cpu"), frozenset(flags)) == expected
+    [line] = [r.getMessage() for r in caplog.records]  # one line: which dtype and why
+    assert line.startswith(f"dtype {str(expected).removeprefix('torch.')} (")
+    assert ("this CPU has no" in line) == (requested == "auto" and ckpt == "bfloat16" and expected == torch.float32)
+
+
+def test_bf16_checkpoint_runs_in_bf16_where_the_cpu_has_it(llama_path, tmp_path):
+    path = _copy_with_config(llama_path, tmp_path / "bf16", lambda raw: raw.update(dtype="bfloat16"))
+    weights = os.path.join(path, "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    runner = ModelRunner(path, num_slots=64, attention_backend="torch", device="cpu")
+    native_bf16 = bool(set(BF16_CPU_FLAGS) & cpu_flags())
+    assert runner.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert runner.k_cache.dtype == runner.v_cache.dtype == runner.model.embed.dtype == runner.dtype  # the KV pool too
+    prompt = make_prompts(1, shared_len=0, tail_lens=[12], vocab=256, seed=4)[0]
+    a, b = _prompt_logits(runner, prompt), hf_logits(load_hf(llama_path), prompt)
+    assert (a - b).abs().max().item() < 0.1 * b.abs().max().item()
 
 
 @pytest.mark.parametrize("edit, message", [
