@@ -119,3 +119,43 @@ def test_cached_checkpoint_is_keyed_by_arguments(tmp_path, monkeypatch):
     assert cached_checkpoint("llama", seed=1, **TINY) == a
     b = cached_checkpoint("llama", seed=2, **TINY)
     assert b != a and os.path.isfile(os.path.join(b, "model.safetensors"))
+
+
+def test_bench_model_from_a_shape_file_or_a_checkpoint_dir(tmp_path, monkeypatch):
+    """A config.json of a real model gives random weights in its shape (cached); a checkpoint directory is used as
+    it is; anything else is a clear error."""
+    from radixserve.bench.harness import BENCH_MODELS, bench_model_path
+    from radixserve.kernels.model_config import load_model_config
+
+    monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path / "cache"))
+    shape = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=320, hidden_size=48,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=80,
+                 max_position_embeddings=512, tie_word_embeddings=True, torch_dtype="bfloat16", rms_norm_eps=1e-5,
+                 rope_theta=1e6, eos_token_id=151645, quantization_config={"quant_method": "ignored"})
+    shape_file = tmp_path / "config.json"
+    shape_file.write_text(json.dumps(shape))
+    path = bench_model_path(str(shape_file))
+    cfg = load_model_config(path)
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.max_position_embeddings) == (320, 48, 2, 4, 1, 32, 80, 512)
+    assert (cfg.dtype, cfg.rms_norm_eps, cfg.rope.rope_theta) == ("bfloat16", 1e-5, 1e6)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+        assert f.get_tensor("model.layers.0.self_attn.q_norm.weight").dtype == torch.bfloat16
+    assert bench_model_path(str(shape_file)) == path  # built once
+    assert bench_model_path(path) == path  # a checkpoint directory as it is
+    assert BENCH_MODELS["L"]["vocab_size"] == 151936 and BENCH_MODELS["L"]["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="S, M, tiny, L"):
+        bench_model_path("XL")
+    with pytest.raises(ValueError, match="without config.json"):
+        bench_model_path(str(tmp_path / "cache"))
+    shape_file.write_text(json.dumps({**shape, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type"):
+        bench_model_path(str(shape_file))
+    shape_file.write_text(json.dumps({k: v for k, v in shape.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match="missing hidden_size"):
+        bench_model_path(str(shape_file))
+    shape_file.write_text("not json")
+    with pytest.raises(ValueError, match="not a JSON config"):
+        bench_model_path(str(shape_file))

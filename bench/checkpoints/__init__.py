@@ -11,9 +11,11 @@ from radixserve.bench.checkpoints.random_weights import (
     cache_root,
     cached_checkpoint,
     cached_scripted_checkpoint,
+    checkpoint_for,
     random_demo_model_path,
     save_model,
     scripted_model_path,
+    shape_of,
 )
 from radixserve.bench.checkpoints.scripted import build_scripted_checkpoint
 from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, write_generation_config
@@ -21,5 +23,6 @@ from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids
 __all__ = [
     "ARCHITECTURES", "DEMO_CONFIG", "SCRIPT_PRIORITY", "SCRIPTS", "TOOL_RESULT_TRIGGER", "build_checkpoint",
     "build_scripted_checkpoint", "build_tokenizer", "cache_root", "cached_checkpoint", "cached_scripted_checkpoint",
-    "random_demo_model_path", "save_model", "scripted_model_path", "special_token_ids", "write_generation_config",
+    "checkpoint_for", "random_demo_model_path", "save_model", "scripted_model_path", "shape_of", "special_token_ids",
+    "write_generation_config",
 ]

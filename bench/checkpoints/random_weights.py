@@ -29,6 +29,7 @@ from radixserve.kernels.demo_tokenizer import (
     special_token_ids,
     write_generation_config,
 )
+from radixserve.kernels.model_config import normalize_dtype_name
 
 __all__ = [
     "build_checkpoint",
@@ -36,10 +37,12 @@ __all__ = [
     "build_tokenizer",
     "cache_root",
     "cached_checkpoint",
+    "checkpoint_for",
     "cached_scripted_checkpoint",
     "random_demo_model_path",
     "scripted_model_path",
     "SCRIPTS",
+    "shape_of",
     "special_token_ids",
     "write_generation_config",
     "DEMO_CONFIG",
@@ -158,6 +161,55 @@ def cached_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
     key = _fingerprint(dict(arch=arch, **kwargs), inspect.getsource(sys.modules[__name__]),
                        inspect.getsource(demo_tokenizer), demo_corpus.corpus())
     return _cached_dir(f"ckpt-{arch}-{key}", lambda d: build_checkpoint(d, arch, **kwargs))
+
+
+# config.json keys a random checkpoint in a real model's shape takes over as they are: what the forward and the
+# benchmarks depend on. The rest (token ids, tokenizer, quantization, ...) are the builder's own.
+_SHAPE_KEYS = ("head_dim", "tie_word_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+               "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+               "layer_types", "hidden_act")
+
+
+def shape_of(config: dict[str, Any]) -> dict[str, Any]:
+    """cached_checkpoint's arguments (arch included) for random weights in the shape of a Hugging Face config.json:
+    the architecture from model_type, dims, vocabulary, dtype, tied embeddings, head_dim, rope and norms."""
+    arch = config.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"config model_type must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    if missing := [key for key in required if key not in config]:
+        raise ValueError(f"config is missing {', '.join(missing)}")
+    dtype = normalize_dtype_name(config.get("dtype") or config.get("torch_dtype") or "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"config dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    return dict(
+        arch=arch, vocab_size=int(config["vocab_size"]), hidden_size=int(config["hidden_size"]),
+        num_layers=int(config["num_hidden_layers"]), num_heads=int(config["num_attention_heads"]),
+        num_kv_heads=int(config.get("num_key_value_heads") or config["num_attention_heads"]),
+        intermediate_size=int(config["intermediate_size"]),
+        max_position_embeddings=int(config.get("max_position_embeddings") or 2048), dtype=dtype,
+        **{key: config[key] for key in _SHAPE_KEYS if config.get(key) is not None},
+    )
+
+
+def checkpoint_for(path: str, seed: int = 0) -> str:
+    """A checkpoint directory for `path`: a Hugging Face checkpoint directory is used as it is; a config.json
+    ("shape file") gets seeded random weights in its shape (shape_of), built once into the cache."""
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"{path} is a directory without config.json: not a Hugging Face checkpoint")
+        return path
+    if not os.path.isfile(path):
+        raise ValueError(f"{path!r} is neither a checkpoint directory nor a config.json file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a JSON config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON config object")
+    spec = shape_of(config)
+    return cached_checkpoint(spec.pop("arch"), seed=seed, **spec)
 
 
 def cached_scripted_checkpoint(chains: dict[str, Any], **kwargs: Any) -> str:
