@@ -8,6 +8,7 @@ seconds; a run's summary adds the achieved and the optimal hit rate of the promp
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -18,23 +19,31 @@ from radixserve.bench.workloads import Workload
 
 logger = logging.getLogger(__name__)
 
-# Bench models (§8): seeded random Llama, fp32, vocab 4096. "tiny" is for CI: hit rates and
-# scheduling decisions do not depend on the model's size.
+# Bench models (§8), seeded random weights: cached_checkpoint's arguments. S, M and "tiny": Llama, fp32, vocab 4096
+# ("tiny" is for CI: hit rates and scheduling decisions do not depend on the model's size). L: the Qwen2.5-0.5B
+# shape in bf16 with its real vocabulary, where weight streaming and the LM head dominate as in real serving.
+_SMALL = dict(arch="llama", vocab_size=4096, max_position_embeddings=4096, dtype="float32")
 BENCH_MODELS: dict[str, dict[str, Any]] = {
-    "S": dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688),
-    "M": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
-    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
+    "S": dict(_SMALL, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=688),
+    "M": dict(_SMALL, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048),
+    "tiny": dict(_SMALL, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128),
+    "L": dict(arch="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+              intermediate_size=4864, max_position_embeddings=32768, dtype="bfloat16", tie_word_embeddings=True),
 }
 
 
 def bench_model_path(name: str) -> str:
-    """Directory of bench model `name` (S, M or tiny), built once into the radixserve cache."""
-    from radixserve.bench.checkpoints import cached_checkpoint
+    """Directory of bench model `name`: one of BENCH_MODELS (built once into the radixserve cache), a Hugging Face
+    checkpoint directory (used as it is) or a config.json "shape file" (random weights in its shape)."""
+    from radixserve.bench.checkpoints import cached_checkpoint, checkpoint_for
 
-    if name not in BENCH_MODELS:
-        raise ValueError(f"unknown bench model {name!r}; choose from {', '.join(BENCH_MODELS)}")
-    return cached_checkpoint("llama", seed=0, vocab_size=4096, max_position_embeddings=4096,
-                             dtype="float32", **BENCH_MODELS[name])
+    if name in BENCH_MODELS:
+        spec = dict(BENCH_MODELS[name])
+        return cached_checkpoint(spec.pop("arch"), seed=0, **spec)
+    if not os.path.exists(name):
+        raise ValueError(f"unknown bench model {name!r}; choose from {', '.join(BENCH_MODELS)}, "
+                         "a checkpoint directory or a config.json")
+    return checkpoint_for(name)
 
 
 @dataclass
