@@ -21,9 +21,11 @@ READY = re.compile(r"radixserve ready: serving .* on (http://[\d.]+:\d+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], start_timeout_s: float = 300.0, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], start_timeout_s: float = 300.0, env: dict[str, str] | None = None,
+                 python: str = sys.executable) -> None:
+        """`python`: the interpreter to serve with (another venv's, to test an install other than this one)."""
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", **(env or {}))
-        cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+        cmd = [python, "-m", "radixserve.frontend.cli", "serve", "--host", "127.0.0.1", "--port", "0",
                "--log-level", "info", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                      env=full_env)
