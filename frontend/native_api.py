@@ -9,7 +9,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_first_token, note_usage
+from radixserve.frontend.access_log import note_error, note_first_token, note_usage
 from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import TokenTexts, native_logprobs, prompt_entries
@@ -129,6 +129,7 @@ async def _native_events(state: ServerState, job_items: list[NativeItem], as_lis
                     out["index"] = i
                 yield sse_event(out)
     except APIError as exc:
+        note_error(request, exc.body()["error"])
         yield sse_event(exc.body())
     yield DONE
 

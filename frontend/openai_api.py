@@ -13,7 +13,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_first_token, note_openai_usage
+from radixserve.frontend.access_log import note_error, note_first_token, note_openai_usage
 from radixserve.frontend.engine_client import Job, Submission
 from radixserve.frontend.errors import APIError, bad_request
 from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
@@ -254,6 +254,7 @@ async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIt
                 for event in (await events) if inspect.isawaitable(events) else events:
                     yield event
     except APIError as exc:
+        note_error(request, exc.body()["error"])
         for event in handler.on_error(exc):
             yield event
         return

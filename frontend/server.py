@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from radixserve.frontend import native_api, openai_api, responses_api, tokenize_api
-from radixserve.frontend.access_log import AccessLog
+from radixserve.frontend.access_log import AccessLog, note_probe
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
 from radixserve.frontend.engine_proc import EngineDead
@@ -99,6 +99,8 @@ def build_app(state: ServerState) -> Starlette:
 def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, health: bool
               ) -> Callable[[Request], Awaitable[Any]]:
     async def endpoint(request: Request) -> Any:
+        if health:
+            note_probe(request)
         try:
             if auth:
                 _check_api_key(state.config.api_key, request)
@@ -184,8 +186,15 @@ async def _model_info(state: ServerState, request: Request, body: Any) -> dict[s
 
 
 async def _server_info(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    """The settings, plus the fields SGLang's server info has and sglang-router 0.3.2 registers a worker by:
+    `served_model_name` (its model id, what /v1/models lists through it) and `model_path` (it loads its
+    tokenizer from there; a local directory, never fetched from the Hub)."""
     info = state.config.public_dict()
+    path = state.engine.info.model_path
     info.update({
+        "served_model_name": state.model_name,
+        "model_path": path,
+        "tokenizer_path": path,
         "engine_config": state.engine.info.engine_config,
         "engine_pid": state.engine.info.pid,
         "engine_messages": state.engine.num_messages,

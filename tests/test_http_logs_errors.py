@@ -1,6 +1,7 @@
 """The access log (one radixserve.access line per request, off with --disable-log-requests) and
 OpenAI-format errors for everything the server answers: 404, 405 (with Allow), 413, a bad body,
 and the request cancelled by a second shutdown signal (uvicorn would send plain text)."""
+import json
 import re
 import signal
 import threading
@@ -14,7 +15,8 @@ from radixserve.frontend.spawn import ServerProcess as Spawned
 
 ACCESS = re.compile(r'radixserve\.access: \S+ "(?P<method>\w+) (?P<path>\S+)" (?P<status>\d+) '
                     r"prompt_tokens=(?P<prompt>[\d-]+) cached_tokens=(?P<cached>[\d-]+) "
-                    r"completion_tokens=(?P<completion>[\d-]+) ttft=(?P<ttft>[\d.]+s|-) latency=(?P<latency>[\d.]+)s")
+                    r"completion_tokens=(?P<completion>[\d-]+) ttft=(?P<ttft>[\d.]+s|-) latency=(?P<latency>[\d.]+)s"
+                    r'(?: error=(?P<type>\S+) param=(?P<param>\S+) code=(?P<code>\S+) message=(?P<message>".*"))?$')
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -85,9 +87,41 @@ def test_access_line_of_native_generate_and_of_a_plain_endpoint(logged, http):
     assert r.status_code == 200
     line = _access_lines(logged, "/generate", 1)[-1]
     assert (line["prompt"], line["completion"]) == ("5", "4")  # summed over the batch
-    assert http.get("/health").status_code == 200
-    line = _access_lines(logged, "/health", 1)[-1]
+    assert http.get("/get_model_info").status_code == 200
+    line = _access_lines(logged, "/get_model_info", 1)[-1]
     assert (line["status"], line["prompt"], line["ttft"]) == ("200", "-", "-")
+
+
+def test_a_passing_health_probe_is_logged_at_debug_only(logged, http):
+    """A router probes /health every few seconds: at the default level (info) it writes no line."""
+    before = len(_access_lines(logged, "/get_model_info", 0, timeout=0))
+    assert http.get("/health").status_code == 200
+    assert http.get("/get_model_info").status_code == 200  # its line comes after the probe's would have
+    assert len(_access_lines(logged, "/get_model_info", before + 1)) == before + 1
+    assert not _access_lines(logged, "/health", 1, timeout=0), logged.log()[-2000:]
+
+
+def test_access_line_of_a_refused_request_says_why(logged, http):
+    path = "/v1/chat/completions"
+    before = len(_access_lines(logged, path, 0, timeout=0))
+    error = _error(http.post(path, json={"messages": USER, "temperature": 150}), 400)
+    line = _access_lines(logged, path, before + 1)[-1]
+    assert line["status"] == "400" and (line["type"], line["param"]) == (error["type"], "temperature")
+    assert (line["code"], json.loads(line["message"])) == (error["code"], error["message"])
+    _error(http.get("/v1/nothing-here"), 404)
+    line = _access_lines(logged, "/v1/nothing-here", 1)[-1]
+    assert (line["type"], line["param"]) == ("not_found_error", "-") and "/v1/nothing-here" in line["message"]
+
+
+def test_access_line_of_a_stream_the_client_left_says_499(logged, http):
+    path = "/v1/completions"
+    before = len(_access_lines(logged, path, 0, timeout=0))
+    with http.stream("POST", path, json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True,
+                                         "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one event, then hang up
+    line = _access_lines(logged, path, before + 1)[-1]
+    assert line["status"] == "499" and line["type"] is None, line
 
 
 def test_unknown_path_is_an_openai_404(http, logged):
