@@ -1,4 +1,5 @@
-/* radixserve's compiled CPU kernels (x86-64 AVX-512, fp32), built and loaded by native.py.
+/* radixserve's compiled CPU kernels (fp32), built and loaded by native.py: one source for every
+ * instruction set, which the vector layer (cpu_simd.h) maps to AVX-512, AVX2 + FMA or plain C.
  *
  * rs_attend: for every (batch entry b, kv head h) and every query row r of q[b, h], attention
  * over the keys j in [lo[b, r], hi[b, r]) of that entry, where key j lives in pool slot
@@ -18,13 +19,14 @@
  * already loaded). Per item, keys go in blocks of KB: S^T = K Q^T (keys x rows, Q packed
  * transposed and pre-scaled by scale * log2 e, so softmax is exp2), an online softmax per row
  * that is vectorised across rows (S^T keeps a row's scores in a column), then O += P V. Both
- * products are register-blocked tiles (8 keys x 32 rows, 8 rows x 32 columns: 16 accumulators,
- * the scalar side broadcast), so the FMA units, not the loads, bound them.
+ * products are register-blocked tiles (AVX-512: 8 keys x 32 rows, 8 rows x 32 columns, 16
+ * accumulators; the scalar side broadcast), so the FMA units, not the loads, bound them.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_simd.h"
 
 #define QB 64   /* query rows per work item */
 #define KB 128  /* keys per block */
@@ -32,62 +34,42 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
-/* 2^t; exactly 0 below 2^-126 (masked scores are -inf), no denormals. */
-static inline __m512 exp2_ps(__m512 t) {
-    const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n); /* [-0.5, 0.5]: Taylor of e^(f ln 2) to degree 6, rel. error 1.2e-7 */
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(normal, _mm512_scalef_ps(p, n));
-}
-
-/* s[k][i] = sum_c K[k][c] qt[c][i] for 8 keys and 16 * nv rows (nv = 1 or 2, a constant after inlining). */
+/* s[k][i] = sum_c K[k][c] qt[c][i] for TILE keys and 16 * nv rows (nv = 1 .. QK_NV, a constant after inlining). */
 static inline __attribute__((always_inline)) void qk_tile(const float *const *kp, const float *qt, int d,
                                                           float *s, const int nv) {
-    __m512 acc[8][2];
-    for (int k = 0; k < 8; ++k)
-        for (int v = 0; v < nv; ++v) acc[k][v] = _mm512_setzero_ps();
+    vf acc[TILE][QK_NV];
+    for (int k = 0; k < TILE; ++k)
+        for (int v = 0; v < nv; ++v) acc[k][v] = vf_zero();
     for (int c = 0; c < d; ++c) {
-        __m512 b[2];
-        for (int v = 0; v < nv; ++v) b[v] = _mm512_load_ps(qt + c * QB + 16 * v);
+        vf b[QK_NV];
+        for (int v = 0; v < nv; ++v) b[v] = vf_load(qt + c * QB + 16 * v);
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-            const __m512 a = _mm512_set1_ps(kp[k][c]);
-            for (int v = 0; v < nv; ++v) acc[k][v] = _mm512_fmadd_ps(a, b[v], acc[k][v]);
+        for (int k = 0; k < TILE; ++k) {
+            const vf a = vf_set1(kp[k][c]);
+            for (int v = 0; v < nv; ++v) acc[k][v] = vf_fmadd(a, b[v], acc[k][v]);
         }
     }
-    for (int k = 0; k < 8; ++k)
-        for (int v = 0; v < nv; ++v) _mm512_store_ps(s + k * QB + 16 * v, acc[k][v]);
+    for (int k = 0; k < TILE; ++k)
+        for (int v = 0; v < nv; ++v) vf_store(s + k * QB + 16 * v, acc[k][v]);
 }
 
-/* o[i0 + k][c0 : c0 + 32] += sum_j p[j][i0 + k] V[j][c0 : c0 + 32] for k < 8, j < nk. */
+/* o[i0 + k][c0 : c0 + 16 * PV_NV] += sum_j p[j][i0 + k] V[j][c0 : c0 + 16 * PV_NV] for k < TILE, j < nk. */
 static inline void pv_tile(const float *p, int i0, const float *const *vp, int c0, int nk, float *o, int d) {
-    __m512 acc[8][2];
-    for (int k = 0; k < 8; ++k) {
-        acc[k][0] = _mm512_load_ps(o + (i0 + k) * d + c0);
-        acc[k][1] = _mm512_load_ps(o + (i0 + k) * d + c0 + 16);
-    }
+    vf acc[TILE][PV_NV];
+    for (int k = 0; k < TILE; ++k)
+        for (int v = 0; v < PV_NV; ++v) acc[k][v] = vf_load(o + (i0 + k) * d + c0 + 16 * v);
     for (int j = 0; j < nk; ++j) {
-        const __m512 b0 = _mm512_loadu_ps(vp[j] + c0), b1 = _mm512_loadu_ps(vp[j] + c0 + 16);
+        vf b[PV_NV];
+        for (int v = 0; v < PV_NV; ++v) b[v] = vf_loadu(vp[j] + c0 + 16 * v);
         const float *pj = p + j * QB + i0;
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-            const __m512 a = _mm512_set1_ps(pj[k]);
-            acc[k][0] = _mm512_fmadd_ps(a, b0, acc[k][0]);
-            acc[k][1] = _mm512_fmadd_ps(a, b1, acc[k][1]);
+        for (int k = 0; k < TILE; ++k) {
+            const vf a = vf_set1(pj[k]);
+            for (int v = 0; v < PV_NV; ++v) acc[k][v] = vf_fmadd(a, b[v], acc[k][v]);
         }
     }
-    for (int k = 0; k < 8; ++k) {
-        _mm512_store_ps(o + (i0 + k) * d + c0, acc[k][0]);
-        _mm512_store_ps(o + (i0 + k) * d + c0 + 16, acc[k][1]);
-    }
+    for (int k = 0; k < TILE; ++k)
+        for (int v = 0; v < PV_NV; ++v) vf_store(o + (i0 + k) * d + c0 + 16 * v, acc[k][v]);
 }
 
 /* The call's arguments; native.py mirrors this layout (ctypes.Structure _Args), field for field. */
@@ -106,8 +88,8 @@ typedef struct {
 /* Software prefetch of one K or V row of d floats. The hardware prefetchers stop at 4 KB pages,
  * which hold only 8 slots of a 2-kv-head pool, and cannot guess scattered slots: DRAM-resident
  * shared prefixes streamed at ~10 GB/s of the ~35 available (measured with a cold cache). */
-#define PREFETCH_ROW(row, d, hint)                                                     \
-    for (int c_ = 0; c_ < (d); c_ += 16) _mm_prefetch((const char *)((row) + c_), hint)
+#define PREFETCH_ROW(row, d, PREFETCH)                                                  \
+    for (int c_ = 0; c_ < (d); c_ += 16) PREFETCH((row) + c_)
 
 /* Offset of row r of (b, h) in a tensor with strides (sb, sh, sr); -1 for a padding row. */
 static inline int64_t row_at(const args_t *a, int b, int h, int r, int64_t sb, int64_t sh, int64_t sr) {
@@ -134,11 +116,11 @@ static inline void put_row(const args_t *a, int b, int h, int r, const float *o_
             top += log2f(e_old + e_new);
         }
     }
-    const __m512 wn = _mm512_set1_ps(w_new), wo = _mm512_set1_ps(w_old);
+    const vf wn = vf_set1(w_new), wo = vf_set1(w_old);
     for (int c = 0; c < a->d; c += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(o_row + c), wn);
-        if (w_old != 0.0f) x = _mm512_fmadd_ps(_mm512_loadu_ps(dst + c), wo, x);
-        _mm512_storeu_ps(dst + c, x);
+        vf x = vf_mul(vf_loadu(o_row + c), wn);
+        if (w_old != 0.0f) x = vf_fmadd(vf_loadu(dst + c), wo, x);
+        vf_storeu(dst + c, x);
     }
     *lse = top == -INFINITY ? -INFINITY : top * LN2;
 }
@@ -147,38 +129,38 @@ static inline void put_row(const args_t *a, int b, int h, int r, const float *o_
  * sum l of each row, turn s into probabilities, rescale o by exp2(old max - new max). */
 static void softmax_block(float *s, int j0, int nk, int nkp, int np, int masked, const int32_t *lo,
                           const int32_t *hi, float *m, float *l, float *o, int d) {
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const vf ninf = vf_set1(-INFINITY);
     for (int v = 0; v < np / 16; ++v) {
-        const __m512i lov = _mm512_load_si512(lo + 16 * v), hiv = _mm512_load_si512(hi + 16 * v);
-        const __m512 m_old = _mm512_load_ps(m + 16 * v);
-        __m512 mx = m_old;
+        const vi lov = vi_load(lo + 16 * v), hiv = vi_load(hi + 16 * v);
+        const vf m_old = vf_load(m + 16 * v);
+        vf mx = m_old;
         for (int j = 0; j < nkp; ++j) {
-            __m512 x = _mm512_load_ps(s + j * QB + 16 * v);
+            vf x = vf_load(s + j * QB + 16 * v);
             if (masked) {
-                const __m512i jj = _mm512_set1_epi32(j0 + j);
-                __mmask16 seen = _mm512_cmpge_epi32_mask(jj, lov) & _mm512_cmplt_epi32_mask(jj, hiv);
-                x = _mm512_mask_mov_ps(ninf, j < nk ? seen : 0, x);
+                const vi jj = vi_set1(j0 + j);
+                vm seen = vm_and(vi_ge(jj, lov), vi_lt(jj, hiv));
+                x = vf_blend(j < nk ? seen : vm_none(), x, ninf);
             }
-            _mm512_store_ps(s + j * QB + 16 * v, x);
-            mx = _mm512_max_ps(mx, x);
+            vf_store(s + j * QB + 16 * v, x);
+            mx = vf_max(mx, x);
         }
         /* A row with no key so far keeps max -inf; subtract 0 instead (its scores are all -inf). */
-        const __m512 ref = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mx, ninf, _CMP_NEQ_OQ), mx);
-        const __m512 alpha = exp2_ps(_mm512_sub_ps(m_old, ref));
-        __m512 sum = _mm512_setzero_ps();
+        const vf ref = vf_maskz(vf_ne(mx, ninf), mx);
+        const vf alpha = exp2_ps(vf_sub(m_old, ref));
+        vf sum = vf_zero();
         for (int j = 0; j < nkp; ++j) {
-            const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s + j * QB + 16 * v), ref));
-            _mm512_store_ps(s + j * QB + 16 * v, p);
-            sum = _mm512_add_ps(sum, p);
+            const vf p = exp2_ps(vf_sub(vf_load(s + j * QB + 16 * v), ref));
+            vf_store(s + j * QB + 16 * v, p);
+            sum = vf_add(sum, p);
         }
-        _mm512_store_ps(l + 16 * v, _mm512_fmadd_ps(_mm512_load_ps(l + 16 * v), alpha, sum));
-        _mm512_store_ps(m + 16 * v, mx);
+        vf_store(l + 16 * v, vf_fmadd(vf_load(l + 16 * v), alpha, sum));
+        vf_store(m + 16 * v, mx);
         float al[16] __attribute__((aligned(64)));
-        _mm512_store_ps(al, alpha);
+        vf_store(al, alpha);
         for (int i = 0; i < 16; ++i) {
             float *row = o + (16 * v + i) * d;
-            const __m512 a = _mm512_set1_ps(al[i]);
-            for (int c = 0; c < d; c += 16) _mm512_store_ps(row + c, _mm512_mul_ps(a, _mm512_load_ps(row + c)));
+            const vf a = vf_set1(al[i]);
+            for (int c = 0; c < d; c += 16) vf_store(row + c, vf_mul(a, vf_load(row + c)));
         }
     }
 }
@@ -215,26 +197,27 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
     const float *kbase = a->kc + h * a->kv_sh, *vbase = a->vc + h * a->kv_sh;
     const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
     for (int j0 = jmin; j0 < jmax; j0 += KB) {
-        const int nk = jmax - j0 < KB ? jmax - j0 : KB, nkp = (nk + 7) / 8 * 8;
+        const int nk = jmax - j0 < KB ? jmax - j0 : KB, nkp = (nk + TILE - 1) / TILE * TILE;
         for (int j = 0; j < nkp; ++j) { /* the tail of the last tile repeats a key (masked) */
             const int64_t key = j0 + (j < nk ? j : nk - 1), slot = slots ? slots[key] : key;
             kp[j] = kbase + slot * a->kv_ss, vp[j] = vbase + slot * a->kv_ss;
         }
         int masked = nkp != nk;
         for (int i = 0; i < nr && !masked; ++i) masked = lo[i] > j0 || hi[i] < j0 + nk;
-        for (int j = 0; j < nkp; j += 8) {
-            for (int jj = j0 + KB + j; jj < jmax && jj < j0 + KB + j + 8; ++jj) { /* the next block, spread over tiles */
+        for (int j = 0; j < nkp; j += TILE) {
+            /* the next block, spread over tiles */
+            for (int jj = j0 + KB + j; jj < jmax && jj < j0 + KB + j + TILE; ++jj) {
                 const int64_t slot = slots ? slots[jj] : jj;
-                PREFETCH_ROW(kbase + slot * a->kv_ss, d, _MM_HINT_T1);
-                PREFETCH_ROW(vbase + slot * a->kv_ss, d, _MM_HINT_T1);
+                PREFETCH_ROW(kbase + slot * a->kv_ss, d, PREFETCH_T1);
+                PREFETCH_ROW(vbase + slot * a->kv_ss, d, PREFETCH_T1);
             }
             int i = 0;
-            for (; i + 32 <= np; i += 32) qk_tile(kp + j, qt + i, d, s + j * QB + i, 2);
+            for (; i + 16 * QK_NV <= np; i += 16 * QK_NV) qk_tile(kp + j, qt + i, d, s + j * QB + i, QK_NV);
             if (i < np) qk_tile(kp + j, qt + i, d, s + j * QB + i, 1);
         }
         softmax_block(s, j0, nk, nkp, np, masked, lo, hi, m, l, o, d);
-        for (int i = 0; i < np; i += 8)
-            for (int c = 0; c < d; c += 32) pv_tile(s, i, vp, c, nkp, o, d);
+        for (int i = 0; i < np; i += TILE)
+            for (int c = 0; c < d; c += 16 * PV_NV) pv_tile(s, i, vp, c, nkp, o, d);
     }
     for (int i = 0; i < nr; ++i) put_row(a, b, h, r0 + i, o + i * d, m[i], l[i]);
 }
@@ -247,7 +230,7 @@ static void attend_item(const args_t *a, int b, int h, int r0, int nr) {
 static inline __attribute__((always_inline)) void attend_few_impl(const args_t *a, int b, int h, int r0,
                                                                   const int nr, const int nd) {
     float s[FEW][KB] __attribute__((aligned(64)));
-    __m512 q[FEW][DMAX / 16], o[FEW][DMAX / 16];
+    vf q[FEW][DMAX / 16], o[FEW][DMAX / 16];
     float m[FEW], l[FEW];
     int32_t lo[FEW], hi[FEW];
     int jmin = a->num_keys, jmax = 0;
@@ -258,72 +241,71 @@ static inline __attribute__((always_inline)) void attend_few_impl(const args_t *
         if (at >= 0) row_bounds(a, b, r0 + r, &lo[r], &hi[r], &jmin, &jmax);
         m[r] = -INFINITY, l[r] = 0.0f;
         for (int c = 0; c < nd; ++c) {
-            q[r][c] = at >= 0 ? _mm512_mul_ps(_mm512_loadu_ps(a->q + at + 16 * c), _mm512_set1_ps(qscale))
-                              : _mm512_setzero_ps();
-            o[r][c] = _mm512_setzero_ps();
+            q[r][c] = at >= 0 ? vf_mul(vf_loadu(a->q + at + 16 * c), vf_set1(qscale)) : vf_zero();
+            o[r][c] = vf_zero();
         }
     }
     const float *kbase = a->kc + h * a->kv_sh, *vbase = a->vc + h * a->kv_sh;
     const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const vf ninf = vf_set1(-INFINITY);
     for (int j0 = jmin; j0 < jmax; j0 += KB) {
         const int nk = jmax - j0 < KB ? jmax - j0 : KB;
         for (int j = 0; j < nk; ++j) {
             const int64_t slot = slots ? slots[j0 + j] : j0 + j;
             const float *kr = kbase + slot * a->kv_ss;
             if (j0 + j + 16 < jmax) /* decode keys lie on scattered slots: K 16 keys ahead, V for the P V pass */
-                PREFETCH_ROW(kbase + (slots ? slots[j0 + j + 16] : j0 + j + 16) * a->kv_ss, nd * 16, _MM_HINT_T0);
-            PREFETCH_ROW(vbase + slot * a->kv_ss, nd * 16, _MM_HINT_T1);
-            __m512 acc[FEW];
-            for (int c = 0; c < nd; ++c) {
-                const __m512 kv = _mm512_loadu_ps(kr + 16 * c);
-                for (int r = 0; r < nr; ++r) acc[r] = c ? _mm512_fmadd_ps(q[r][c], kv, acc[r]) : _mm512_mul_ps(q[r][c], kv);
+                PREFETCH_ROW(kbase + (slots ? slots[j0 + j + 16] : j0 + j + 16) * a->kv_ss, nd * 16, PREFETCH_T0);
+            PREFETCH_ROW(vbase + slot * a->kv_ss, nd * 16, PREFETCH_T1);
+            vf acc[FEW];
+            for (int r = 0; r < nr; ++r) acc[r] = vf_mul(q[r][0], vf_loadu(kr));
+            for (int c = 1; c < nd; ++c) {
+                const vf kv = vf_loadu(kr + 16 * c);
+                for (int r = 0; r < nr; ++r) acc[r] = vf_fmadd(q[r][c], kv, acc[r]);
             }
-            for (int r = 0; r < nr; ++r) s[r][j] = _mm512_reduce_add_ps(acc[r]);
+            for (int r = 0; r < nr; ++r) s[r][j] = vf_hsum(acc[r]);
         }
         for (int r = 0; r < nr; ++r) {
-            __m512 mx = ninf;
-            const __m512i lov = _mm512_set1_epi32(lo[r]), hiv = _mm512_set1_epi32(hi[r]);
+            vf mx = ninf;
+            const vi lov = vi_set1(lo[r]), hiv = vi_set1(hi[r]);
             for (int j = 0; j < nk; j += 16) {
-                const __m512i jj = _mm512_add_epi32(_mm512_set1_epi32(j0 + j),
-                                                    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
-                const __mmask16 seen = _mm512_cmpge_epi32_mask(jj, lov) & _mm512_cmplt_epi32_mask(jj, hiv) &
-                                       (__mmask16)(nk - j >= 16 ? 0xFFFF : (1u << (nk - j)) - 1);
-                const __m512 x = _mm512_mask_mov_ps(ninf, seen, _mm512_load_ps(s[r] + j));
-                _mm512_store_ps(s[r] + j, x);
-                mx = _mm512_max_ps(mx, x);
+                const vi jj = vi_iota(j0 + j);
+                const vm seen = vm_and(vm_and(vi_ge(jj, lov), vi_lt(jj, hiv)), vm_first(nk - j));
+                const vf x = vf_blend(seen, vf_load(s[r] + j), ninf);
+                vf_store(s[r] + j, x);
+                mx = vf_max(mx, x);
             }
-            const float bmax = _mm512_reduce_max_ps(mx), m_new = bmax > m[r] ? bmax : m[r];
+            const float bmax = vf_hmax(mx), m_new = bmax > m[r] ? bmax : m[r];
             const float ref = m_new == -INFINITY ? 0.0f : m_new;
-            const __m512 refv = _mm512_set1_ps(ref);
-            __m512 sum = _mm512_setzero_ps();
+            const vf refv = vf_set1(ref);
+            vf sum = vf_zero();
             for (int j = 0; j < nk; j += 16) {
-                const __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(s[r] + j), refv));
-                _mm512_store_ps(s[r] + j, p);
-                sum = _mm512_add_ps(sum, p);
+                const vf p = exp2_ps(vf_sub(vf_load(s[r] + j), refv));
+                vf_store(s[r] + j, p);
+                sum = vf_add(sum, p);
             }
             const float alpha = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - ref);
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
+            l[r] = l[r] * alpha + vf_hsum(sum);
             m[r] = m_new;
-            for (int c = 0; c < nd; ++c) o[r][c] = _mm512_mul_ps(o[r][c], _mm512_set1_ps(alpha));
+            for (int c = 0; c < nd; ++c) o[r][c] = vf_mul(o[r][c], vf_set1(alpha));
         }
         for (int j = 0; j < nk; ++j) {
             const float *vr = vbase + (slots ? slots[j0 + j] : j0 + j) * a->kv_ss;
             for (int c = 0; c < nd; ++c) {
-                const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
-                for (int r = 0; r < nr; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(s[r][j]), vv, o[r][c]);
+                const vf vv = vf_loadu(vr + 16 * c);
+                for (int r = 0; r < nr; ++r) o[r][c] = vf_fmadd(vf_set1(s[r][j]), vv, o[r][c]);
             }
         }
     }
     for (int r = 0; r < nr; ++r) {
         float row[DMAX] __attribute__((aligned(64)));
-        for (int c = 0; c < nd; ++c) _mm512_store_ps(row + 16 * c, o[r][c]);
+        for (int c = 0; c < nd; ++c) vf_store(row + 16 * c, o[r][c]);
         put_row(a, b, h, r0 + r, row, m[r], l[r]);
     }
 }
 
 /* attend_few_impl specialised on the rows and d / 16 (d is a multiple of 32, at most DMAX = 128). */
 #define FEW_D(NR)                                                                \
+    if (!FEW_CONST_D) { attend_few_impl(a, b, h, r0, NR, a->d / 16); return; } \
     switch (a->d) {                                                              \
     case 32: attend_few_impl(a, b, h, r0, NR, 2); return;                        \
     case 64: attend_few_impl(a, b, h, r0, NR, 4); return;                        \
@@ -363,22 +345,23 @@ void rs_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride, 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 8)
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * stride;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        __mmask16 nan = 0;
+        vf mx = vf_set1(-INFINITY);
+        vm nan = vm_none();
         for (int64_t c = 0; c < cols; c += 16) {
-            const __mmask16 live = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
-            const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, row + c);
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            mx = _mm512_max_ps(mx, v);
+            const vf v = vf_loadu_first(row + c, cols - c, -INFINITY);
+            nan = vm_or(nan, vf_isnan(v));
+            mx = vf_max(mx, v);
         }
-        const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const vf best = vf_set1(vf_hmax(mx));
         int64_t at = 0;
         for (int64_t c = 0; c < cols; c += 16) {
-            const __mmask16 live = cols - c >= 16 ? 0xFFFF : (__mmask16)((1u << (cols - c)) - 1);
-            const __m512 v = _mm512_maskz_loadu_ps(live, row + c);
-            const __mmask16 hit = live & (nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ));
-            if (hit) { at = c + __builtin_ctz(hit); break; }
+            const vf v = vf_loadu_first(row + c, cols - c, 0.0f);
+            const vm hit = vm_and(vm_first(cols - c), vm_any(nan) ? vf_isnan(v) : vf_eq(v, best));
+            if (vm_any(hit)) { at = c + vm_first_set(hit); break; }
         }
         out[r] = at;
     }
 }
+
+/* The instruction set this library was compiled for (native.py checks it against what it asked for). */
+const char *rs_isa(void) { return RS_ISA; }

@@ -1,0 +1,194 @@
+/* The vector layer of cpu_kernels.c: 16-float vectors (vf), 16-int vectors (vi) and 16-lane masks
+ * (vm), once per instruction set, so that the kernels' algorithm is written once.
+ *
+ * AVX-512 (compiled with -mavx512f ...): thin wrappers over the intrinsics, one zmm register per
+ * vector and a k register per mask. Everything else (AVX2 + FMA, or the plain baseline of the
+ * target: SSE2 on x86-64, NEON on arm64) takes GNU C vectors of the hardware's width (VW floats),
+ * a vf being 16 / VW of them (two ymm or four xmm registers); the compiler contracts a * b + c into
+ * an FMA where -mfma allows. Masks there are vi lanes of -1 / 0.
+ *
+ * TILE (keys per S tile, rows per O tile) and QK_NV / PV_NV (vectors per tile row) size the
+ * register tiles of cpu_kernels.c to the target's register file: AVX-512 has 32 zmm registers,
+ * AVX2 16 ymm registers holding half a vf each. FEW_CONST_D: the few-row decode path is compiled
+ * once per head dim, its Q and O rows held in registers; where they would not fit, once for all.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define RS_INLINE static inline __attribute__((always_inline))
+#define PREFETCH_T0(p) __builtin_prefetch((p), 0, 3)
+#define PREFETCH_T1(p) __builtin_prefetch((p), 0, 2)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define RS_ISA "avx512"
+#define TILE 8
+#define QK_NV 2
+#define PV_NV 2
+#define FEW_CONST_D 1
+typedef __m512 vf;
+typedef __m512i vi;
+typedef __mmask16 vm;
+
+RS_INLINE vf vf_load(const float *p) { return _mm512_load_ps(p); } /* 64-byte aligned */
+RS_INLINE vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+RS_INLINE void vf_store(float *p, vf x) { _mm512_store_ps(p, x); }
+RS_INLINE void vf_storeu(float *p, vf x) { _mm512_storeu_ps(p, x); }
+RS_INLINE vf vf_set1(float s) { return _mm512_set1_ps(s); }
+RS_INLINE vf vf_zero(void) { return _mm512_setzero_ps(); }
+RS_INLINE vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+RS_INLINE vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+RS_INLINE vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+RS_INLINE vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+RS_INLINE vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); } /* b where either is NaN */
+RS_INLINE float vf_hsum(vf x) { return _mm512_reduce_add_ps(x); }
+RS_INLINE float vf_hmax(vf x) { return _mm512_reduce_max_ps(x); }
+RS_INLINE vf vf_blend(vm m, vf yes, vf no) { return _mm512_mask_mov_ps(no, m, yes); }
+RS_INLINE vf vf_maskz(vm m, vf x) { return _mm512_maskz_mov_ps(m, x); }
+RS_INLINE vm vm_first(int64_t n) { return n >= 16 ? (vm)0xFFFF : (vm)((1u << n) - 1); } /* lanes < n */
+/* The first n floats at p, lanes from n on `fill` (nothing read past p + n). */
+RS_INLINE vf vf_loadu_first(const float *p, int64_t n, float fill) {
+    return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), vm_first(n), p);
+}
+RS_INLINE vi vi_load(const int32_t *p) { return _mm512_load_si512(p); } /* 64-byte aligned */
+RS_INLINE vi vi_set1(int32_t s) { return _mm512_set1_epi32(s); }
+RS_INLINE vi vi_iota(int32_t j) { /* j, j + 1, ..., j + 15 */
+    return _mm512_add_epi32(_mm512_set1_epi32(j),
+                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+}
+RS_INLINE vm vi_ge(vi a, vi b) { return _mm512_cmpge_epi32_mask(a, b); }
+RS_INLINE vm vi_lt(vi a, vi b) { return _mm512_cmplt_epi32_mask(a, b); }
+RS_INLINE vm vf_ge(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+RS_INLINE vm vf_eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+RS_INLINE vm vf_ne(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_NEQ_OQ); } /* false where NaN */
+RS_INLINE vm vf_isnan(vf a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+RS_INLINE vm vm_and(vm a, vm b) { return a & b; }
+RS_INLINE vm vm_or(vm a, vm b) { return a | b; }
+RS_INLINE vm vm_none(void) { return 0; }
+RS_INLINE int vm_any(vm m) { return m != 0; }
+RS_INLINE int vm_first_set(vm m) { return __builtin_ctz(m); } /* m must not be empty */
+
+/* 2^t; exactly 0 below 2^-126 (masked scores are -inf), no denormals. */
+RS_INLINE vf exp2_poly(vf f);
+RS_INLINE vf exp2_ps(vf t) {
+    const vm normal = vf_ge(t, vf_set1(-126.0f));
+    t = vf_max(t, vf_set1(-126.0f));
+    const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return vf_maskz(normal, _mm512_scalef_ps(exp2_poly(vf_sub(t, n)), n));
+}
+
+#else /* AVX2 + FMA, or the target's baseline: GNU C vectors */
+
+#if defined(__AVX2__)
+#define RS_ISA "avx2"
+#else
+#define RS_ISA "portable"
+#endif
+#define TILE 4
+#define QK_NV 1
+#define PV_NV 1
+#define FEW_CONST_D 0
+#if defined(__AVX2__)
+#define VW 8 /* floats per hardware vector */
+#else
+#define VW 4
+#endif
+/* A vf is 16 / VW hardware-width vectors: the compiler splits wider GNU vectors badly (per lane
+ * for compares and blends), but keeps each part of a struct in a register. */
+typedef float vn __attribute__((vector_size(4 * VW)));
+typedef int32_t vni __attribute__((vector_size(4 * VW)));
+typedef struct { vn p[16 / VW]; } vf;
+typedef struct { vni p[16 / VW]; } vi;
+typedef vi vm; /* lanes -1 (set) or 0 */
+#define EACH(i) for (int i = 0; i < 16 / VW; ++i)
+
+/* memcpy per part: aligned or not, one vector load or store each (a whole-struct copy goes
+ * through the stack). */
+RS_INLINE vf vf_loadu(const float *p) { vf x; EACH(i) memcpy(&x.p[i], p + VW * i, sizeof x.p[i]); return x; }
+RS_INLINE vf vf_load(const float *p) { return vf_loadu(p); }
+RS_INLINE void vf_storeu(float *p, vf x) { EACH(i) memcpy(p + VW * i, &x.p[i], sizeof x.p[i]); }
+RS_INLINE void vf_store(float *p, vf x) { vf_storeu(p, x); }
+RS_INLINE vf vf_set1(float s) { vf x; EACH(i) x.p[i] = s - (vn){0}; return x; } /* s - 0 is s, -0 too */
+RS_INLINE vf vf_zero(void) { return vf_set1(0.0f); }
+RS_INLINE vf vf_add(vf a, vf b) { EACH(i) a.p[i] += b.p[i]; return a; }
+RS_INLINE vf vf_sub(vf a, vf b) { EACH(i) a.p[i] -= b.p[i]; return a; }
+RS_INLINE vf vf_mul(vf a, vf b) { EACH(i) a.p[i] *= b.p[i]; return a; }
+RS_INLINE vf vf_fmadd(vf a, vf b, vf c) { EACH(i) c.p[i] += a.p[i] * b.p[i]; return c; }
+RS_INLINE vf vf_blend(vm m, vf yes, vf no) {
+    EACH(i) yes.p[i] = (vn)(((vni)yes.p[i] & m.p[i]) | ((vni)no.p[i] & ~m.p[i]));
+    return yes;
+}
+RS_INLINE vf vf_maskz(vm m, vf x) { EACH(i) x.p[i] = (vn)((vni)x.p[i] & m.p[i]); return x; }
+RS_INLINE vm vf_gt(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] > b.p[i]; return m; }
+RS_INLINE vf vf_max(vf a, vf b) { return vf_blend(vf_gt(a, b), a, b); } /* b where either is NaN, as maxps */
+RS_INLINE float vf_lane(vf x, int i) { return x.p[i / VW][i % VW]; }
+RS_INLINE float vf_hsum(vf x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += vf_lane(x, i);
+    return s;
+}
+RS_INLINE float vf_hmax(vf x) {
+    float m = vf_lane(x, 0);
+    for (int i = 1; i < 16; ++i) m = vf_lane(x, i) > m ? vf_lane(x, i) : m;
+    return m;
+}
+RS_INLINE vi vi_load(const int32_t *p) { vi x; EACH(i) memcpy(&x.p[i], p + VW * i, sizeof x.p[i]); return x; }
+RS_INLINE vi vi_set1(int32_t s) { vi x; EACH(i) x.p[i] = (vni){0} + s; return x; }
+RS_INLINE vi vi_iota(int32_t j) { /* j, j + 1, ..., j + 15 */
+    const int32_t lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vi x = vi_load(lanes);
+    EACH(i) x.p[i] += j;
+    return x;
+}
+RS_INLINE vm vi_ge(vi a, vi b) { vm m; EACH(i) m.p[i] = a.p[i] >= b.p[i]; return m; }
+RS_INLINE vm vi_lt(vi a, vi b) { vm m; EACH(i) m.p[i] = a.p[i] < b.p[i]; return m; }
+RS_INLINE vm vm_and(vm a, vm b) { EACH(i) a.p[i] &= b.p[i]; return a; }
+RS_INLINE vm vm_or(vm a, vm b) { EACH(i) a.p[i] |= b.p[i]; return a; }
+RS_INLINE vm vm_first(int64_t n) { return vi_lt(vi_iota(0), vi_set1(n < 16 ? (int32_t)n : 16)); } /* lanes < n */
+RS_INLINE vf vf_loadu_first(const float *p, int64_t n, float fill) {
+    if (n >= 16) return vf_loadu(p);
+    float lanes[16];
+    for (int i = 0; i < 16; ++i) lanes[i] = i < n ? p[i] : fill;
+    return vf_loadu(lanes);
+}
+RS_INLINE vm vf_ge(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] >= b.p[i]; return m; }
+RS_INLINE vm vf_eq(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] == b.p[i]; return m; }
+RS_INLINE vm vf_ne(vf a, vf b) { return vm_or(vf_gt(a, b), vf_gt(b, a)); } /* false where NaN */
+RS_INLINE vm vf_isnan(vf a) { vm m; EACH(i) m.p[i] = a.p[i] != a.p[i]; return m; }
+RS_INLINE vm vm_none(void) { return vi_set1(0); }
+RS_INLINE int vm_first_set(vm m) {
+    for (int i = 0; i < 16; ++i)
+        if (m.p[i / VW][i % VW]) return i;
+    return 16;
+}
+RS_INLINE int vm_any(vm m) {
+    vni any = m.p[0];
+    EACH(i) any |= m.p[i];
+    for (int i = 0; i < VW; ++i)
+        if (any[i]) return 1;
+    return 0;
+}
+
+RS_INLINE vf exp2_poly(vf f);
+RS_INLINE vf exp2_ps(vf t) { /* as the AVX-512 one; round and scale by hand */
+    const vm normal = vf_ge(t, vf_set1(-126.0f));
+    t = vf_max(t, vf_set1(-126.0f));
+    /* Round to nearest by the 1.5 * 2^23 trick: t lies in [-126, 2^22) here. */
+    const vf n = vf_sub(vf_add(t, vf_set1(12582912.0f)), vf_set1(12582912.0f));
+    vf two_n; /* 2^n from its exponent bits (n >= -126; the kernels' t are <= 0) */
+    EACH(i) two_n.p[i] = (vn)((__builtin_convertvector(n.p[i], vni) + 127) << 23);
+    return vf_maskz(normal, vf_mul(exp2_poly(vf_sub(t, n)), two_n));
+}
+#endif
+
+/* e^(f ln 2) = 2^f for f in [-0.5, 0.5]: Taylor to degree 6, rel. error 1.2e-7. */
+RS_INLINE vf exp2_poly(vf f) {
+    vf p = vf_set1(1.5403530393381606e-4f);
+    p = vf_fmadd(p, f, vf_set1(1.3333558146428443e-3f));
+    p = vf_fmadd(p, f, vf_set1(9.618129107628477e-3f));
+    p = vf_fmadd(p, f, vf_set1(5.550410866482158e-2f));
+    p = vf_fmadd(p, f, vf_set1(2.402265069591007e-1f));
+    p = vf_fmadd(p, f, vf_set1(6.931471805599453e-1f));
+    return vf_fmadd(p, f, vf_set1(1.0f));
+}
