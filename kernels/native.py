@@ -2,16 +2,17 @@
 
 ``attend_paged`` / ``attend_tokens`` are the attention over the paged KV pool that the CPU attention
 backend reads with (kernels/attention/torch_backend.py); ``argmax_rows`` is the sampler's greedy
-argmax. The C source is compiled on first use with the system C compiler (``$CC``, else ``cc``) and
-``-O3 -march=native -fopenmp`` into the radixserve cache, keyed by the source, the flags and the
-CPU's feature flags (a binary built for another CPU is never loaded). It links libgomp, which
-resolves to the copy torch has already loaded, so kernel and torch share one OpenMP runtime.
-Where it cannot be had (no x86-64 AVX-512, no compiler, the build fails) ``load()`` returns None
-and says why once in the log; the backend then uses torch's flash op (partials.attend).
-
-Measured against that op on this repository's bench shapes (alternating, median of 7, 2 threads,
-fp32): 2.55x on a causal 256-query block over 1088 keys, 2.06x on a shared prefix read by 512
-queries, 1.5-1.7x on decode reads of a shared prefix (ARCHITECTURE.md §3b).
+argmax. One C source (its vector layer, ``cpu_simd.h``, written per instruction set) is compiled on
+first use with the system C compiler (``$CC``, else ``cc``) for one of ``ISAS``: AVX-512, AVX2 + FMA,
+or the portable build with the compiler's baseline flags, each with explicit ``-m`` flags (never
+``-march=native``, so nothing built here assumes more than the named instruction set). The best one
+the running CPU's flags allow is chosen at load time; ``RADIXSERVE_NATIVE_ISA`` (read in
+``chosen_isa``) forces one. Libraries live in the private radixserve cache (kernels/cache_dir.py),
+named by a key of the source, the compiler's version and the variant's flags, so one built for
+another CPU or compiler is never loaded. They link libgomp, which resolves to the copy torch has
+already loaded, so kernel and torch share one OpenMP runtime. Where no variant can be had (not
+Linux, no compiler, the build fails) ``load()`` returns None and says why once, as a WARNING; the
+backend then uses torch's flash op (partials.attend). ``status()`` names what is in use.
 """
 from __future__ import annotations
 
@@ -24,18 +25,42 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from radixserve.kernels.cache_dir import cache_root
+from radixserve.kernels.cache_dir import private_cache_dir, refusal
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_simd.h"))
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
+ISA_ENV = "RADIXSERVE_NATIVE_ISA"
+FALLBACK_COST = "attention falls back to torch's flash op, ~1.5-2.5x slower"
 
+
+@dataclass(frozen=True)
+class Isa:
+    """A build of the kernel: the /proc/cpuinfo flags it needs and the compiler flags that target them."""
+
+    name: str  # what the library's rs_isa() reports (cpu_simd.h's RS_ISA)
+    cpu_flags: tuple[str, ...]
+    cc_flags: tuple[str, ...]
+
+
+ISAS = (  # best first
+    Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma")),
+    Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma")),
+    Isa("portable", (), ()),  # the compiler's baseline for the target (SSE2 on x86-64)
+)
+ISA_NAMES = tuple(isa.name for isa in ISAS)
+
+
+class Unavailable(Exception):
+    """Why no native kernel can be had here (load() logs it once and returns None)."""
 
 
 class _Args(ctypes.Structure):
@@ -54,63 +79,156 @@ class _Args(ctypes.Structure):
     ] for name in ((names,) if isinstance(names, str) else names)]
 
 
-def _cpu_flags() -> str:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("flags")), "")
+            return set(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return ""
+        return set()
 
 
-def _why_not(flags: str) -> str | None:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs Linux on x86-64, not {platform.system()} on {platform.machine()}"
-    if "avx512f" not in flags.split():
-        return "the CPU has no AVX-512"
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        return f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH"
+def runnable_isas(cpu_flags: set[str] | None = None) -> list[str]:
+    """The ISAS this CPU can run (best first; "portable" always)."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return [isa.name for isa in ISAS if set(isa.cpu_flags) <= flags]
+
+
+def chosen_isa(cpu_flags: set[str] | None = None) -> Isa:
+    """$RADIXSERVE_NATIVE_ISA (auto, or one of ISA_NAMES) resolved on this CPU: auto takes the best
+    it can run. ValueError for another name; Unavailable for a forced one this CPU cannot run."""
+    wanted = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
+    if wanted != "auto" and wanted not in ISA_NAMES:
+        raise ValueError(f"{ISA_ENV}={wanted!r}: expected auto or one of {', '.join(ISA_NAMES)}")
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    isa = next(isa for isa in ISAS if isa.name == (runnable_isas(flags)[0] if wanted == "auto" else wanted))
+    if missing := [flag for flag in isa.cpu_flags if flag not in flags]:
+        raise Unavailable(f"{ISA_ENV}={isa.name}, but this CPU has no {', '.join(missing)}")
+    return isa
+
+
+def cannot_build() -> str | None:
+    """Why no variant can be built on this machine at all (tests skip there and only there), or None."""
+    if platform.system() != "Linux":
+        return f"needs Linux (OpenMP with the system C compiler), not {platform.system()}"
+    if shutil.which(_cc()) is None:
+        return f"no C compiler ({_cc()}) on PATH"
     return None
 
 
-def _build(target: Path) -> None:
+def _cc() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def compiler_version(cc: str) -> str:
+    """The first line of `cc --version` (part of the cache key: another compiler builds another library)."""
+    try:
+        done = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise Unavailable(f"{cc} --version failed: {exc}") from exc
+    if done.returncode != 0 or not done.stdout.strip():
+        raise Unavailable(f"{cc} --version failed: {(done.stderr or done.stdout).strip()[-500:]}")
+    return done.stdout.strip().splitlines()[0]
+
+
+def library_name(isa: Isa, cc: str, version: str) -> str:
+    """The cache file of this variant: keyed by the sources, the compiler (path and version) and every flag."""
+    parts = [*(path.read_bytes() for path in SOURCES), cc.encode(), version.encode(),
+             " ".join((*FLAGS, *isa.cc_flags)).encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return f"cpu_kernels-{isa.name}-{key}.so"
+
+
+def _build(target: Path, isa: Isa, cc: str) -> None:
     """Compile into a temp file beside the target, then rename (concurrent builds never see half a file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        cmd = [cc, *FLAGS, *isa.cc_flags, str(SOURCES[0]), "-o", tmp, "-lm"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise Unavailable(f"{' '.join(cmd)} failed: {exc}") from exc
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+            raise Unavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask; a group-writable file is refused
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
+def _open(path: Path, isa: Isa) -> ctypes.CDLL:
+    """dlopen the library, type its entry points and check it was built for the variant asked for."""
+    if (problem := refusal(path)) is not None:
+        raise Unavailable(f"not loading {path}: {problem}")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise Unavailable(f"loading {path} failed: {exc}") from exc
+    lib.rs_attend.argtypes, lib.rs_attend.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    lib.rs_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_int]
+    lib.rs_argmax_rows.restype = None
+    lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
+    if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline
+        raise Unavailable(f"{path} was asked for {isa.name} but compiled for {lib.rs_isa().decode()}")
+    return lib
+
+
+def _build_and_open() -> ctypes.CDLL:
+    if (reason := cannot_build()) is not None:
+        raise Unavailable(reason)
+    isa, cc = chosen_isa(), _cc()
+    name = library_name(isa, cc, compiler_version(cc))
+    try:
+        folder, problem = private_cache_dir("kernels")
+    except OSError as exc:
+        folder, problem = None, f"the radixserve cache cannot be created ({exc})"
+    if problem is not None:
+        return _build_in_temp_dir(name, isa, cc, problem)
+    target = Path(folder) / name
+    if not target.exists():
+        logger.info("compiling the native CPU kernel (once, ~15 s)")
+        _build(target, isa, cc)
+    return _open(target, isa)
+
+
+def _build_in_temp_dir(name: str, isa: Isa, cc: str, problem: str) -> ctypes.CDLL:
+    """The cache is refused: build where no one else can write (mkdtemp: 0700, this user's), load, delete."""
+    logger.warning("%s: compiling the native CPU kernel into a fresh private temp dir instead, on every start "
+                   "(~15 s); make the cache folder yours and private (chmod 700), or set RADIXSERVE_CACHE "
+                   "to one that is", problem)
+    with tempfile.TemporaryDirectory(prefix="radixserve-kernel-") as tmp:
+        _build(Path(tmp) / name, isa, cc)
+        return _open(Path(tmp) / name, isa)  # the mapping outlives the file
+
+
 @functools.lru_cache(maxsize=1)
-def load():
-    """The library (ctypes, entry points typed), or None where it cannot be built here (logged once)."""
-    flags = _cpu_flags()
-    reason = _why_not(flags)
-    if reason is None:
-        key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), flags.encode(),
-                                         os.environ.get("CC", "cc").encode()])).hexdigest()[:16]
-        target = Path(cache_root()) / "kernels" / f"cpu_kernels-{key}.so"
-        try:
-            if not target.exists():
-                _build(target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            reason = f"building it failed: {exc}"
-        else:
-            lib.rs_attend.argtypes, lib.rs_attend.restype = [ctypes.POINTER(_Args)], ctypes.c_int
-            lib.rs_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                           ctypes.c_void_p, ctypes.c_int]
-            lib.rs_argmax_rows.restype = None
-            return lib
-    logger.info("native CPU kernels unavailable (%s); using torch's flash attention op", reason)
-    return None
+def _state() -> tuple[ctypes.CDLL | None, str]:
+    try:
+        lib = _build_and_open()
+    except Unavailable as exc:
+        logger.warning("native CPU kernel unavailable (%s): %s", exc, FALLBACK_COST)
+        return None, f"unavailable: {exc}"
+    return lib, f"native {lib.rs_isa().decode()}"
+
+
+def load() -> ctypes.CDLL | None:
+    """The library (ctypes, entry points typed), built on first use, or None where it cannot be had
+    here (logged once as a WARNING). ValueError when $RADIXSERVE_NATIVE_ISA names no variant."""
+    return _state()[0]
+
+
+def status() -> str:
+    """What load() gives, in words: "native avx512" / "native avx2" / "native portable", or
+    "unavailable: <why>" (builds the library on first use, as load())."""
+    return _state()[1]
+
+
+def reset() -> None:
+    """Forget the loaded library, so that the next load() looks again (after a change of $CC, the
+    cache or $RADIXSERVE_NATIVE_ISA: tests)."""
+    _state.cache_clear()
 
 
 def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
@@ -179,8 +297,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) of a 2-D tensor (same answer: the first max, the first NaN where a row has
-    one); through the native library for float32 on the CPU with contiguous rows: torch's CPU
-    argmax is a scalar loop (measured, 2 threads, 64 x 4096: 160 us, against 16 here)."""
+    one); through the native library for float32 on the CPU with contiguous rows, because torch's
+    CPU argmax is a scalar loop."""
     if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
             or x.shape[1] == 0 or load() is None):
         return x.argmax(dim=-1)

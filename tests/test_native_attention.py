@@ -3,7 +3,9 @@
 Rows see random key intervals (empty, one key, all, crossing the kernel's 64-row items, 16-row
 strips and 128-key blocks); keys sit on random slots of a pool whose other slots hold NaN, so a
 read outside a batch entry's keys shows in the output. The cascade and engine tests run it inside
-the backend; here it is checked alone, shape by shape.
+the backend; here it is checked alone, shape by shape, once per instruction-set build this CPU can
+run (the portable one always), each forced through $RADIXSERVE_NATIVE_ISA. The module skips only
+where nothing can be built (not Linux, no C compiler): a build that fails fails the tests.
 """
 from __future__ import annotations
 
@@ -14,8 +16,19 @@ from hypothesis import strategies as st
 
 from radixserve.kernels import native
 
-pytestmark = pytest.mark.skipif(native.load() is None, reason="native CPU attention kernel not built here")
+pytestmark = pytest.mark.skipif(native.cannot_build() is not None, reason=f"{native.cannot_build()}")
 ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", params=native.runnable_isas())
+def isa(request):
+    """The kernel built for one instruction set, forced for this module's tests that take it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(native.ISA_ENV, request.param)
+        native.reset()
+        assert native.status() == f"native {request.param}"
+        yield request.param
+    native.reset()
 
 
 def _reference(q, k_cache, v_cache, slots, lo, hi, scale):
@@ -46,7 +59,7 @@ def _nan_pool(gen, b, num_keys, kv_heads, d):
 @given(b=st.integers(1, 3), h=st.integers(1, 3), rows=st.one_of(st.integers(1, 20), st.integers(60, 140)),
        num_keys=st.one_of(st.integers(1, 12), st.integers(120, 300)), d=st.sampled_from([32, 64, 128]),
        threads=st.sampled_from([1, 2]), data=st.data())
-def test_matches_reference(b, h, rows, num_keys, d, threads, data):
+def test_matches_reference(isa, b, h, rows, num_keys, d, threads, data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, h, d)
     lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
@@ -74,7 +87,7 @@ def test_matches_reference(b, h, rows, num_keys, d, threads, data):
        per_entry=st.one_of(st.integers(1, 4), st.integers(20, 50)),
        num_keys=st.one_of(st.integers(1, 9), st.integers(120, 200)),
        d=st.sampled_from([32, 64]), merge=st.booleans(), threads=st.sampled_from([1, 2]), data=st.data())
-def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, num_keys, d, merge, threads, data):
+def test_rows_by_token_write_and_merge_in_place(isa, b, kv_heads, group, per_entry, num_keys, d, merge, threads, data):
     """attend_tokens: q and out are token-major [tokens, q_heads, d]; entry rows name their tokens
     (-1: padding, never written). merge=True folds the call's keys into the partial out / lse
     already hold, so prior keys + these keys = attention over both; untouched tokens keep their bytes."""
@@ -127,7 +140,7 @@ def test_rows_by_token_write_and_merge_in_place(b, kv_heads, group, per_entry, n
     torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
 
 
-def test_contiguous_keys_without_slots_or_bounds():
+def test_contiguous_keys_without_slots_or_bounds(isa):
     """slots None: key j is slot j of the (view of the) pool; bounds None: every row sees every key."""
     gen = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(400, 2, 64, generator=gen), torch.randn(400, 2, 64, generator=gen)
@@ -140,7 +153,7 @@ def test_contiguous_keys_without_slots_or_bounds():
     torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
 
 
-def test_reference_catches_a_one_key_shift():
+def test_reference_catches_a_one_key_shift(isa):
     """The comparison fails when a row reads one key past its interval."""
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(64, 1, 32, generator=gen), torch.randn(64, 1, 32, generator=gen)
@@ -163,23 +176,28 @@ def test_supports_only_what_it_computes():
         native.attend_paged(torch.zeros(1, 1, 1, 48), torch.zeros(4, 1, 48), torch.zeros(4, 1, 48), None, None, 1.0)
 
 
-def test_without_a_compiler_the_backend_uses_the_flash_op(monkeypatch, tmp_path):
-    """No compiler: load() says why once and returns None; supports() is then False everywhere."""
+def test_supports_nothing_where_it_cannot_build(monkeypatch, tmp_path, caplog):
+    """No compiler: load() says why once, as a WARNING with its cost, and returns None; supports() is
+    then False everywhere, and status() says why."""
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("RADIXSERVE_CACHE", str(tmp_path))  # nothing built there yet
-    native.load.cache_clear()
+    native.reset()
     try:
-        assert native.load() is None
-        assert not native.supports(torch.float32, 64, torch.device("cpu"))
+        with caplog.at_level("INFO", logger="radixserve.kernels.native"):
+            assert native.load() is None
+            assert not native.supports(torch.float32, 64, torch.device("cpu"))
+        assert native.status() == f"unavailable: no C compiler ({tmp_path / 'no-such-cc'}) on PATH"
+        warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "flash op, ~1.5-2.5x slower" in warnings[0].getMessage()
     finally:
-        native.load.cache_clear()
+        native.reset()
     monkeypatch.undo()
     assert native.load() is not None
 
 
 @settings(max_examples=150, deadline=None)
 @given(rows=st.integers(1, 20), cols=st.integers(1, 300), threads=st.sampled_from([1, 2]), data=st.data())
-def test_argmax_rows_equals_torch_argmax(rows, cols, threads, data):
+def test_argmax_rows_equals_torch_argmax(isa, rows, cols, threads, data):
     """Ties (the first max), NaN (the first NaN), -inf rows, tails shorter than a vector, strided rows."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     x = torch.randint(-3, 4, (rows, cols + 3), generator=gen).float()[:, 2:cols + 2]  # few values: many ties
