@@ -6,9 +6,10 @@ import glob
 import json
 import logging
 import os
+import struct
+from typing import Any, BinaryIO, Iterator
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from radixserve.kernels.model_config import ModelConfig, normalize_dtype_name
@@ -16,6 +17,9 @@ from radixserve.kernels.model_config import ModelConfig, normalize_dtype_name
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of a CPU with native bf16 dot products
 
@@ -83,32 +87,58 @@ def safetensors_files(model_path: str) -> list[str]:
 
 
 def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name.
-    A progress bar (bytes read) shows on a terminal (tqdm stays quiet when stderr is not one)."""
+    """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name, read and converted
+    one at a time (at most one tensor's transient copy). A progress bar (bytes read) shows on a terminal (tqdm
+    stays quiet when stderr is not one)."""
     files = safetensors_files(model_path)
     state: dict[str, torch.Tensor] = {}
     total = sum(os.path.getsize(p) for p in files)
     with tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, disable=None) as bar:
         for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    tensor = f.get_tensor(name)
-                    bar.update(tensor.numel() * tensor.element_size())
-                    state[name] = tensor.to(device=device, dtype=dtype)
+            for name, tensor in read_safetensors(path):
+                bar.update(tensor.numel() * tensor.element_size())
+                state[name] = tensor.to(device=device, dtype=dtype)
     logger.info("loaded %d tensors from %d file(s) in %s", len(state), len(files), model_path)
     return state
+
+
+def read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of each tensor of a .safetensors file, in file order, each read into memory of its own.
+    Not through a file mapping (safetensors' get_tensor): every page of a mapping the load touches stays in
+    the process's RSS as long as any tensor of it lives (a tied embedding does), a second copy of the weights
+    that the model had already packed elsewhere."""
+    with open(path, "rb") as f:
+        header, data_start = _safetensors_header(f, path)
+        entries = sorted((info["data_offsets"], name, info) for name, info in header.items() if name != "__metadata__")
+        for (begin, end), name, info in entries:
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']!r}")
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(data_start + begin)
+            if f.readinto(memoryview(raw.numpy())) != end - begin:
+                raise ValueError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
+            yield name, raw.view(dtype).reshape(info["shape"])
+
+
+def _safetensors_header(f: BinaryIO, path: str) -> tuple[dict[str, Any], int]:
+    """The JSON header of an open .safetensors file and the offset its data starts at."""
+    try:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length)), 8 + length
+    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a safetensors file: {exc}") from exc
 
 
 def checkpoint_dtype(model_path: str, config: ModelConfig) -> str:
     """The dtype the weights are stored in: config.json's when given, else the first tensor's."""
     if config.dtype != "float32":
         return config.dtype
-    first = safetensors_files(model_path)[0]
-    with safe_open(first, framework="pt", device="cpu") as f:
-        for name in f.keys():
-            stored = f.get_slice(name).get_dtype()
-            return {"BF16": "bfloat16", "F16": "float16"}.get(stored, "float32")
-    return "float32"
+    path = safetensors_files(model_path)[0]
+    with open(path, "rb") as f:
+        header, _ = _safetensors_header(f, path)
+    stored = next((info["dtype"] for name, info in header.items() if name != "__metadata__"), "F32")
+    return {"BF16": "bfloat16", "F16": "float16"}.get(stored, "float32")
 
 
 def take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
