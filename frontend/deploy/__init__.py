@@ -15,7 +15,7 @@ from radixserve.frontend.config import ROUTER_POLICIES
 
 def add_parser(sub: Any) -> None:
     """The `deploy` subcommand on cli.py's subparsers."""
-    from radixserve.frontend.deploy.kubernetes import Deployment
+    from radixserve.frontend.deploy.kubernetes import CPU_IMAGE, CUDA_IMAGE, Deployment
 
     deploy = sub.add_parser("deploy", help="print deployment manifests (kubectl apply -f -)")
     targets = deploy.add_subparsers(dest="target", required=True)
@@ -29,7 +29,8 @@ def add_parser(sub: Any) -> None:
                      "(default: the manifests include a ReadOnlyMany claim NAME-model)")
     k8s.add_argument("--name", default=d.name, help="name prefix and app.kubernetes.io/instance label")
     k8s.add_argument("--namespace", default=d.namespace, help="namespace of every object")
-    k8s.add_argument("--image", default=d.image, help="an image with radixserve[router] installed")
+    k8s.add_argument("--image", default=argparse.SUPPRESS, help="an image with radixserve[router] installed (default: "
+                     f"{CPU_IMAGE}, or {CUDA_IMAGE} with --gpu: the tags the repository's Dockerfile builds)")
     k8s.add_argument("--policy", default=d.policy, choices=ROUTER_POLICIES, help="sglang-router policy")
     k8s.add_argument("--port", type=int, default=d.port, help="container port of workers and router")
     k8s.add_argument("--service-port", type=int, default=d.service_port, help="the router Service's port")

@@ -28,6 +28,10 @@ from radixserve.frontend.config import ROUTER_POLICIES
 
 TEMPLATES = ("router-rbac.yaml", "router.yaml", "router-service.yaml", "worker.yaml", "worker-service.yaml",
              "worker-pdb.yaml")
+# The tags the Dockerfile's build lines give (its header): the default --image, for a cluster that has them locally
+# (kind load, minikube image load); elsewhere push them to a registry and name that.
+CPU_IMAGE = "radixserve:cpu"
+CUDA_IMAGE = "radixserve:cuda"
 MODEL_MOUNT = "/models"
 ROUTER_METRICS_PORT = 29000
 PRESTOP_S = 5
@@ -46,7 +50,7 @@ class Deployment:
     model_pvc: str | None = None  # None: the manifests include a PVC named <name>-model
     name: str = "radixserve"
     namespace: str = "default"
-    image: str = "radixserve:latest"
+    image: str | None = None  # None: CPU_IMAGE, or CUDA_IMAGE with gpu
     policy: str = "cache_aware"
     port: int = 8000
     service_port: int = 80
@@ -82,6 +86,11 @@ class Deployment:
                              f"{MODEL_MOUNT}), e.g. llama-3.1-8b or {MODEL_MOUNT}/llama-3.1-8b")
         return path
 
+    def image_name(self) -> str:
+        if self.image is not None:
+            return self.image
+        return CUDA_IMAGE if self.gpu else CPU_IMAGE
+
     def served_name(self) -> str:
         return posixpath.basename(self.model_path())
 
@@ -110,7 +119,7 @@ def _values(dep: Deployment) -> dict[str, str | list[str]]:
                    "--shutdown-grace-period-secs", str(dep.graceful_timeout_s), *key_args]
     limits = {"cpu": dep.cpus, "memory": dep.memory, **({"nvidia.com/gpu": "1"} if dep.gpu else {})}
     return {
-        "name": dep.name, "namespace": dep.namespace, "replicas": str(dep.replicas), "image": dep.image,
+        "name": dep.name, "namespace": dep.namespace, "replicas": str(dep.replicas), "image": dep.image_name(),
         "port": str(dep.port), "service_port": str(dep.service_port), "service_type": dep.service_type,
         "policy": dep.policy, "model_pvc": dep.model_pvc or f"{dep.name}-model", "model_mount": MODEL_MOUNT,
         "model_storage": dep.model_storage, "router_metrics_port": str(ROUTER_METRICS_PORT),
