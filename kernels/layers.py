@@ -10,25 +10,34 @@ import math
 import torch
 import torch.nn.functional as F
 
+from radixserve.kernels import native
 from radixserve.kernels.model_config import RopeConfig
+
+NATIVE_MAX_ROWS = 8  # bf16 rows that take the native kernel (see Linear)
 
 
 class Linear:
-    """y = x W^T + b for 2-D x. On the CPU, float32 / bfloat16 weights are packed once into
-    oneDNN's blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler uses), which
-    streams a skinny batch's weights about twice as fast as ``F.linear`` (measured, 2 threads,
-    768 -> 4096: batch 8 0.34 vs 0.68 ms, batch 64 1.1 vs 1.5 ms, batch 512 7.6 vs 7.9 ms).
+    """y = x W^T + b for 2-D x. On the CPU:
+
+    - bfloat16 weights stay as the checkpoint has them (row-major [N, K], one copy: a tied embedding
+      is the LM head as it is). A step of at most ``NATIVE_MAX_ROWS`` rows (decode) streams them
+      through the native kernel (``native.linear_bf16``); more rows go to ``F.linear`` (oneDNN).
+    - float32 weights are packed once into oneDNN's blocked layout (``torch.ops.mkldnn``), which
+      streams a skinny batch's weights about twice as fast as ``F.linear``.
     Anywhere else, or when the op is missing or refuses the weight, ``F.linear``."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "native")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True) -> None:
         self.bias = bias
-        self.packed = _prepack(weight, bias) if pack else None
+        self.native = native.linear_bf16_supported(weight)
+        self.packed = _prepack(weight, bias) if pack and not self.native else None
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.native and rows <= NATIVE_MAX_ROWS:
+            return native.linear_bf16(x, self.weight, self.bias)
         if x.device.type == "cpu" and (bucket := row_bucket(rows)) != rows:
             # oneDNN builds (JIT-compiles) and caches a primitive per row count, ~3 ms and ~0.5 MB each,
             # so a step size never seen before is slow and every one seen stays in memory: a bounded set

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 from radixserve.kernels.cache_dir import private_cache_dir, refusal
+from radixserve.kernels.loader import cpu_flags as this_cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("cpu_kernels.c"), Path(__file__).with_name("cpu_simd.h"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_simd.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 ISA_ENV = "RADIXSERVE_NATIVE_ISA"
@@ -79,17 +80,9 @@ class _Args(ctypes.Structure):
     ] for name in ((names,) if isinstance(names, str) else names)]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return set(next((line.split(":", 1)[1] for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
 def runnable_isas(cpu_flags: set[str] | None = None) -> list[str]:
     """The ISAS this CPU can run (best first; "portable" always)."""
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = set(this_cpu_flags()) if cpu_flags is None else cpu_flags
     return [isa.name for isa in ISAS if set(isa.cpu_flags) <= flags]
 
 
@@ -99,7 +92,7 @@ def chosen_isa(cpu_flags: set[str] | None = None) -> Isa:
     wanted = os.environ.get(ISA_ENV, "").strip().lower() or "auto"
     if wanted != "auto" and wanted not in ISA_NAMES:
         raise ValueError(f"{ISA_ENV}={wanted!r}: expected auto or one of {', '.join(ISA_NAMES)}")
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = set(this_cpu_flags()) if cpu_flags is None else cpu_flags
     isa = next(isa for isa in ISAS if isa.name == (runnable_isas(flags)[0] if wanted == "auto" else wanted))
     if missing := [flag for flag in isa.cpu_flags if flag not in flags]:
         raise Unavailable(f"{ISA_ENV}={isa.name}, but this CPU has no {', '.join(missing)}")
@@ -143,7 +136,7 @@ def _build(target: Path, isa: Isa, cc: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, *isa.cc_flags, str(SOURCES[0]), "-o", tmp, "-lm"]
+        cmd = [cc, *FLAGS, *isa.cc_flags, *(str(path) for path in SOURCES if path.suffix == ".c"), "-o", tmp, "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -169,6 +162,9 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
     lib.rs_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_int]
     lib.rs_argmax_rows.restype = None
+    lib.rs_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.rs_linear_bf16.restype = ctypes.c_int
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
     if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline
         raise Unavailable(f"{path} was asked for {isa.name} but compiled for {lib.rs_isa().decode()}")
@@ -304,4 +300,30 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     load().rs_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_bf16_supported(weight: torch.Tensor) -> bool:
+    """Whether ``linear_bf16`` can run this weight: a row-major bf16 [N, K] weight on the CPU (and the
+    library is built)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.is_contiguous() and load() is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _use_dpbf16() -> bool:
+    """vdpbf16ps where the CPU has it and the library is the AVX-512 build (cpu_linear.c)."""
+    return "avx512_bf16" in this_cpu_flags() and load().rs_isa().decode() == "avx512"
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T + bias [N], all bf16, fp32 sums rounded once: the few-row linears of
+    a decode step (cpu_linear.c), streaming the weight as the checkpoint has it.
+    ``linear_bf16_supported(weight)`` must hold."""
+    x = x.contiguous()
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_bf16 takes x [M, {weight.shape[1]}] bf16, got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    load().rs_linear_bf16(x.data_ptr(), x.shape[0], weight.data_ptr(), weight.shape[0], weight.shape[1],
+                          _ptr(bias), out.data_ptr(), torch.get_num_threads(), int(_use_dpbf16()))
     return out
