@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 VENV_ROOT = Path(os.environ.get("RADIXSERVE_TEST_VENVS") or Path.home() / ".cache" / "radixserve-test-venvs")
 TORCH_PIN = "torch==2.13.0"  # the README's install line (CI's torch)
 BUILD_TIMEOUT_S = 1800.0
+STALE_S = 86400.0  # a cached venv unused this long is removed once a newer one of its kind is built
 
 # One venv per client, each pinned to a current release (`pip index versions NAME`); the clients' own
 # dependencies resolve freely inside their venv.
@@ -54,9 +55,11 @@ def base_python() -> str:
     """The interpreter of a venv with `pip install torch==2.13.0 && pip install -e REPO` (no extras)."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     # What the editable install depends on: the base dependencies, and the package layout (an editable
-    # install maps the packages listed here; a package added later needs a new install). Not the extras.
+    # install maps the packages listed here; a package added later needs a new install). Not the extras, nor
+    # package data (read from the source tree).
+    setuptools = project.get("tool", {}).get("setuptools", {})
     key = {"dependencies": project["project"]["dependencies"], "scripts": project["project"].get("scripts"),
-           "setuptools": project.get("tool", {}).get("setuptools"), "repo": str(REPO)}
+           "packages": setuptools.get("packages"), "package-dir": setuptools.get("package-dir"), "repo": str(REPO)}
     return _cached_venv("server-base", [[TORCH_PIN], ["-e", str(REPO)]], key_extra=key)
 
 
@@ -105,7 +108,18 @@ def _cached_venv(name: str, installs: list[list[str]], key_extra: dict) -> str:
                 shutil.rmtree(target, ignore_errors=True)
                 raise
             marker.write_text(fingerprint)
+            _prune(name, keep=target)
+        marker.touch()  # last use, for _prune
     return str(python)
+
+
+def _prune(name: str, keep: Path) -> None:
+    """Remove the venvs of `name` unused for STALE_S (each change of pins or dependencies leaves one behind;
+    the base venv is ~2 GB). Unfinished ones are left to the build that owns them."""
+    for old in VENV_ROOT.glob(f"{name}-*/.complete"):
+        if old.parent != keep and time.time() - old.stat().st_mtime > STALE_S:
+            shutil.rmtree(old.parent, ignore_errors=True)
+            old.parent.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def _build(target: Path, installs: list[list[str]]) -> None:
