@@ -55,7 +55,7 @@ def test_the_variant_follows_the_cpu_flags_and_the_env(monkeypatch):
 
 
 def test_a_forced_variant_the_cpu_lacks_is_unavailable_not_run(monkeypatch, fresh, caplog):
-    monkeypatch.setattr(native, "_cpu_flags", lambda: {"sse2", "avx2", "fma"})
+    monkeypatch.setattr(native, "this_cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
     monkeypatch.setenv(native.ISA_ENV, "avx512")
     with caplog.at_level(logging.INFO, logger="radixserve.kernels.native"):
         assert native.load() is None
