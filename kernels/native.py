@@ -223,8 +223,9 @@ def status() -> str:
 
 def reset() -> None:
     """Forget the loaded library, so that the next load() looks again (after a change of $CC, the
-    cache or $RADIXSERVE_NATIVE_ISA: tests)."""
+    cache or $RADIXSERVE_NATIVE_ISA: tests), and every choice made from it."""
     _state.cache_clear()
+    _use_dpbf16.cache_clear()
 
 
 def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
