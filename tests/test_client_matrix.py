@@ -6,7 +6,8 @@ of tests/client_matrix/ that prints what the client returned. The model is a scr
 (bench/checkpoints/scripted.py): "weather" in a prompt makes it call get_weather(city="Paris"), a tool result
 in the prompt makes it answer ANSWER, "poem" makes it write the JSON of RAIN and "story" call the tool `Story`
 with it. Every client asks for greedy decoding: at temperature 1 the scripted model's finite logit margins leave
-each token a ~0.2% chance of being another one.
+each token a ~0.2% chance of being another one. One more test runs pydantic-ai on the built-in demo model, as the
+README's `radixserve serve` starts it: there the answer's words come from the tool's result.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ CHAINS = {
 WEATHER_CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
 ANSWER = CHAINS[TOOL_RESULT_TRIGGER]
 RAIN = {"title": "Rain", "lines": 4}
+TOOL_RESULT = '{"temperature": 17, "condition": "windy"}'  # what the scripts' get_weather returns
 ACCESS = re.compile(r'radixserve\.access: \S+ "(\w+) (\S+)" (\d{3})')
 
 
@@ -43,19 +45,27 @@ def base() -> str:
 @pytest.fixture(scope="module")
 def server(base: str):
     checkpoint = cached_scripted_checkpoint(CHAINS, priority=(TOOL_RESULT_TRIGGER,))
-    proc = ServerProcess(["--model", checkpoint, "--kv-cache-tokens", "32768", "--served-model-name", MODEL,
-                          "--num-threads", "1"],
-                         start_timeout_s=START_TIMEOUT_S, env={**ISOLATED_ENV, "OMP_NUM_THREADS": "1"}, python=base)
+    yield from _serve(base, "--model", checkpoint, "--kv-cache-tokens", "32768", "--served-model-name", MODEL)
+
+
+@pytest.fixture(scope="module")
+def demo_server(base: str):
+    yield from _serve(base)  # no --model: the built-in demo model, as the README's `radixserve serve`
+
+
+def _serve(python: str, *args: str):
+    proc = ServerProcess([*args, "--num-threads", "1"], start_timeout_s=START_TIMEOUT_S,
+                         env={**ISOLATED_ENV, "OMP_NUM_THREADS": "1"}, python=python)
     yield proc
     proc.stop(timeout=20)
 
 
-def run_client(server: ServerProcess, client: str, script: str, *args: str, requests: int
+def run_client(server: ServerProcess, client: str, script: str, *args: str, requests: int, model: str = MODEL
                ) -> tuple[dict, list[tuple[str, int]]]:
     """The script's report, and (path, status) of the OpenAI API requests the server logged meanwhile: once
     `requests` of them are logged (a line is written as its response ends), or after a few seconds."""
     seen = len(server.lines)
-    report = run_script(client_python(client), SCRIPTS / script, server.url, MODEL, *args)
+    report = run_script(client_python(client), SCRIPTS / script, server.url, model, *args)
     deadline = time.monotonic() + 10
     while True:
         logged = [(m.group(2), int(m.group(3))) for m in map(ACCESS.search, server.lines[seen:])
@@ -101,7 +111,16 @@ def test_pydantic_ai_agent_calls_the_tool(server, kind: str, path: str):
     first, second = report["requests"]
     # pydantic-ai sends its tool as strict; the second request carries the tool's own return value.
     assert first["tool_names"] == second["tool_names"] == ["get_weather"] and first["strict"] == [True]
-    assert first["tool_results"] == [] and second["tool_results"] == ['{"city": "Paris", "sky": "sunny"}']
+    assert first["tool_results"] == [] and second["tool_results"] == [TOOL_RESULT]
+
+
+def test_pydantic_ai_agent_on_the_demo_model(demo_server):
+    # The demo model decides to call the tool on its own and answers from the tool's result.
+    report, requests = run_client(demo_server, "pydantic_ai", "pydantic_ai_agent.py", "chat", requests=2,
+                                  model="radixserve-demo")
+    assert requests == [("/v1/chat/completions", 200)] * 2
+    assert report["calls"] == ["Paris"] and report["requests"][1]["tool_results"] == [TOOL_RESULT]
+    assert "windy" in report["output"] and "17" in report["output"], report["output"]
 
 
 def test_instructor_tools_and_json_schema(server):

@@ -36,7 +36,7 @@ def main(url: str, model_name: str, kind: str) -> None:
     def get_weather(city: str) -> str:
         """Current conditions in a city."""
         calls.append(city)
-        return json.dumps({"city": city, "sky": "sunny"})
+        return json.dumps({"temperature": 17, "condition": "windy"})
 
     result = agent.run_sync("What is the weather in Paris?")
     emit({"output": result.output, "calls": calls,
