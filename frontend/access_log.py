@@ -14,7 +14,7 @@ The status is what the client got: 499 when it hung up before the response ended
 short, a request it gave up on). An error response, or an error event that ended a stream
 (`note_error`), adds why, as the client read it:
 
-    ... 400 prompt_tokens=- ... latency=0.002s error=invalid_request_error param=tools[0].function.strict code=invalid_value message="..."
+    ... 400 ... latency=0.002s error=invalid_request_error param=temperature code=invalid_value message="..."
 
 Health probes that pass (`note_probe`: a router or an orchestrator asks every few seconds) are
 logged at DEBUG; a failing one at INFO like any request.

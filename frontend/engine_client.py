@@ -172,12 +172,13 @@ class Submission:
         self._open = [True] * len(jobs)
 
     async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
-        """(job index, delta) as they come; an engine failure raises a 503 APIError."""
+        """(job index, delta) as they come; an engine failure raises a 503 APIError (an APIError put in
+        by EngineProcess.fail_open as it is)."""
         try:
             while any(self._open):
                 idx, item = await self.queue.get()
                 if isinstance(item, BaseException):
-                    raise engine_unavailable(item)
+                    raise item if isinstance(item, APIError) else engine_unavailable(item)
                 if item.finished:
                     self._open[idx] = False
                     self.lease.release_one()

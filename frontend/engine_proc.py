@@ -219,11 +219,9 @@ class EngineProcess:
                 if route is not None:
                     route[0].put_nowait((route[1], delta))
 
-    def _died(self) -> None:
-        code = self.proc.exitcode
-        self.dead = True
-        logger.error("the engine process died (exit code %s); failing %d open request(s)", code, len(self._routes))
-        error = EngineDead(f"the engine process died (exit code {code})")
+    def fail_open(self, error: BaseException) -> None:
+        """End every open request with `error` (event loop thread): a stream gets it as its next item, an
+        admission or engine call raises it. Their later deltas are dropped."""
         for queue, index in self._routes.values():
             queue.put_nowait((index, error))
         for future in list(self._admissions.values()) + list(self._calls.values()):
@@ -231,6 +229,12 @@ class EngineProcess:
         self._routes.clear()
         self._admissions.clear()
         self._calls.clear()
+
+    def _died(self) -> None:
+        code = self.proc.exitcode
+        self.dead = True
+        logger.error("the engine process died (exit code %s); failing %d open request(s)", code, len(self._routes))
+        self.fail_open(EngineDead(f"the engine process died (exit code {code})"))
         if self._on_death is not None:
             self._on_death(code)
 

@@ -92,7 +92,8 @@ def exception_handlers(on_error: Callable[[int], None] | None = None) -> dict[An
 class ErrorGuard:
     """Pure ASGI middleware: an exception or cancellation before the response started is answered
     with an OpenAI error (500, or 503 when a forced shutdown cancelled the request), then re-raised
-    so that the server still logs it. After the response started there is nothing left to send."""
+    so that the server still logs it (a cancellation is not: the stop that caused it was logged once).
+    After the response started there is nothing left to send."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -113,6 +114,9 @@ class ErrorGuard:
         except BaseException as exc:
             if not started:
                 await _send_quietly(_guard_error(exc), scope, receive, send)
+            if isinstance(exc, asyncio.CancelledError):  # a forced stop: said at the stop, no traceback per request
+                logger.info("%s %s cancelled by the stop", scope["method"], scope["path"])
+                return
             raise
 
 

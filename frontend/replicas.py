@@ -15,8 +15,12 @@ response store file (--response-store, or one in a temporary directory removed a
 A worker that exits is removed from the router at once (requests in flight on it already failed
 with its connections, and the router's retries must not pick it again), restarted after a backoff
 (1 s, doubling to 30 s; reset once a worker stayed up a minute) and added back when ready.
-SIGTERM/SIGINT: the workers drain first (admitted requests finish, new ones get 503) while the
-router still relays their answers, then the router stops; a second signal kills everything.
+Signals reach the supervisor only (the workers and the router run in sessions of their own, so a
+terminal's Ctrl-C does not hit them all at once). The first SIGTERM/SIGINT drains: the workers
+drain (admitted requests finish, new ones get 503) while the router still relays their answers,
+then the router stops; exit status 0. A second one is passed on: each worker ends its open requests
+with an error (streams get an error event, relayed by the router) and exits, then the router stops;
+exit status 128 + the signal's number (130 for SIGINT, 143 for SIGTERM). A third kills everything.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ WORKER_START_TIMEOUT_S = 600.0
 BACKOFF_S = (1.0, 30.0)  # first and largest wait before a restart
 STABLE_S = 60.0  # a worker up this long starts its next backoff from the first wait again
 POLL_S = 0.1
+ATTENTION = re.compile(r"\(attention: ([^)]*)\)")  # in a worker's ready line (frontend/launch.py)
 
 
 class Worker:
@@ -52,6 +57,7 @@ class Worker:
     def __init__(self, index: int, argv: list[str], env: dict[str, str]) -> None:
         self.index, self.argv, self.env = index, argv, env
         self.url = ""
+        self.attention = ""  # what its ready line names
         self.proc: subprocess.Popen | None = None
         self.started_at = 0.0
         self._ready = threading.Event()
@@ -61,7 +67,7 @@ class Worker:
         self._ready.clear()
         cmd = [sys.executable, "-m", "radixserve.frontend.cli", "serve", *self.argv]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=self.env)
+                                     env=self.env, start_new_session=True)  # signals come from the supervisor
         self.started_at = time.monotonic()
         threading.Thread(target=self._read_log, args=(self.proc,), daemon=True).start()
 
@@ -75,9 +81,9 @@ class Worker:
     def exited(self) -> bool:
         return self.proc is None or self.proc.poll() is not None
 
-    def terminate(self) -> None:
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
         if not self.exited():
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(sig)
 
     def wait(self, timeout: float) -> int | None:
         if self.proc is None:
@@ -94,6 +100,8 @@ class Worker:
             match = READY.search(line)
             if match and proc is self.proc:
                 self.url = match.group(1)
+                attention = ATTENTION.search(line)
+                self.attention = attention.group(1) if attention else "?"
                 self._ready.set()
                 continue  # the supervisor's own ready line is the one that names the client URL
             sys.stderr.write(prefix + line)
@@ -113,6 +121,7 @@ class Supervisor:
         argv = worker_argv(config, gpus)
         self.workers = [Worker(i, argv, env) for i, env in enumerate(worker_envs(config, gpus))]
         self.router: RouterProcess | None = None
+        self.signals: list[int] = []  # the stop signals received
         self._lock = threading.Lock()  # a restart never starts a worker after shutdown() stopped them
 
     def run(self) -> int:
@@ -124,7 +133,7 @@ class Supervisor:
                 if not stopped:
                     logger.error("worker %d did not start (its log is above)", worker.index)
                 self.shutdown()
-                return 0 if stopped else 1
+                return self.exit_status() if stopped else 1
             logger.info("worker %d ready on %s (pid %d)", worker.index, worker.url, worker.proc.pid)
         port = self.config.port or free_port(self.config.host)
         self.router = RouterProcess([w.url for w in self.workers], self.config.host, port,
@@ -137,15 +146,20 @@ class Supervisor:
             return 1
         for worker in self.workers:
             threading.Thread(target=self._keep_alive, args=(worker,), daemon=True).start()
-        logger.info("radixserve ready: serving %s on %s (%d replicas behind sglang-router, policy %s)",
-                    self.config.model_name(), self.router.url, len(self.workers), self.config.router_policy)
+        logger.info("radixserve ready: serving %s on %s (%d replicas behind sglang-router, policy %s, attention: %s)",
+                    self.config.model_name(), self.router.url, len(self.workers), self.config.router_policy,
+                    ", ".join(sorted({w.attention for w in self.workers})))
         while not self.stop.wait(POLL_S):
             if self.router.proc.poll() is not None:
                 logger.error("sglang-router exited with status %s; stopping", self.router.proc.returncode)
                 self.shutdown()
                 return 1
         self.shutdown()
-        return 0
+        return self.exit_status()
+
+    def exit_status(self) -> int:
+        """0 after a drain; 128 + the second signal after a stop that did not wait."""
+        return 128 + self.signals[1] if len(self.signals) > 1 else 0
 
     def _keep_alive(self, worker: Worker) -> None:
         """Restart `worker` whenever it exits, until the supervisor stops."""
@@ -183,7 +197,7 @@ class Supervisor:
         with self._lock:
             self.stop.set()
             for worker in self.workers:
-                worker.terminate()
+                worker.send_signal()
         for worker in self.workers:
             worker.wait(self.config.graceful_timeout_s + 10)
         if self.router is not None:
@@ -192,14 +206,21 @@ class Supervisor:
             shutil.rmtree(self._store_dir, ignore_errors=True)
 
     def handle_signal(self, sig: int, frame: Any) -> None:
-        if self.stop.is_set():
-            logger.warning("second signal: killing the workers and the router")
+        self.signals.append(sig)
+        name = signal.Signals(sig).name
+        if len(self.signals) == 1:
+            logger.warning("received %s: draining %d workers (up to %g s); Ctrl-C again to stop now", name,
+                           len(self.workers), self.config.graceful_timeout_s)
+            self.stop.set()
+        elif len(self.signals) == 2:
+            logger.warning("received %s while draining: the workers end their open requests with an error now", name)
+            for worker in self.workers:
+                worker.send_signal()  # their second: they stop now (their first came from shutdown())
+        else:
+            logger.warning("received %s again: killing the workers and the router", name)
             for proc in [w.proc for w in self.workers] + [self.router.proc if self.router else None]:
                 if proc is not None and proc.poll() is None:
                     proc.kill()
-            return
-        logger.warning("received %s: draining %d workers", signal.Signals(sig).name, len(self.workers))
-        self.stop.set()
 
 
 def run_replicas(config: ServerConfig) -> int:

@@ -71,7 +71,8 @@ class RouterProcess:
                "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100"]
         if api_key is not None:
             cmd += ["--api-key", api_key]  # the router then asks for it too, and sends it on its probes
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)  # stopped by the supervisor after the workers drain
         threading.Thread(target=_forward, args=(self.proc.stdout, "router | "), daemon=True).start()
 
     def wait_ready(self, num_workers: int, timeout: float = START_TIMEOUT_S) -> None:

@@ -197,6 +197,7 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
         "tokenizer_path": path,
         "engine_config": state.engine.info.engine_config,
         "engine_pid": state.engine.info.pid,
+        "attention": state.engine.info.attention,
         "engine_messages": state.engine.num_messages,
         "context_length": state.client.context_length,
         "max_queued_requests": state.config.max_queued_requests,

@@ -123,8 +123,9 @@ class ModelRunner:
         self.counters = HostCounters()  # host work of the latest step
         self.last_profile: dict[str, float] = {}  # seconds of the latest step: build / forward / sample
         self.forward_input_hook: Callable[[ForwardInput], ForwardInput] | None = None
+        self.attention = attention_path(self.backend.name, native)
         logger.info("model %s (%s) on %s, %s, %d KV slots, attention=%s", model_path, config.architecture,
-                    self.device, self.config.dtype, num_slots, self.backend.name)
+                    self.device, self.config.dtype, num_slots, self.attention)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix] = ()) -> list[SeqOutput]:
@@ -289,6 +290,14 @@ def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     element_size = torch.empty((), dtype=dtype).element_size()
     bytes_per_slot = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
+
+
+def attention_path(backend: str, native: bool) -> str:
+    """What reads the KV pool, as the start-up lines name it: the torch backend reads through the native
+    kernel ("native avx512", its build) where native.supports() held, else through torch's flash op."""
+    if backend != "torch":
+        return backend
+    return native_lib.status() if native else "torch flash op"
 
 
 def _make_backend(name: str, device: torch.device, stage_budget_slots: int, native: bool) -> AttentionBackend:

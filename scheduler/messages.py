@@ -57,6 +57,7 @@ class EngineInfo:
     max_running_requests: int
     engine_config: dict[str, Any]
     pid: int
+    attention: str = ""  # what reads the KV pool: "native avx512", "torch flash op", "triton" (runner.attention_path)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The access log (one radixserve.access line per request, off with --disable-log-requests) and
 OpenAI-format errors for everything the server answers: 404, 405 (with Allow), 413, a bad body,
-and the request cancelled by a second shutdown signal (uvicorn would send plain text)."""
+and the requests a stop ends: a second Ctrl-C, or the graceful timeout running out (uvicorn would
+cut a stream and send plain text)."""
 import json
 import re
 import signal
@@ -168,31 +169,86 @@ def test_disable_log_requests_writes_no_access_line():
     assert any("radixserve ready" in line for line in quiet.lines)
 
 
-def test_request_cancelled_by_a_second_signal_gets_an_openai_503():
-    """The engine hangs (test fault switch), so the request is still waiting when the second
-    SIGTERM forces the exit; uvicorn would answer it with a plain-text 500."""
-    server = _faulty_server()
-    out: dict = {}
-
-    def request() -> None:
-        out["r"] = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
-
-    thread = threading.Thread(target=request)
-    thread.start()
-    time.sleep(2.0)  # the request reaches the hung engine (/get_server_info would hang too: it asks the engine)
-    server.proc.send_signal(signal.SIGTERM)  # drain: the request keeps waiting
-    time.sleep(0.5)
-    server.proc.send_signal(signal.SIGTERM)  # forced exit: the request is cancelled
-    thread.join(60)
+def test_a_second_ctrl_c_ends_open_requests_with_an_openai_error_and_exits_130():
+    """The engine hangs (test fault switch), so both requests are still open at the second SIGINT: the
+    admitted stream gets an error event then [DONE], the one waiting for admission a 503 (uvicorn
+    would cut the first and answer the second with a plain-text 500, after a traceback)."""
+    server = _faulty_server(graceful_s=30)
     try:
-        error = _error(out["r"], 503)
-        assert error["code"] == "server_shutting_down"
+        threads, out = _open_requests(server)
+        server.proc.send_signal(signal.SIGINT)
+        _wait_for_line(server, "received SIGINT: draining")
+        server.proc.send_signal(signal.SIGINT)
+        for thread in threads:
+            thread.join(30)
+        status = server.proc.wait(30)
     finally:
         server.stop(timeout=30)
+    log = server.log()
+    assert status == 130, log[-3000:]
+    assert out["stream"][-1] == "data: [DONE]", out["stream"]
+    error = json.loads(out["stream"][-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down" and "second shutdown signal" in error["message"], error
+    assert _error(out["plain"], 503)["code"] == "server_shutting_down"
+    assert re.search(r"received SIGINT: draining \d+ requests? \(up to 30 s\); Ctrl-C again to stop now", log)
+    assert "Traceback" not in log and "Exception in ASGI" not in log, log[-3000:]
+    # The tiny model's head_dim (16) is no multiple of 32, so the native kernel cannot read its pool.
+    assert "(attention: torch flash op)" in log
 
 
-def _faulty_server() -> Spawned:
+def test_requests_left_when_the_graceful_timeout_runs_out_end_with_an_openai_error():
+    """One SIGTERM: the drain waits --graceful-timeout (1 s) for the hung requests, ends them with the
+    error naming it, and the server exits 0 (the stop was asked for)."""
+    server = _faulty_server(graceful_s=1)
+    try:
+        threads, out = _open_requests(server)
+        server.proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+        status = server.proc.wait(30)
+    finally:
+        server.stop(timeout=30)
+    log = server.log()
+    assert status == 0, log[-3000:]
+    error = json.loads(out["stream"][-2].removeprefix("data: "))["error"]
+    assert "--graceful-timeout 1 s ran out" in error["message"] and out["stream"][-1] == "data: [DONE]"
+    assert _error(out["plain"], 503)["code"] == "server_shutting_down"
+    assert "requests still running after 1 s; stopping anyway" in log and "Traceback" not in log
+
+
+def _open_requests(server: Spawned) -> tuple[list[threading.Thread], dict]:
+    """A chat stream, admitted (its status line came) and then held by the hung engine, and a completion
+    sent after it, which waits for an admission that never comes."""
+    out: dict = {}
+
+    def stream() -> None:
+        body = {"messages": USER, "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            out["stream_status"] = r.status_code
+            out["stream"] = [line for line in r.iter_lines() if line]
+
+    def plain() -> None:
+        out["plain"] = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    threads[0].start()
+    deadline = time.monotonic() + 30
+    while out.get("stream_status") != 200:
+        assert time.monotonic() < deadline, f"the stream did not start: {out}"
+        time.sleep(0.02)
+    threads[1].start()
+    time.sleep(0.5)  # it reaches the server (no endpoint shows it: they all ask the hung engine)
+    return threads, out
+
+
+def _wait_for_line(server: Spawned, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in list(server.lines)):
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{server.log()[-2000:]}"
+        time.sleep(0.02)
+
+
+def _faulty_server(graceful_s: int) -> Spawned:
     return Spawned(["--model", tiny_model_path(), "--kv-cache-tokens", "1024", "--num-threads", "1",
-                    "--graceful-timeout", "1"], start_timeout_s=START_TIMEOUT_S,
+                    "--graceful-timeout", str(graceful_s)], start_timeout_s=START_TIMEOUT_S,
                    env={"OMP_NUM_THREADS": "1", "RADIXSERVE_TEST_FAULT": "hang-forward"})
-

@@ -1,6 +1,8 @@
 """`serve --replicas 2` behind the real sglang-router (0.3.2) on loopback: what passes through,
 what cache-aware routing saves against round robin, session pinning with the manual policy,
-/v1/responses follow-ups across workers (one shared store), a worker killed mid-run, and the SIGTERM drain (frontend/replicas.py, frontend/router_proc.py).
+/v1/responses follow-ups across workers (one shared store), a worker killed mid-run, and the SIGTERM
+drain (frontend/replicas.py, frontend/router_proc.py); first, the demo model's quiet start and the
+stop on a second signal.
 
 One module-scoped set: a supervisor with 2 tiny workers (an API key on, so the router's own probes
 and the pass-through of the Authorization header are exercised) and its cache_aware router; the
@@ -8,6 +10,7 @@ round_robin and manual routers are extra routers started here against the same t
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,11 +24,61 @@ pytest.importorskip("sglang_router")
 
 from radixserve.bench.router_bench import computed_tokens, text_gsp  # noqa: E402
 from radixserve.frontend.router_proc import RouterProcess, free_port  # noqa: E402
+from radixserve.kernels import native  # noqa: E402
 from tests._http_server import ServerProcess, tiny_model_path  # noqa: E402
 
 KEY = "sk-router-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 WORKER_LINE = re.compile(r"worker (\d+) (?:ready|is back) on (http://[\d.]+:\d+) \(pid (\d+)\)")
+
+
+def test_replicas_of_the_demo_model_start_quietly_list_it_and_stop_on_a_second_sigterm():
+    """The README's first steps with --replicas 2 on the built-in demo model: the router lists the model
+    by the name a client sends (the workers' server info names it), the start logs no warning (no
+    HTTP/2 probe noise, no router tokenizer warning) and no health-check lines at INFO, the ready line
+    names the attention path; a second SIGTERM ends an open stream with an error event through the
+    router and the supervisor exits 143. First in the module: its workers are gone before the next set
+    starts."""
+    server = ServerProcess(["--replicas", "2", "--kv-cache-tokens", "8192"])
+    try:
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["radixserve-demo"]
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": models[0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        start_log = server.log()
+        out: dict = {}
+        thread = threading.Thread(target=_stream_until_stopped, args=(server.url, out))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while len(out.get("lines", [])) < 2:
+            assert time.monotonic() < deadline and thread.is_alive(), out
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        status = server.proc.wait(60)
+    finally:
+        server.stop(timeout=60)
+    noise = [line for line in start_log.splitlines()
+             if re.search(r"\bWARN(ING)?\b|Invalid HTTP request|PRI \*|Traceback|\"GET /health\"", line)]
+    assert not noise, "\n".join(noise)
+    attention = f"native {native.chosen_isa().name}" if native.cannot_build() is None else "torch flash op"
+    assert re.search(rf"radixserve ready: serving radixserve-demo on .*attention: {attention}\)", start_log), start_log
+    assert status == 143, server.log()[-3000:]
+    lines = out["lines"]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down", lines[-3:]
+
+
+def _stream_until_stopped(url: str, out: dict) -> None:
+    body = {"model": "radixserve-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    out["lines"] = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line:
+                out["lines"].append(line)
 
 
 @pytest.fixture(scope="module")
