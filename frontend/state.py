@@ -16,6 +16,8 @@ from radixserve.frontend.response_store import ResponseStore
 from radixserve.scheduler.sampling_params import SamplingParams
 
 _SEED_MAX = 2**63 - 1
+# sglang-router 0.3.2 re-serializes a request that names no model with this one: absent, as on a single server.
+ROUTER_NO_MODEL = "unknown"
 
 
 @dataclass
@@ -33,7 +35,8 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         """Unknown model names get 404; an absent `model` means the served one."""
         path = self.engine.info.model_path
-        if model is None or model in (self.model_name, path) or os.path.normpath(model) == os.path.normpath(path):
+        if model is None or model in (ROUTER_NO_MODEL, self.model_name, path) \
+                or os.path.normpath(model) == os.path.normpath(path):
             return
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")

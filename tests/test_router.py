@@ -46,6 +46,9 @@ def test_replicas_of_the_demo_model_start_quietly_list_it_and_stop_on_a_second_s
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
             "model": models[0]["id"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
+        unnamed = httpx.post(server.url + "/v1/chat/completions", timeout=60,  # no model: as on a single server
+                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == "radixserve-demo", unnamed.text
         start_log = server.log()
         out: dict = {}
         thread = threading.Thread(target=_stream_until_stopped, args=(server.url, out))
@@ -68,7 +71,8 @@ def test_replicas_of_the_demo_model_start_quietly_list_it_and_stop_on_a_second_s
     assert re.search(rf"radixserve ready: serving radixserve-demo on .*attention: {attention}\)", start_log), start_log
     assert status == 143, server.log()[-3000:]
     lines = out["lines"]
-    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down", lines[-3:]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2][6:])["error"]["code"] == "server_shutting_down", lines[-3:]
 
 
 def _stream_until_stopped(url: str, out: dict) -> None:
