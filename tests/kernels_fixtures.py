@@ -41,13 +41,14 @@ CONFIG_CLASSES = {
 
 
 def make_checkpoint(path: str, kind: str, seed: int = 0, max_shard_size: str | None = None,
-                    **overrides) -> str:
-    """Saves a seeded random checkpoint of `kind` (llama/mistral/qwen2/qwen3) under `path`."""
+                    dtype: torch.dtype = torch.float32, **overrides) -> str:
+    """Saves a seeded random checkpoint of `kind` (llama/mistral/qwen2/qwen3) under `path`, stored in `dtype`."""
     config_cls, model_cls = CONFIG_CLASSES[kind]
     config = config_cls(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     _perturb_norms_and_biases(model)
+    model.to(dtype)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3])
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

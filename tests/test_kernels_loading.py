@@ -8,7 +8,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kernels_fixtures import hf_logits, load_hf, make_checkpoint, make_prompts
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
@@ -156,9 +155,8 @@ def test_auto_dtype_on_the_cpu(requested, ckpt, flags, expected, caplog):
 
 
 def test_bf16_checkpoint_runs_in_bf16_where_the_cpu_has_it(llama_path, tmp_path):
-    path = _copy_with_config(llama_path, tmp_path / "bf16", lambda raw: raw.update(dtype="bfloat16"))
-    weights = os.path.join(path, "model.safetensors")
-    save_file({k: v.to(torch.bfloat16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    path = make_checkpoint(tmp_path / "bf16", "llama", seed=7, dtype=torch.bfloat16)  # llama_path's weights in bf16
+    assert load_model_config(path).dtype == "bfloat16"
     runner = ModelRunner(path, num_slots=64, attention_backend="torch", device="cpu")
     native_bf16 = bool(set(BF16_CPU_FLAGS) & cpu_flags())
     assert runner.dtype == (torch.bfloat16 if native_bf16 else torch.float32)
