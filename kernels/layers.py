@@ -13,25 +13,23 @@ import torch.nn.functional as F
 from radixserve.kernels import native
 from radixserve.kernels.model_config import RopeConfig
 
-NATIVE_MAX_ROWS = 8  # bf16 rows that take the native kernel (see Linear)
+NATIVE_MAX_ROWS = 2  # rows of an unpacked bf16 weight that take the native kernel (see Linear)
 
 
 class Linear:
-    """y = x W^T + b for 2-D x. On the CPU:
-
-    - bfloat16 weights stay as the checkpoint has them (row-major [N, K], one copy: a tied embedding
-      is the LM head as it is). A step of at most ``NATIVE_MAX_ROWS`` rows (decode) streams them
-      through the native kernel (``native.linear_bf16``); more rows go to ``F.linear`` (oneDNN).
-    - float32 weights are packed once into oneDNN's blocked layout (``torch.ops.mkldnn``), which
-      streams a skinny batch's weights about twice as fast as ``F.linear``.
-    Anywhere else, or when the op is missing or refuses the weight, ``F.linear``."""
+    """y = x W^T + b for 2-D x. On the CPU, float32 / bfloat16 weights are packed once into oneDNN's
+    blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler uses), which streams a skinny
+    batch's weights faster than ``F.linear``. A weight kept as it is (``pack=False``: a tied LM head,
+    whose rows the embedding lookup reads) in bf16 takes the native kernel (``native.linear_bf16``) for
+    a step of at most ``NATIVE_MAX_ROWS`` rows, where it streams the weight faster than ``F.linear``
+    (and beyond which it falls behind); otherwise ``F.linear``."""
 
     __slots__ = ("weight", "bias", "packed", "native")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True) -> None:
         self.bias = bias
-        self.native = native.linear_bf16_supported(weight)
-        self.packed = _prepack(weight, bias) if pack and not self.native else None
+        self.packed = _prepack(weight, bias) if pack else None
+        self.native = self.packed is None and native.linear_bf16_supported(weight)
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,18 +70,20 @@ def test_a_wrong_row_or_column_would_show(variant):
     assert _bf16_ulps(got[:, [1, 0, *range(2, 10)]], exact).max() > 4
 
 
-def test_linear_takes_the_kernel_for_decode_rows_and_onednn_beyond(monkeypatch):
-    """bf16 weights stay unpacked (one copy); up to NATIVE_MAX_ROWS rows go native, more to F.linear."""
+def test_an_unpacked_bf16_linear_takes_the_kernel_for_decode_rows_and_onednn_beyond(monkeypatch):
+    """A weight kept as it is (a tied LM head) goes native up to NATIVE_MAX_ROWS rows, to F.linear beyond;
+    a packed weight never goes native."""
     calls = []
     real = native.linear_bf16
     monkeypatch.setattr(native, "linear_bf16", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     gen = torch.Generator().manual_seed(2)
     w, b = torch.randn(48, 32, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
-    lin = layers.Linear(w, b)
-    assert lin.packed is None and lin.weight is w
+    head = layers.Linear(w, b, pack=False)
+    assert head.packed is None and head.weight is w
+    packed = layers.Linear(w, b)
     for rows in (1, layers.NATIVE_MAX_ROWS, layers.NATIVE_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 32, generator=gen).bfloat16()
         exact = torch.nn.functional.linear(x.double(), w.double(), b.double())
-        assert _bf16_ulps(lin(x), exact).max() <= 2.0
+        assert _bf16_ulps(head(x), exact).max() <= 2.0
+        assert _bf16_ulps(packed(x), exact).max() <= 2.0
     assert calls == [1, layers.NATIVE_MAX_ROWS]
-    assert layers.Linear(w.float(), b.float()).packed is not None or not torch.backends.mkldnn.is_available()
