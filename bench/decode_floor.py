@@ -1,0 +1,173 @@
+"""Decode steps against the weight-streaming floor: how close a decode step's linears and LM head come to reading
+their weights once at the machine's read bandwidth, and what the linears reach at each row count.
+
+Three measurements in one process (torch threads as --threads):
+
+- the read bandwidth: torch.sum over an fp32 buffer of --stream-gib (at least 4x the last-level cache, so it
+  comes from memory; bench/roofline.py's measure_stream_gbs);
+- the model's layer shapes in its dtype at each of --rows: the engine's Linear (oneDNN's packed weights) and
+  torch.matmul on the plain weight, GFLOP/s and weight GB/s (median of --repeats, the two alternating);
+- the engine in-process at each of --batches: requests of --context random prompt tokens decode --new-tokens;
+  the median decode step, the time inside the model's linears and LM head (timed around each call), and the
+  floor = weight bytes read per step / bandwidth (KV bytes beside it).
+
+    python -m radixserve.bench.decode_floor --model L
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any, Sequence
+
+from radixserve.bench import roofline
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def weight_bytes(config: dict[str, Any], elem: int) -> int:
+    """Bytes of the linears and the LM head that one decode step reads (the embedding's few rows are left out)."""
+    return elem * (roofline.linear_params(config) + config["vocab_size"] * config["hidden_size"])
+
+
+def kv_bytes_per_token(config: dict[str, Any], elem: int) -> int:
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    return 2 * elem * config["num_hidden_layers"] * kv_heads * roofline.head_dim(config)
+
+
+def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+    """Per row count: the layer's linears as the engine runs them (packed) and as torch.matmul, alternating."""
+    import torch
+
+    from radixserve.kernels.layers import Linear
+
+    tdtype = getattr(torch, dtype)
+    shapes = roofline.layer_shapes(config)
+    weights = [torch.randn(n, k).to(tdtype) for k, n in shapes]
+    linears = [Linear(w, None) for w in weights]
+    out = []
+    for m in rows:
+        xs = [torch.randn(m, k).to(tdtype) for k, _ in shapes]
+        kinds = {"packed": lambda: [lin(x) for lin, x in zip(linears, xs)],
+                 "matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)]}
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for kind in kinds.values():
+            kind()  # first call: oneDNN builds its primitive for this shape
+        for _ in range(repeats):
+            for name, run in kinds.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        flops = sum(2.0 * m * k * n for k, n in shapes)
+        wbytes = sum(k * n for k, n in shapes) * DTYPE_BYTES[dtype]
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            out.append({"rows": m, "method": name, "ms": med * 1e3, "gflops": flops / med / 1e9,
+                        "weight_gbs": wbytes / med / 1e9})
+    return out
+
+
+def decode_steps(model_path: str, dtype: str, batch: int, context: int, new_tokens: int) -> dict[str, Any]:
+    """The engine decoding `batch` requests after a `context`-token prompt each: median step and linear time."""
+    from radixserve.kernels import layers
+    from radixserve.scheduler import Engine, SamplingParams
+
+    engine = Engine(model_path, dtype=dtype, kv_cache_tokens=batch * (context + new_tokens) + 256)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(batch)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(10, vocab) for _ in range(context)],
+                           SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True))
+    spent = [0.0]
+    real_call = layers.Linear.__call__
+
+    def timed(self, x):
+        start = time.perf_counter()
+        try:
+            return real_call(self, x)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    steps, linear = [], []
+    layers.Linear.__call__ = timed
+    try:
+        while engine.has_unfinished():
+            spent[0], start = 0.0, time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+            linear.append(spent[0])
+    finally:
+        layers.Linear.__call__ = real_call
+    keep = slice(len(steps) - (new_tokens - 2), None)  # decode steps only, the first one left out
+    return {"batch": batch, "step_ms": statistics.median(steps[keep]) * 1e3,
+            "linear_ms": statistics.median(linear[keep]) * 1e3, "decode_steps": len(steps[keep])}
+
+
+def report(result: dict[str, Any]) -> tuple[str, str]:
+    """(markdown, table) of a result."""
+    bw = result["stream_gbs"]
+    lines = [f"# Decode steps against the weight-streaming floor: {result['model']} ({result['dtype']})", "",
+             f"`{result['command']}`", "",
+             f"Read bandwidth {bw:.1f} GB/s (torch.sum over {result['stream_gib']} GiB fp32, {result['threads']} "
+             f"threads); weights read per decode step {result['weight_bytes'] / 1e6:.0f} MB (linears and LM head); "
+             f"KV {result['kv_bytes_per_token'] / 1e3:.1f} KB per token.", ""]
+    table = ["| batch | step ms | linears + head ms | weight floor ms | linears / floor | KV read MB | "
+             "step / (weights + KV) floor |", "|---|---|---|---|---|---|---|"]
+    for row in result["decode"]:
+        floor = result["weight_bytes"] / bw / 1e6
+        kv = row["batch"] * result["context"] * result["kv_bytes_per_token"]
+        table.append(f"| {row['batch']} | {row['step_ms']:.1f} | {row['linear_ms']:.1f} | {floor:.1f} | "
+                     f"{row['linear_ms'] / floor:.2f}x | {kv / 1e6:.0f} | "
+                     f"{row['step_ms'] / ((result['weight_bytes'] + kv) / bw / 1e6):.2f}x |")
+    rates = ["| rows | method | ms per layer | GFLOP/s | weight GB/s |", "|---|---|---|---|---|"]
+    rates += [f"| {r['rows']} | {r['method']} | {r['ms']:.3f} | {r['gflops']:.0f} | {r['weight_gbs']:.1f} |"
+              for r in result["linear_rates"]]
+    text = "\n".join(table)
+    return "\n".join(lines + table + ["", "One layer's linears at each row count:", ""] + rates) + "\n", text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = bench_parser("decode_floor", __doc__)
+    parser.add_argument("--model", default="L", help="bench model (S, M, L), a checkpoint directory or a config.json")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's dtype), float32 or bfloat16")
+    parser.add_argument("--batches", default="1,16", help="decode batch sizes to time, comma-separated")
+    parser.add_argument("--context", type=int, default=1024, help="prompt tokens of each request")
+    parser.add_argument("--new-tokens", type=int, default=34, help="tokens each request decodes")
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,512,4096", help="row counts of the linear rates")
+    parser.add_argument("--repeats", type=int, default=7, help="repetitions of each linear timing")
+    parser.add_argument("--stream-gib", type=float, default=2.0, help="size of the bandwidth-test buffer (GiB)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    args = parse_args(parser, argv)
+
+    import torch
+
+    from radixserve.bench.harness import bench_model_path
+
+    torch.set_num_threads(args.threads)
+    path = bench_model_path(args.model)
+    config = roofline.load_config(path)
+    dtype = (config.get("torch_dtype") or config.get("dtype") or "float32") if args.dtype == "auto" else args.dtype
+    elem = DTYPE_BYTES[dtype]
+    batches, rows = [int(b) for b in args.batches.split(",")], [int(r) for r in args.rows.split(",")]
+    result: dict[str, Any] = {"command": args.command, "model": args.model, "dtype": dtype, "threads": args.threads,
+                              "context": args.context, "stream_gib": args.stream_gib,
+                              "weight_bytes": weight_bytes(config, elem),
+                              "kv_bytes_per_token": kv_bytes_per_token(config, elem)}
+    with progress(2 + len(batches), "decode floor", unit="part") as bar:
+        result["stream_gbs"] = roofline.measure_stream_gbs(int(args.stream_gib * 2**30 / 4), args.threads)
+        bar.update()
+        result["linear_rates"] = linear_rates(config, dtype, rows, args.repeats)
+        bar.update()
+        result["decode"] = []
+        for batch in batches:
+            result["decode"].append(decode_steps(path, dtype, batch, args.context, args.new_tokens))
+            bar.update()
+    markdown, table = report(result)
+    out = BenchOutput("decode_floor", args.out)
+    out.write_report(f"decode_floor_{args.model}", result, markdown)
+    out.finish(table)
+
+
+if __name__ == "__main__":
+    main()

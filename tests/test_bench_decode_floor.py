@@ -1,0 +1,27 @@
+"""bench/decode_floor.py: the bytes a decode step must read, the floor they give, and its report."""
+from __future__ import annotations
+
+from radixserve.bench import decode_floor
+
+QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
+            "num_hidden_layers": 24, "vocab_size": 151936}
+
+
+def test_weight_and_kv_bytes_of_the_qwen2_5_0_5b_shape():
+    # per layer: q 896x896, k and v 896x128 each, o 896x896, gate and up 896x4864 each, down 4864x896
+    per_layer = 896 * 896 * 2 + 896 * 128 * 2 + 896 * 4864 * 3
+    assert decode_floor.weight_bytes(QWEN_05B, 2) == 2 * (24 * per_layer + 151936 * 896)
+    assert decode_floor.kv_bytes_per_token(QWEN_05B, 2) == 2 * 2 * 24 * 2 * 64  # K and V, bf16: 12 KiB
+
+
+def test_report_divides_by_the_floor():
+    result = {"command": "x", "model": "L", "dtype": "bfloat16", "threads": 2, "context": 1000, "stream_gib": 2,
+              "stream_gbs": 20.0, "weight_bytes": 1_000_000_000, "kv_bytes_per_token": 10_000,
+              "decode": [{"batch": 1, "step_ms": 75.0, "linear_ms": 60.0, "decode_steps": 8},
+                         {"batch": 10, "step_ms": 110.0, "linear_ms": 70.0, "decode_steps": 8}],
+              "linear_rates": [{"rows": 1, "method": "packed", "ms": 1.0, "gflops": 30.0, "weight_gbs": 25.0}]}
+    markdown, table = decode_floor.report(result)
+    # floor 1e9 B / 20 GB/s = 50 ms; batch 10 also reads 10 * 1000 * 10 kB = 100 MB of KV: 55 ms
+    assert "| 1 | 75.0 | 60.0 | 50.0 | 1.20x | 10 | 1.49x |" in table
+    assert "| 10 | 110.0 | 70.0 | 50.0 | 1.40x | 100 | 2.00x |" in table
+    assert table in markdown and "| 1 | packed | 1.000 | 30 | 25.0 |" in markdown
