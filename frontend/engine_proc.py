@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import zmq
 
+from radixserve.frontend.structured import warn_if_off
 from radixserve.scheduler import messages as msg
 from radixserve.scheduler.engine_process import engine_main, socket_paths
 from radixserve.scheduler.errors import RequestError
@@ -85,6 +86,7 @@ class EngineProcess:
                 reply = msg.loads(self._events.recv())
                 if isinstance(reply, msg.Ready):
                     logger.info("engine process %d ready", reply.info.pid)
+                    warn_if_off(reply.info.structured)
                     return reply.info
                 if isinstance(reply, msg.LoadFailed):
                     raise ValueError(reply.message)

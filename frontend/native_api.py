@@ -21,7 +21,7 @@ from radixserve.scheduler.sampling_params import SamplingParams
 
 
 async def generate(state: ServerState, request: Request, body: Any) -> Any:
-    req = parse_generate_request(body, state.config.max_n)
+    req = parse_generate_request(body, state.config.max_n, state.structured)
     # One job per result, prompt-major (prompt 0's n results, then prompt 1's), as SGLang orders them.
     job_items = [item for item in req.items for _ in range(item.n)]
     jobs = await asyncio.to_thread(_make_jobs, state, req)  # tokenizes: off the event loop

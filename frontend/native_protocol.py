@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.frontend.errors import bad_request
 from radixserve.frontend.fields import MAX_STOP_STRINGS, FieldReader, check_list_len, make_sampling_params
+from radixserve.frontend.structured import require as require_structured
 from radixserve.scheduler.sampling_params import SamplingParams
 
 # SGLang clients (RuntimeEndpoint) send these; they are accepted and have no effect here.
@@ -13,6 +14,7 @@ _IGNORED_KEYS = frozenset({"stream_interval", "custom_params", "dtype"})
 # Constrained decoding keys not supported yet: accepted only when unset (regex, json_schema and
 # ebnf are SamplingParams fields, compiled by the engine).
 _CONSTRAINT_KEYS = frozenset({"structural_tag", "logit_bias"})
+_GRAMMAR_KEYS = ("regex", "json_schema", "ebnf")  # need xgrammar in the engine (frontend/structured.py)
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,9 @@ class NativeRequest:
     stream: bool
 
 
-def parse_generate_request(body: Any, max_n: int = 1) -> NativeRequest:
-    """A /generate body; `sampling_params.n` may be up to max_n (the server's --max-n)."""
+def parse_generate_request(body: Any, max_n: int = 1, structured: bool = True) -> NativeRequest:
+    """A /generate body; `sampling_params.n` may be up to max_n (the server's --max-n); `structured`: the engine
+    can compile grammars."""
     reader = FieldReader(body)
     prompts, is_batch = _parse_inputs(reader)
     num = len(prompts)
@@ -49,7 +52,7 @@ def parse_generate_request(body: Any, max_n: int = 1) -> NativeRequest:
     items = []
     for i, prompt in enumerate(prompts):
         where = f"[{i}]" if is_batch else ""
-        kwargs, n = _parse_sampling(sampling[i], where, max_n)
+        kwargs, n = _parse_sampling(sampling[i], where, max_n, structured)
         items.append(NativeItem(
             prompt=prompt,
             sampling=kwargs,
@@ -95,7 +98,7 @@ def _per_item(reader: FieldReader, key: str, num: int, is_batch: bool, default: 
     return list(value)
 
 
-def _parse_sampling(raw: Any, where: str, max_n: int) -> tuple[dict[str, Any], int]:
+def _parse_sampling(raw: Any, where: str, max_n: int, structured: bool) -> tuple[dict[str, Any], int]:
     """SamplingParams kwargs and n. A null value means unset, for every key (SGLang's
     SglSamplingParams sends most keys, many as null); unknown keys are a 400 naming them."""
     name = "sampling_params" + where
@@ -117,6 +120,8 @@ def _parse_sampling(raw: Any, where: str, max_n: int) -> tuple[dict[str, Any], i
             continue
         if key in ("stop", "stop_regex"):
             check_list_len(f"{name}.{key}", value, MAX_STOP_STRINGS)
+        if key in _GRAMMAR_KEYS:
+            require_structured(structured, f"{name}.{key}", f"{name}.{key}")
         kwargs[field_name] = value
     if kwargs.get("top_k") == 0:
         kwargs["top_k"] = -1

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 async def chat_completions(state: ServerState, request: Request, body: Any) -> Any:
-    req = parse_chat_request(body, state.config.max_n)
+    req = parse_chat_request(body, state.config.max_n, state.structured)
     common = req.common
     state.check_model(common.model)
     check_logit_bias(common.sampling, state.client.vocab_size)

@@ -20,6 +20,7 @@ from radixserve.frontend.fields import (
     make_sampling_params,
     read_openai_sampling,
 )
+from radixserve.frontend.structured import require as require_structured
 from radixserve.frontend.tool_grammar import forced_calls_tag, strict_calls_tag
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -59,7 +60,8 @@ class CompletionRequest:
     echo: bool
 
 
-def parse_chat_request(body: Any, max_n: int) -> ChatRequest:
+def parse_chat_request(body: Any, max_n: int, structured: bool = True) -> ChatRequest:
+    """`structured`: the engine can compile grammars (frontend/structured.py says what changes without)."""
     reader = FieldReader(body)
     messages = _parse_messages(reader.raw("messages"))
     max_tokens_param = "max_completion_tokens" if reader.has("max_completion_tokens") else "max_tokens"
@@ -69,9 +71,9 @@ def parse_chat_request(body: Any, max_n: int) -> ChatRequest:
     if top_logprobs and not logprobs_on:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     _refuse_unsupported(reader)
-    tools, tool_grammar = _parse_tools(reader)
+    tools, tool_grammar = _parse_tools(reader, structured)
     common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None, tool_grammar,
-                           max_tokens_param)
+                           max_tokens_param, structured)
     return ChatRequest(common=common, messages=messages, tools=tools)
 
 
@@ -97,7 +99,7 @@ class _Missing:
 
 def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None, logprobs: int | None,
                   tool_grammar: tuple[dict[str, Any], bool] | None = None,
-                  max_tokens_param: str = "max_tokens") -> CommonOptions:
+                  max_tokens_param: str = "max_tokens", structured: bool = True) -> CommonOptions:
     n = reader.int("n", 1, lo=1, hi=max_n)
     stream = reader.bool("stream", False)
     options = reader.obj("stream_options")
@@ -106,7 +108,7 @@ def _parse_common(reader: FieldReader, max_n: int, max_tokens: int | None, logpr
     include_usage = options.bool("include_usage", False) if options is not None else False
     seed = reader.int("seed", None, lo=-(2**63), hi=2**63 - 1)
     sampling = read_openai_sampling(reader)
-    sampling.update(_parse_response_format(reader))
+    sampling.update(_parse_response_format(reader, structured))
     if tool_grammar is not None:
         tag, forced = tool_grammar
         if "json_schema" not in sampling:
@@ -184,7 +186,7 @@ JSON_OBJECT_SCHEMA = "$$ANY$$"  # = scheduler.grammar.JSON_OBJECT (that module i
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
-def _parse_response_format(reader: FieldReader) -> dict[str, Any]:
+def _parse_response_format(reader: FieldReader, structured: bool) -> dict[str, Any]:
     """OpenAI's response_format as SamplingParams kwargs: {} (text), or json_schema. The schema
     itself is compiled by the engine; its refusal comes back as a 400 naming response_format."""
     raw = reader.raw("response_format")
@@ -202,6 +204,7 @@ def _parse_response_format(reader: FieldReader) -> dict[str, Any]:
                           f"got {kind!r}", "response_format")
     if kind == "text":
         return {}
+    require_structured(structured, "response_format", f"response_format {kind}")
     if kind == "json_object":
         return {"json_schema": JSON_OBJECT_SCHEMA}
     spec = fmt.raw("json_schema")
@@ -292,14 +295,16 @@ def _parse_message_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
+_AUTO_INSTEAD = 'send tool_choice "auto" (the model may then answer without a call)'
 
 
-def _parse_tools(reader: FieldReader) -> tuple[list[dict[str, Any]] | None, tuple[dict[str, Any], bool] | None]:
+def _parse_tools(reader: FieldReader, structured: bool
+                 ) -> tuple[list[dict[str, Any]] | None, tuple[dict[str, Any], bool] | None]:
     """(tools for the template and the parser, or None; (structural tag, forced) or None).
 
     tool_choice "none" keeps the tools out of the prompt and never parses calls; "required" and a named
     function force calls (the grammar of frontend/tool_grammar.py); "auto" constrains calls only when a
-    tool is strict."""
+    tool is strict, and only on a server with structured generation (else strict is best effort)."""
     raw_tools = reader.raw("tools")
     choice = reader.raw("tool_choice", "auto")
     parallel = reader.bool("parallel_tool_calls", True)
@@ -331,10 +336,12 @@ def _parse_tools(reader: FieldReader) -> tuple[list[dict[str, Any]] | None, tupl
             known = ", ".join(t["function"]["name"] for t in tools)
             raise bad_request(f"tool_choice names the function {named!r}, which is not in tools ({known})",
                               "tool_choice")
+        require_structured(structured, "tool_choice", f"tool_choice naming the function {named!r}", _AUTO_INSTEAD)
         return tools, (forced_calls_tag(tools, [named], parallel=False), True)
     if choice == "required":
+        require_structured(structured, "tool_choice", 'tool_choice "required"', _AUTO_INSTEAD)
         return tools, (forced_calls_tag(tools, None, parallel=parallel), True)
-    tag = strict_calls_tag(tools)
+    tag = strict_calls_tag(tools) if structured else None
     return tools, ((tag, False) if tag is not None else None)
 
 

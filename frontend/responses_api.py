@@ -51,7 +51,7 @@ _NAMES = {"prompt": "input", "max_new_tokens": "max_output_tokens", "json_schema
 
 
 async def create_response(state: ServerState, request: Request, body: Any) -> Any:
-    req = parse_responses_request(body)
+    req = parse_responses_request(body, state.structured)
     common = req.chat.common
     state.check_model(common.model)
     check_logit_bias(common.sampling, state.client.vocab_size)

@@ -58,7 +58,8 @@ class ResponsesRequest:
     echo: dict[str, Any]  # fields the response object repeats as given
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
+def parse_responses_request(body: Any, structured: bool = True) -> ResponsesRequest:
+    """`structured`: as parse_chat_request's (the engine can compile grammars)."""
     reader = FieldReader(body)
     _refuse(reader)
     items = parse_input_items(reader.raw("input"))
@@ -81,7 +82,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if LOGPROBS_INCLUDE in include:
         chat_body.update(logprobs=True, top_logprobs=top_logprobs)
     chat_body.update({k: body[k] for k in PASSTHROUGH_FIELDS if k in body})
-    chat = _renamed_errors(parse_chat_request, chat_body)
+    chat = _renamed_errors(chat_body, structured)
     echo = {
         "instructions": instructions, "max_output_tokens": chat.common.max_tokens,
         "parallel_tool_calls": reader.bool("parallel_tool_calls", True),
@@ -274,10 +275,10 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _renamed_errors(parse: Any, body: dict[str, Any]) -> ChatRequest:
+def _renamed_errors(body: dict[str, Any], structured: bool) -> ChatRequest:
     """The chat parser, its refusals naming this API's parameters."""
     try:
-        return parse(body, 1)
+        return parse_chat_request(body, 1, structured)
     except APIError as exc:
         exc.param, exc.message = rename_param(exc.param), rename_message(exc.message)
         raise

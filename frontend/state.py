@@ -41,6 +41,11 @@ class ServerState:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
 
+    @property
+    def structured(self) -> bool:
+        """The engine can compile grammars: xgrammar is installed (what changes without: frontend/structured.py)."""
+        return self.engine.info.structured
+
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 

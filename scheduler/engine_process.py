@@ -29,6 +29,7 @@ import zmq
 
 from radixserve.scheduler import messages as msg
 from radixserve.scheduler.errors import RequestError
+from radixserve.scheduler.grammar import xgrammar_installed
 from radixserve.scheduler.grammar_prep import PendingGrammars
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def _load(model: str | None, engine_kwargs: dict[str, Any], outbox: zmq.Socket):
     info = msg.EngineInfo(model_path=engine.model_path, context_length=engine.context_length,
                           vocab_size=engine.model_config.vocab_size, total_slots=engine.kv.total_slots,
                           page_size=cfg.page_size, max_running_requests=cfg.max_running_requests,
-                          engine_config=_config_dict(cfg), pid=os.getpid(), attention=engine.runner.attention)
+                          engine_config=_config_dict(cfg), pid=os.getpid(), attention=engine.runner.attention,
+                          structured=xgrammar_installed())
     outbox.send(msg.dumps(msg.Ready(info)))
     return engine
 

@@ -16,9 +16,14 @@ process imports scheduler modules and must stay torch-free; tests/test_torch_fre
 - ``GrammarBackend.matcher(compiled)``: a fresh ``xgr.GrammarMatcher``; the engine keeps it on
   ``Req.grammar``, fills its row of the step's bitmask before each sampled step, accepts each
   sampled token and drops it when the request finishes.
+- ``xgrammar_installed()``: whether there is an xgrammar to compile with (a base dependency only where it
+  publishes wheels, pyproject.toml). The engine reports it at start (EngineInfo.structured), so the
+  HTTP layer refuses a constraint it cannot honour naming the field the client sent; the RequestError
+  of ``compile`` without it is the backstop of in-process Engine users.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -33,6 +38,12 @@ GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
 JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:47:03] /project/cpp/x.cc:94: " of xgrammar's errors
 _CACHE_LIMIT = 1024  # compiled grammars kept (oldest dropped first)
+
+
+def xgrammar_installed() -> bool:
+    """Whether xgrammar can be found (not imported: importing it loads transformers, which an engine that never
+    constrains a request does without)."""
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 def grammar_key(params: Any) -> tuple[str, str] | None:
@@ -156,8 +167,8 @@ class GrammarBackend:
             try:
                 import xgrammar as xgr
             except ImportError:
-                raise RequestError(f"{kind} needs xgrammar, which is not installed "
-                                   "(pip install 'radixserve[structured]')", kind) from None
+                raise RequestError(f"{kind} needs xgrammar, which is not installed (see the README's \"Set up "
+                                   "on a fresh machine\" for the platforms it installs on)", kind) from None
 
             info = xgr.TokenizerInfo.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size,
                                                       stop_token_ids=self._stop_token_ids)

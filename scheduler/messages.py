@@ -58,6 +58,7 @@ class EngineInfo:
     engine_config: dict[str, Any]
     pid: int
     attention: str = ""  # what reads the KV pool: "native avx512", "torch flash op", "triton" (runner.attention_path)
+    structured: bool = True  # xgrammar is installed: grammars (regex, JSON schemas, forced tool calls) can be compiled
 
 
 @dataclass

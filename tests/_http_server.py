@@ -31,10 +31,10 @@ EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token
 
 
 class ServerProcess(_SpawnedServer):
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         # One intra-op thread: test processes share two cores, and oversubscribed threads stall tiny matmuls.
         super().__init__([*args, "--num-threads", "1"], start_timeout_s=START_TIMEOUT_S,
-                         env={"OMP_NUM_THREADS": "1"})
+                         env={"OMP_NUM_THREADS": "1", **(env or {})})
 
 
 _SERVERS: dict[str, ServerProcess] = {}
