@@ -158,7 +158,7 @@ def json_response(payload: dict[str, Any]) -> Response:
 
 
 def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateResult) -> dict[str, Any]:
-    content, calls = parse_tool_calls(r.text) if req.tools else (r.text, [])
+    content, calls = parse_tool_calls(r.text, r.cut_short) if req.tools else (r.text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
@@ -168,8 +168,9 @@ def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateRe
 
 
 def chat_finish_reason(r: GenerateResult, made_calls: bool) -> str:
-    """"tool_calls" when the reply made calls, unless it was aborted (the caller asked it to stop)."""
-    return "tool_calls" if made_calls and r.finish_reason != "abort" else r.finish_reason
+    """"tool_calls" when the reply made calls and ended on its own: not aborted (the caller asked it to stop),
+    nor cut by max_tokens (a call may be missing: the one it had no room to finish is dropped)."""
+    return "tool_calls" if made_calls and not r.cut_short else r.finish_reason
 
 
 class _StreamEnd:
@@ -205,7 +206,7 @@ class _ChatStream(_StreamEnd):
         parser = self.parsers[i]
         events = [("content", delta.text)] if parser is None else parser.feed(delta.text)
         if delta.finished and parser is not None:
-            events += parser.finish()
+            events += parser.finish(delta.result.cut_short)
         out = []
         logprobs = None
         if self.req.common.logprobs is not None and delta.logprobs:

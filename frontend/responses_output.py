@@ -57,8 +57,8 @@ class ResponseBuilder:
     def finish(self, status: str, usage: dict[str, Any], incomplete_reason: str | None = None,
                error: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        if self.parser is not None:
-            for kind, value in self.parser.finish():
+        if self.parser is not None:  # a response that did not complete drops a call it had no room to finish
+            for kind, value in self.parser.finish(cut=status != "completed"):
                 events += self._content(value) if kind == "content" else self._call(value)
         if not self.output and self._message is None and status != "failed":
             events += self._open_message()  # an empty answer is still a message

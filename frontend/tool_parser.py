@@ -8,6 +8,8 @@ from it, so what the engine is made to write is what this parser reads back.
 The streaming parser sees text deltas and releases content as soon as it cannot be the start of a
 tool call; a complete `<tool_call>...</tool_call>` block becomes one ToolCall. A block whose body
 is not `{"name": ..., "arguments": ...}` JSON stays content, so nothing the model wrote is lost.
+An unterminated block stays content too, unless the generation was cut (max_tokens, an abort): then it is a
+call the model had no room to finish, dropped (the finish reason says why), not returned as raw markup.
 """
 from __future__ import annotations
 
@@ -98,10 +100,12 @@ class StreamingToolParser:
             self._pending = self._pending[len(self._pending) - keep:]
             return events
 
-    def finish(self) -> list[tuple[str, Any]]:
-        """Flushes what is left: an unterminated tool call is returned as content."""
+    def finish(self, cut: bool = False) -> list[tuple[str, Any]]:
+        """Flushes what is left: an unterminated tool call (or the start of its tag, all that is ever held
+        outside one) is returned as content, or dropped if `cut` (the generation ended before the model did:
+        finish_reason length or abort)."""
         events: list[tuple[str, Any]] = []
-        rest = (TOOL_CALL_OPEN if self._in_call else "") + self._pending
+        rest = "" if cut else (TOOL_CALL_OPEN if self._in_call else "") + self._pending
         self._pending, self._in_call = "", False
         self._content(events, rest)
         if self._held_space and self.num_calls == 0:
@@ -119,10 +123,11 @@ class StreamingToolParser:
             events.append(("content", body))
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Whole-text parse: (content, tool calls). With calls, content is stripped and None if empty."""
+def parse_tool_calls(text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """Whole-text parse: (content, tool calls). With calls, content is stripped and None if empty. `cut`: as
+    StreamingToolParser.finish's."""
     parser = StreamingToolParser()
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut)
     content = "".join(value for kind, value in events if kind == "content")
     calls = [value for kind, value in events if kind == "tool_call"]
     if calls:

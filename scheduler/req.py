@@ -29,6 +29,11 @@ class GenerateResult:
     e2e_s: float | None = None
 
     @property
+    def cut_short(self) -> bool:
+        """Ended before the model ended it (max tokens, the context, an abort): its text may stop mid-word."""
+        return self.finish_reason != "stop"
+
+    @property
     def failed(self) -> bool:
         """Ended by a failure in the engine (finish_reason "abort" for any other reason than Engine.abort)."""
         return self.finish_reason == "abort" and self.error != ABORTED
