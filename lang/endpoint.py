@@ -3,15 +3,20 @@
 The chat template and the tokenizer (for `select`'s token positions) are loaded on the client
 from the server's `/get_model_info` tokenizer_path, or from `tokenizer_path=` when the server's
 path is not readable here.
+
+HTTP is the standard library's (http.client), so the DSL runs on the base install, over a pool of
+keep-alive connections (programs send from many threads: forks, batches).
 """
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
-from typing import Any
-
-import httpx
+import threading
+import urllib.parse
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from radixserve.lang.backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
 from radixserve.lang.roles import ChatTemplate
@@ -29,9 +34,7 @@ class Endpoint(Backend):
                  tokenizer_path: str | None = None) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # httpx.Client is safe to share between threads; its pool bounds open connections.
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, limits=limits)
+        self._http = _Connections(self.url, headers, timeout_s)
         self.model_info = self._get("/get_model_info")
         path = tokenizer_path or self.model_info.get("tokenizer_path") or self.model_info.get("model_path")
         try:
@@ -76,37 +79,35 @@ class Endpoint(Backend):
         return [_parse(item, p, self.url) for item, p in zip(body, prompts)]
 
     def shutdown(self) -> None:
-        self._client.close()
+        self._http.close()
 
     # --- HTTP -------------------------------------------------------------------------------
 
     def _get(self, path: str) -> dict[str, Any]:
-        try:
-            resp = self._client.get(path)
-        except httpx.HTTPError as exc:
-            raise BackendError(f"GET {self.url}{path} failed: {type(exc).__name__}: {exc}") from exc
-        _raise_for_status(resp, f"GET {self.url}{path}")
-        return resp.json()
+        return self._call("GET", path, None, f"GET {self.url}{path}")
 
     def _post(self, payload: dict[str, Any], what: str) -> Any:
+        return self._call("POST", "/generate", payload, f"POST {self.url}/generate ({_describe(what)})")
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None, label: str) -> Any:
         try:
-            resp = self._client.post("/generate", json=payload)
-        except httpx.HTTPError as exc:
-            raise BackendError(f"POST {self.url}/generate ({_describe(what)}) failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
-        _raise_for_status(resp, f"POST {self.url}/generate ({_describe(what)})")
-        return resp.json()
+            with self._http.request(method, path, payload) as resp:
+                body = resp.read()
+        except _TRANSPORT_ERRORS as exc:
+            raise BackendError(f"{label} failed: {type(exc).__name__}: {exc}") from exc
+        _raise_for_status(resp.status, body, label)
+        return json.loads(body)
 
     def _stream(self, payload: dict[str, Any], prompt: str, on_text: TextCallback) -> GenOutput:
         label = f"POST {self.url}/generate ({_describe(prompt)}, stream)"
         last: dict[str, Any] | None = None
         sent_len = 0
         try:
-            with self._client.stream("POST", "/generate", json=payload) as resp:
-                if resp.status_code != 200:
-                    resp.read()
-                    _raise_for_status(resp, label)
-                for line in resp.iter_lines():
+            with self._http.request("POST", "/generate", payload) as resp:
+                if resp.status != 200:
+                    _raise_for_status(resp.status, resp.read(), label)
+                for raw in resp:  # http.client undoes the chunked encoding; one SSE line at a time
+                    line = raw.decode("utf-8").rstrip("\r\n")
                     if not line.startswith("data:"):
                         continue
                     data = line[len("data:"):].strip()
@@ -120,7 +121,7 @@ class Endpoint(Backend):
                         on_text(text[sent_len:])
                         sent_len = len(text)
                     last = event
-        except httpx.HTTPError as exc:
+        except _TRANSPORT_ERRORS as exc:
             raise BackendError(f"{label} failed: {type(exc).__name__}: {exc}") from exc
         if last is None:
             raise BackendError(f"{label} ended without a result")
@@ -158,14 +159,14 @@ def _parse(body: dict[str, Any], prompt: str, url: str) -> GenOutput:
                      prompt_logprobs=prompt_logprobs, rid=meta.get("id"))
 
 
-def _raise_for_status(resp: httpx.Response, label: str) -> None:
-    if resp.status_code == 200:
+def _raise_for_status(status: int, body: bytes, label: str) -> None:
+    if status == 200:
         return
     try:
-        message = _error_message(resp.json())
+        message = _error_message(json.loads(body))
     except ValueError:
-        message = resp.text[:500]
-    raise BackendError(f"{label} failed with HTTP {resp.status_code}: {message}")
+        message = body.decode("utf-8", "replace")[:500]
+    raise BackendError(f"{label} failed with HTTP {status}: {message}")
 
 
 def _error_message(body: Any) -> str:
@@ -195,3 +196,75 @@ def _load_tokenizer(path: str) -> LocalTokenizer:
 
         return local_tokenizer(Tokenizer(path), path)
     return LocalTokenizer.load(path)
+
+
+# A refused or dropped connection, a timeout (OSError), a malformed reply (HTTPException).
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
+# What a kept-alive connection that the server closed while idle raises on its next request.
+_STALE_ERRORS = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+_MAX_IDLE = 64  # idle connections kept (more are closed when given back)
+
+
+class _Connections:
+    """A pool of keep-alive HTTP/1.1 connections to one server: a request takes an idle one (or opens one) and
+    gives it back once its response was read to the end (http.client's connections are not thread-safe, and
+    programs send from many threads)."""
+
+    def __init__(self, url: str, headers: dict[str, str], timeout_s: float) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BackendError(f"{url!r} is not an http:// or https:// URL")
+        self._factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._netloc, self._base = parts.netloc, parts.path.rstrip("/")
+        self._headers = headers
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+        self._closed = False
+
+    @contextmanager
+    def request(self, method: str, path: str, payload: dict[str, Any] | None
+                ) -> Iterator[http.client.HTTPResponse]:
+        """The response, to read inside the block."""
+        body = json.dumps(payload).encode() if payload is not None else None
+        headers = dict(self._headers, **({"Content-Type": "application/json"} if body is not None else {}))
+        conn, reused = self._take()
+        resp = None
+        try:
+            try:
+                conn.request(method, self._base + path, body=body, headers=headers)
+                resp = conn.getresponse()
+            except _STALE_ERRORS:
+                if not reused:
+                    raise
+                conn.close()  # the server closed it while it was idle: once more, on a fresh socket
+                conn.request(method, self._base + path, body=body, headers=headers)
+                resp = conn.getresponse()
+            yield resp
+        finally:
+            if resp is not None and resp.isclosed():
+                self._give(conn)
+            else:
+                conn.close()  # not read to the end (an error, a stream left early): not reusable
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection, and whether it has an open socket from an earlier request (which may have gone stale)."""
+        with self._lock:
+            if self._idle:
+                conn = self._idle.pop()
+                return conn, conn.sock is not None
+        return self._factory(self._netloc, timeout=self._timeout_s), False
+
+    def _give(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()

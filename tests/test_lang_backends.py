@@ -4,6 +4,7 @@ One tiny seeded checkpoint; greedy decoding, so both backends must produce the s
 """
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import time
 
 import httpx
 import pytest
+from _hidden_modules import check_hidden, hiding_env
 
 from radixserve.lang import (BackendError, Endpoint, Runtime, assistant, function, gen, select, system, user)
 
@@ -174,6 +176,20 @@ def test_react_example_hit_rate_is_near_optimal(runtime):
     assert report.optimal_hit_rate > 0.5
     assert report.hit_rate <= report.optimal_hit_rate + 1e-9, report
     assert report.hit_rate >= 0.9 * report.optimal_hit_rate, report
+
+
+def test_react_example_runs_over_http_without_httpx(endpoint, tmp_path):
+    """The DSL's HTTP backend is the standard library's, so the README's examples run on the base install
+    (httpx comes only with the test extra): the example with httpx hidden, against the server."""
+    hidden = ("httpx",)
+    env = hiding_env(hidden, tmp_path)
+    check_hidden(env, hidden)
+    proc = subprocess.run([sys.executable, "-m", "radixserve.lang.examples.react", "--url", endpoint.url,
+                           "--agents", "3", "--steps", "2", "--thought-tokens", "4"],
+                          env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()[:3]] == ["agent 0", "agent 1", "agent 2"]
+    assert "hit rate:" in proc.stdout, proc.stdout
 
 
 def test_run_batch_runs_programs_concurrently_in_one_engine_step(ckpt, capsys):
