@@ -6,17 +6,20 @@ token counts) -> logit_bias (OpenAI's: its (row, id, bias) entries added in one 
 the logits ignored) -> EOS / stop-token mask while min_new_tokens is unmet (not on constrained rows:
 there the grammar decides when the stop token may come) -> the grammar's token bitmask
 (structured generation; disallowed ids and ids past the mask's width -> -inf) -> greedy argmax, or
-temperature -> top-k -> top-p (over the top-k renormalised mass) -> min-p -> draw.
+temperature -> top-k -> top-p (over the top-k mass) -> min-p -> draw (kernels/sampling_filter.py
+defines the filters exactly and applies them without sorting the vocabulary).
 
 The draw is Gumbel-max with noise that is a pure hash of (sampling_seed, output position,
 token id): a seeded sequence gets the same tokens whatever its batch mates, after being
 recomputed, and on any device. Greedy rows (temperature 0 or top_k 1) never touch noise.
 
 Host work: every decision that depends on the parameters is taken on the host from the Python
-lists (no device sync but the final `.tolist()`), and everything a step sends to the device
-goes as one int64 and one float32 tensor (`StepUpload`). Penalty statistics are either rebuilt
-from prompt_ids + output_ids per step (stateless, O(context)) or kept per row of the runner's
-request table in a `PenaltyState` and updated with the new tokens only.
+lists (no device sync but the final `.tolist()` and, on filtered rows, one to find the rows the
+candidates do not decide), and everything a step sends to the device goes as one int64 and one
+float32 tensor (`StepUpload`). Penalty statistics are either rebuilt from prompt_ids + output_ids
+per step (stateless, O(context)) or kept per row of the runner's request table in a `PenaltyState`
+and updated with the new tokens only; either way they change only the logits of the tokens seen,
+not the whole rows. Logits of any float dtype are widened to float32 once, on entry.
 """
 from __future__ import annotations
 
@@ -27,10 +30,16 @@ import torch
 
 from radixserve.kernels.forward_io import SeqInput, TokenLogprob
 from radixserve.kernels.native import argmax_rows
-from radixserve.kernels.sampling_noise import gumbel_rows, seed_words
+from radixserve.kernels.sampling_filter import candidate_counts, draw_filtered
+from radixserve.kernels.sampling_noise import gumbel_argmax, row_keys, seed_words
+from radixserve.kernels.sampling_penalties import PenaltyState, penalty_entries
 from radixserve.kernels.step_upload import StepUpload
 
 logger = logging.getLogger(__name__)
+
+_BLOCK_LOGITS = 1 << 21  # logits per block of rows (8 MiB in float32)
+
+__all__ = ["PenaltyState", "adjust_logits", "sample_next_tokens", "token_logprobs", "unpack_bitmask"]
 
 
 @dataclass
@@ -60,91 +69,8 @@ class _RowParams:
         return rep, count
 
 
-class PenaltyState:
-    """Per-row penalty statistics kept on the logits' device between steps.
-
-    Rows are those of the runner's request table (SeqInput.row). Two [num_rows, vocab] tensors,
-    each allocated on first use: `seen` (bool, prompt + output tokens: repetition penalty) and
-    `counts` (float32, output-token counts: frequency / presence). Per row and tensor a record
-    says what the row holds: (the output_ids list object it was built from, its length then).
-    The row is rebuilt from prompt_ids + output_ids when the sequence is new on it (new_row),
-    when there is no record or it names another list (another request; so a first sampled step
-    with new_row False, after a prefill chunk that sampled nothing, is safe), or when output_ids
-    got shorter; otherwise only output_ids[recorded:] (normally one token) is added. A request
-    that does not use a tensor never writes its row, so the record stays true. Contract: the
-    SeqInput lists are the request's own (appended to, never edited in place without new_row);
-    copies are still correct but rebuild every step. Values equal the stateless rebuild exactly
-    (counts are small integers in float32); planning a step twice is harmless.
-    """
-
-    def __init__(self, num_rows: int) -> None:
-        if num_rows <= 0:
-            raise ValueError(f"num_rows must be positive, got {num_rows}")
-        self.num_rows = num_rows
-        self.seen: torch.Tensor | None = None
-        self.counts: torch.Tensor | None = None
-        # Per kind ("seen", "counts"): row -> (the request's output_ids list, output tokens recorded).
-        self._records: dict[str, dict[int, tuple[list[int], int]]] = {"seen": {}, "counts": {}}
-        self.num_rebuilt_rows = 0  # rows rebuilt from the whole context (for tests and stats)
-        self.num_updated_rows = 0  # rows updated incrementally
-
-    def reset(self) -> None:
-        """Forget every row (the tensors stay allocated)."""
-        for records in self._records.values():
-            records.clear()
-
-    def _plan(self, kind: str, seqs: list[SeqInput], rows: list[int], vocab: int,
-              up: StepUpload) -> None:
-        """Book the host side of this step's update of `kind` for the given batch rows."""
-        records = self._records[kind]
-        rebuild: list[int] = []
-        pair_rows: list[int] = []
-        pair_toks: list[int] = []
-        for i in rows:
-            seq = seqs[i]
-            if not 0 <= seq.row < self.num_rows:
-                raise ValueError(f"row {seq.row} outside the penalty state's {self.num_rows} rows")
-            out = seq.output_ids
-            rec = records.get(seq.row)
-            if seq.new_row or rec is None or rec[0] is not out or rec[1] > len(out):
-                rebuild.append(seq.row)
-                new = (seq.prompt_ids + out) if kind == "seen" else out
-                self.num_rebuilt_rows += 1
-            else:
-                new = out[rec[1]:]
-                self.num_updated_rows += 1
-            for tok in new:
-                if 0 <= tok < vocab:
-                    pair_rows.append(seq.row)
-                    pair_toks.append(tok)
-            records[seq.row] = (out, len(out))
-        up.add_ints(f"{kind}_rebuild", rebuild)
-        up.add_ints(f"{kind}_rows", pair_rows)
-        up.add_ints(f"{kind}_toks", pair_toks)
-
-    def _apply(self, kind: str, up: StepUpload, like: torch.Tensor) -> None:
-        """Device side of _plan: zero the rebuilt rows, then add the new tokens."""
-        if kind == "seen":
-            if self.seen is None:
-                self.seen = torch.zeros(self.num_rows, like.shape[-1], dtype=torch.bool, device=like.device)
-            table, value = self.seen, True
-        else:
-            if self.counts is None:
-                self.counts = torch.zeros(self.num_rows, like.shape[-1], dtype=torch.float32, device=like.device)
-            table, value = self.counts, 1.0
-        if up.num(f"{kind}_rebuild"):
-            table[up.ints(f"{kind}_rebuild")] = 0
-        num = up.num(f"{kind}_rows")
-        if num:
-            index = (up.ints(f"{kind}_rows"), up.ints(f"{kind}_toks"))
-            if kind == "seen":
-                table[index] = value
-            else:
-                table.index_put_(index, torch.ones(num, device=like.device), accumulate=True)
-
-
 def sample_next_tokens(
-    logits: torch.Tensor,  # [num_rows, vocab] float32, one row per sampled sequence
+    logits: torch.Tensor,  # [num_rows, vocab], one row per sampled sequence
     seqs: list[SeqInput],
     penalties: PenaltyState | None = None,
     native: bool = False,
@@ -153,26 +79,48 @@ def sample_next_tokens(
 
     penalties: the runner's per-row state (incremental penalties); None rebuilds them per step.
     native: the greedy argmax goes through the native library (native.argmax_rows, same answer).
+    Rows are sampled independently of each other, so on the CPU a large batch runs in blocks of
+    rows whose [rows, vocab] temporaries stay in the cache (and are reused by the allocator, where a
+    larger one would be mapped afresh, page by page, every step).
     """
+    step = max(1, _BLOCK_LOGITS // max(1, logits.shape[-1])) if logits.device.type == "cpu" else len(seqs)
+    if len(seqs) <= step:
+        return _sample_block(logits, seqs, penalties, native)
+    tokens: list[int] = []
+    logprobs: list[TokenLogprob | None] = []
+    for start in range(0, len(seqs), step):
+        block = _sample_block(logits[start:start + step], seqs[start:start + step], penalties, native)
+        tokens += block[0]
+        logprobs += block[1]
+    return tokens, logprobs
+
+
+def _sample_block(logits: torch.Tensor, seqs: list[SeqInput], penalties: PenaltyState | None,
+                  native: bool) -> tuple[list[int], list[TokenLogprob | None]]:
+    logits = logits.float()  # a no-op for float32; bf16 is widened once (exactly) for every step below
     params = _read_params(seqs)
     random_rows = [i for i, g in enumerate(params.greedy) if not g]
     up = StepUpload()
     _plan_adjust(up, seqs, params, logits.shape[-1], penalties)
-    if random_rows:
-        _plan_random(up, seqs, params, random_rows, logits.shape[-1])
+    draw = _plan_random(up, seqs, params, random_rows, logits.shape[-1]) if random_rows else None
     want = [i for i, s in enumerate(seqs) if _wants_logprobs(s)]
     if want:
         up.add_ints("logprob_rows", want)
     up.send(logits.device)
     adjusted = _adjust(logits, params, up, penalties)
-    tokens = argmax_rows(adjusted) if native else adjusted.argmax(dim=-1)  # [num_rows]; final for greedy rows
-    if random_rows:
-        idx = up.ints("random_rows")
-        tokens[idx] = _sample_random(adjusted[idx], up)
+    if native or not random_rows:
+        tokens = argmax_rows(adjusted) if native else adjusted.argmax(dim=-1)  # final for greedy rows
+    else:  # torch's CPU argmax is slow: only on the greedy rows
+        tokens = torch.zeros(len(seqs), dtype=torch.int64, device=logits.device)
+        greedy = [i for i, g in enumerate(params.greedy) if g]
+        if greedy:
+            tokens[greedy] = adjusted[greedy].argmax(dim=-1)
+    if draw is not None:
+        tokens[up.ints("random_rows")] = _sample_random(_rows(adjusted, up, "random_rows"), up, draw)
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * len(seqs)
     if want:
-        found = token_logprobs(logits[up.ints("logprob_rows")], [token_list[i] for i in want],
+        found = token_logprobs(_rows(logits, up, "logprob_rows"), [token_list[i] for i in want],
                                [seqs[i].num_top_logprobs for i in want])
         for i, lp in zip(want, found):
             logprobs[i] = lp
@@ -202,7 +150,8 @@ def token_logprobs(
 
 def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | None = None,
                   penalties: PenaltyState | None = None) -> torch.Tensor:
-    """Penalties and the min_new_tokens mask; returns `logits` itself when nothing applies."""
+    """Penalties and the min_new_tokens mask; returns `logits` itself (float32) when nothing applies."""
+    logits = logits.float()
     p = _read_params(seqs) if p is None else p
     up = StepUpload()
     _plan_adjust(up, seqs, p, logits.shape[-1], penalties)
@@ -217,24 +166,28 @@ def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | No
 def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int,
                  penalties: PenaltyState | None) -> None:
     rep_rows, count_rows = p.penalised_rows()
-    if penalties is not None:  # also books rows without a penalty (they lose their record)
+    if penalties is not None:
         penalties._plan("seen", seqs, rep_rows, vocab, up)
         penalties._plan("counts", seqs, count_rows, vocab, up)
-        if rep_rows or count_rows:
-            up.add_ints("state_rows", [s.row for s in seqs])
     if rep_rows:
+        up.add_ints("rep_batch", rep_rows)
         up.add_floats("repetition", p.repetition)
         if penalties is None:
             rows, toks = _flat_pairs(rep_rows, [seqs[i].prompt_ids + seqs[i].output_ids for i in rep_rows], vocab)
             up.add_ints("rep_rows", rows)
             up.add_ints("rep_toks", toks)
+        else:
+            up.add_ints("rep_state", [seqs[i].row for i in rep_rows])
     if count_rows:
+        up.add_ints("count_batch", count_rows)
         up.add_floats("frequency", p.frequency)
         up.add_floats("presence", p.presence)
         if penalties is None:
             rows, toks = _flat_pairs(count_rows, [seqs[i].output_ids for i in count_rows], vocab)
             up.add_ints("count_rows", rows)
             up.add_ints("count_toks", toks)
+        else:
+            up.add_ints("count_state", [seqs[i].row for i in count_rows])
     mask_rows = [i for i, ids in enumerate(p.masked_ids) if ids]
     if mask_rows:
         rows, toks = _flat_pairs(mask_rows, [p.masked_ids[i] for i in mask_rows], vocab)
@@ -250,52 +203,53 @@ def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int
             up.add_ints("bias_rows", p.bias_rows)
             up.add_ints("bias_toks", p.bias_toks)
             up.add_floats("bias_vals", p.bias_vals)
-    if p.grammar_rows:
-        up.add_ints("grammar_rows", p.grammar_rows)
 
 
 def _adjust(logits: torch.Tensor, p: _RowParams, up: StepUpload, penalties: PenaltyState | None) -> torch.Tensor:
     has_rep, has_count, has_mask = up.has("repetition"), up.has("frequency"), up.has("mask_rows")
-    has_grammar, has_bias = up.has("grammar_rows"), up.has("bias_rows")
+    has_bias = up.has("bias_rows")
     if penalties is not None:
         if has_rep:
             penalties._apply("seen", up, logits)
         if has_count:
             penalties._apply("counts", up, logits)
-    if not (has_rep or has_count or has_mask or has_grammar or has_bias):
+    if not (has_rep or has_count or has_mask or p.grammar_rows or has_bias):
         return logits  # common case: nothing to change, no copy
     out = logits.clone()
+    # The penalties change only the (row, token) entries of tokens seen; elsewhere they are
+    # identities (x / 1, x - 0 * 0), so the sparse update equals the dense formula.
     if has_rep:
-        if penalties is not None:
-            seen = penalties.seen[up.ints("state_rows")]  # [num_rows, vocab]; rows without the penalty: / 1.0
-        else:
-            seen = torch.zeros_like(out, dtype=torch.bool)
-            seen[up.ints("rep_rows"), up.ints("rep_toks")] = True
-        penalty = up.floats("repetition")[:, None]  # [num_rows, 1]
-        # HF / vLLM: divide positive logits, multiply negative ones.
-        out = torch.where(seen, torch.where(out < 0, out * penalty, out / penalty), out)
+        rows, toks, _ = penalty_entries(up, "rep", penalties, out.shape[-1])
+        x = out[rows, toks]
+        penalty = up.floats("repetition")[rows]
+        out[rows, toks] = torch.where(x < 0, x * penalty, x / penalty)  # HF / vLLM: divide positive logits
     if has_count:
-        if penalties is not None:
-            counts = penalties.counts[up.ints("state_rows")]  # rows without a penalty: x 0.0
-        else:
-            counts = torch.zeros_like(out)
-            num = up.num("count_rows")
-            counts.index_put_((up.ints("count_rows"), up.ints("count_toks")), torch.ones(num, device=out.device),
-                              accumulate=True)
-        freq = up.floats("frequency")[:, None]
-        pres = up.floats("presence")[:, None]
-        out = out - freq * counts - pres * (counts > 0).float()
+        rows, toks, counts = penalty_entries(up, "count", penalties, out.shape[-1])
+        freq, pres = up.floats("frequency")[rows], up.floats("presence")[rows]
+        out[rows, toks] = out[rows, toks] - freq * counts - pres * (counts > 0).float()
     if has_bias:  # before the masks, so a banned id stays -inf whatever its bias
-        out.index_put_((up.ints("bias_rows"), up.ints("bias_toks")), up.floats("bias_vals").to(out.dtype),
-                       accumulate=True)
+        out.index_put_((up.ints("bias_rows"), up.ints("bias_toks")), up.floats("bias_vals"), accumulate=True)
     if has_mask:
         out[up.ints("mask_rows"), up.ints("mask_toks")] = float("-inf")
-    if has_grammar:
-        rows = up.ints("grammar_rows")
-        masks = torch.stack(p.bitmasks).to(out.device, non_blocking=True)  # [num_constrained, words] int32
-        allowed = unpack_bitmask(masks, out.shape[-1])  # [num_constrained, vocab] bool
-        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    if p.grammar_rows:
+        _apply_bitmasks(out, p.grammar_rows, p.bitmasks)
     return out
+
+
+def _apply_bitmasks(out: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> None:
+    """-inf where the rows' xgrammar token bitmasks ([ceil(vocab / 32)] int32 each) disallow a token,
+    in place with xgrammar's kernel; ids past a mask's 32 * words are not allowed either."""
+    import xgrammar
+
+    masks = torch.stack(bitmasks).to(out.device, non_blocking=True)  # [num_constrained, words] int32
+    if len(rows) < out.shape[0]:  # the kernel reads the mask of row i at index i
+        full = torch.full((out.shape[0], masks.shape[1]), -1, dtype=torch.int32, device=out.device)
+        full[rows] = masks
+        masks = full
+    width = min(out.shape[-1], 32 * masks.shape[1])
+    xgrammar.apply_token_bitmask_inplace(out, masks, vocab_size=width, indices=rows)
+    if width < out.shape[-1]:
+        out[rows, width:] = float("-inf")
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [num_rows, vocab_size] bool
@@ -345,47 +299,60 @@ def _wants_logprobs(seq: SeqInput) -> bool:
     return getattr(seq.sampling, "logprobs", None) is not None or seq.num_top_logprobs > 0
 
 
-def _plan_random(up: StepUpload, seqs: list[SeqInput], p: _RowParams, rows: list[int], vocab: int) -> None:
+@dataclass
+class _Draw:
+    """Host side of the sampled rows' draw: which rows (positions among them) filter, which do not."""
+
+    filtered: list[int]
+    plain: list[int]
+    counts: list[int]  # candidate counts for the filtered rows (sampling_filter.candidate_counts)
+
+
+def _plan_random(up: StepUpload, seqs: list[SeqInput], p: _RowParams, rows: list[int], vocab: int) -> _Draw:
     """Book the sampled rows' settings; the filters that apply are decided here, on the host."""
     top_k = [p.top_k[i] if 0 < p.top_k[i] < vocab else vocab for i in rows]
     top_p = [p.top_p[i] for i in rows]
     min_p = [p.min_p[i] for i in rows]
+    is_filtered = [k < vocab or tp < 1.0 or mp > 0 for k, tp, mp in zip(top_k, top_p, min_p)]
+    filtered = [j for j, f in enumerate(is_filtered) if f]
+    draw = _Draw(filtered, [j for j, f in enumerate(is_filtered) if not f], [])
     up.add_ints("random_rows", rows)
     up.add_floats("temperature", [p.temperature[i] for i in rows])
-    if any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p) or any(v > 0 for v in min_p):
-        up.add_ints("top_k", top_k)
-        if any(v < 1.0 for v in top_p):
-            up.add_floats("top_p", top_p)
-        if any(v > 0 for v in min_p):
-            up.add_floats("min_p", min_p)
+    if filtered:
+        up.add_ints("filtered", filtered)
+        up.add_ints("plain", draw.plain)
+        up.add_ints("top_k", [top_k[j] for j in filtered])
+        draw.counts = candidate_counts([top_k[j] for j in filtered], vocab)
+        if any(top_p[j] < 1.0 for j in filtered):
+            up.add_floats("top_p", [top_p[j] for j in filtered])
+        if any(min_p[j] > 0 for j in filtered):
+            up.add_floats("min_p", [min_p[j] for j in filtered])
     lo, hi, pos = seed_words([seqs[i].sampling_seed for i in rows], [len(seqs[i].output_ids) for i in rows])
     up.add_ints("seed_lo", lo)
     up.add_ints("seed_hi", hi)
     up.add_ints("seed_pos", pos)
+    return draw
 
 
-def _sample_random(logits: torch.Tensor, up: StepUpload) -> torch.Tensor:  # [num_sel] token ids
+def _sample_random(logits: torch.Tensor, up: StepUpload, draw: _Draw) -> torch.Tensor:  # [num_sel] token ids
     x = logits / up.floats("temperature")[:, None]  # [num_sel, vocab]
-    if up.has("top_k"):
-        x = x.masked_fill(_filter_mask(torch.softmax(x, dim=-1), up), float("-inf"))
-    noise = gumbel_rows(up.ints("seed_lo"), up.ints("seed_hi"), up.ints("seed_pos"), logits.shape[-1])
-    return (x + noise).argmax(dim=-1)
+    key = row_keys(up.ints("seed_lo"), up.ints("seed_hi"), up.ints("seed_pos"))  # [num_sel, 1]
+    if not draw.filtered:
+        return gumbel_argmax(x, key)
+    top_p = up.floats("top_p") if up.has("top_p") else None
+    min_p = up.floats("min_p") if up.has("min_p") else None
+    if not draw.plain:
+        return draw_filtered(x, key, up.ints("top_k"), top_p, min_p, draw.counts)
+    tokens = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    filtered, plain = up.ints("filtered"), up.ints("plain")
+    tokens[filtered] = draw_filtered(x[filtered], key[filtered], up.ints("top_k"), top_p, min_p, draw.counts)
+    tokens[plain] = gumbel_argmax(x[plain], key[plain])
+    return tokens
 
 
-def _filter_mask(probs: torch.Tensor, up: StepUpload) -> torch.Tensor:  # [num_sel, vocab] True = removed
-    sorted_p, order = probs.sort(dim=-1, descending=True)  # [num_sel, vocab]
-    rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    remove = rank >= up.ints("top_k")[:, None]
-    if up.has("top_p"):  # some row has top_p < 1 (decided on the host)
-        top_p_t = up.floats("top_p")[:, None]
-        kept = sorted_p.masked_fill(remove, 0.0)
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        mass_before = kept.cumsum(dim=-1) - kept  # probability of the better-ranked tokens
-        remove |= (mass_before >= top_p_t) & (top_p_t < 1.0)
-    if up.has("min_p"):  # without it the test below removes nothing (probabilities are >= 0)
-        remove |= sorted_p < up.floats("min_p")[:, None] * sorted_p[:, :1]
-    remove[:, 0] = False  # the most likely token always stays
-    return torch.zeros_like(remove).scatter(1, order, remove)
+def _rows(t: torch.Tensor, up: StepUpload, name: str) -> torch.Tensor:
+    """t's rows listed under `name` (increasing row numbers): t itself when they are all (no copy)."""
+    return t if up.num(name) == t.shape[0] else t[up.ints(name)]
 
 
 def _flat_pairs(rows: list[int], token_lists: list[list[int]], vocab: int) -> tuple[list[int], list[int]]:

@@ -178,3 +178,43 @@ def test_runner_prompt_logprobs_cover_chunks_without_gaps(llama_path):
     for pos, lp in zip(range(start, len(prompt)), got):
         assert lp.logprob == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == ref[pos - 1].topk(2).indices.tolist()
+
+
+def test_bf16_logits_sample_as_their_float32_values():
+    logits = _logits(6, seed=3).bfloat16()
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=7, top_p=0.8),
+             SamplingParams(temperature=1.2, repetition_penalty=1.4, frequency_penalty=0.3),
+             SamplingParams(temperature=0.0, logprobs=2, presence_penalty=0.5)]
+    seqs = [_seq(kinds[i % 4], seed=i, output_ids=[1, 2, 2], prompt_ids=[4, 5], top=2) for i in range(6)]
+    tokens, logprobs = sample_next_tokens(logits, seqs, native=True)
+    assert (tokens, logprobs) == sample_next_tokens(logits.float(), seqs, native=True)
+    assert torch.equal(adjust_logits(logits, seqs), adjust_logits(logits.float(), seqs))
+
+
+def test_large_batches_run_in_blocks_with_the_same_tokens(monkeypatch):
+    from radixserve.kernels import sampling
+    logits = _logits(7, seed=5)
+    kinds = [SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=0.8, top_p=0.7),
+             SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.3)]
+    seqs = [_seq(kinds[i % 3], seed=i, output_ids=[i], prompt_ids=[3], top=1) for i in range(7)]
+    whole = sample_next_tokens(logits, seqs)
+    calls = []
+    block = sampling._sample_block
+    monkeypatch.setattr(sampling, "_sample_block", lambda lg, *a: calls.append(lg.shape[0]) or block(lg, *a))
+    monkeypatch.setattr(sampling, "_BLOCK_LOGITS", 3 * VOCAB)
+    assert sample_next_tokens(logits, seqs) == whole and calls == [3, 3, 1]
+
+
+def test_grammar_masks_on_some_rows_and_past_the_mask_width():
+    from radixserve.kernels.sampling import unpack_bitmask
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 70, generator=gen)
+    masks = torch.randint(-2**31, 2**31 - 1, (4, 2), generator=gen, dtype=torch.int64).to(torch.int32)  # 64 ids
+    seqs = [_seq(SamplingParams(temperature=0.0)) for _ in range(4)]
+    for i in (0, 2):
+        seqs[i].token_bitmask = masks[i]
+    out = adjust_logits(logits, seqs)
+    expected = logits.clone()
+    expected[[0, 2]] = logits[[0, 2]].masked_fill(~unpack_bitmask(masks[[0, 2]], 70), float("-inf"))
+    assert torch.equal(out, expected) and torch.isinf(out[[0, 2], 64:]).all()
+    assert torch.equal(out[[1, 3]], logits[[1, 3]])

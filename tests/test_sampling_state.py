@@ -109,3 +109,37 @@ def test_no_tensor_until_a_penalty_is_used_and_rows_are_checked():
     assert state.seen is None and state.counts is not None and state.counts.shape == (2, VOCAB)
     with pytest.raises(ValueError, match="row 2"):
         _step(state, [(_Req(rng, repetition_penalty=1.2), 2, True)], 2)
+
+
+def _dense_penalties(logits: torch.Tensor, reqs: list[_Req]) -> torch.Tensor:
+    """The penalties as whole-row formulas (what the sparse update must equal, bit for bit)."""
+    out = logits.clone()
+    for i, req in enumerate(reqs):
+        seen = torch.zeros(VOCAB, dtype=torch.bool)
+        counts = torch.zeros(VOCAB)
+        for tok in req.prompt_ids + req.output_ids:
+            if 0 <= tok < VOCAB:
+                seen[tok] = True
+        for tok in req.output_ids:
+            if 0 <= tok < VOCAB:
+                counts[tok] += 1
+        p = req.params
+        row = torch.where(seen, torch.where(out[i] < 0, out[i] * p.repetition_penalty,
+                                            out[i] / p.repetition_penalty), out[i])
+        out[i] = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    return out
+
+
+def test_sparse_penalties_equal_the_whole_row_formulas():
+    rng = random.Random(5)
+    reqs = [_Req(rng, repetition_penalty=1.6, frequency_penalty=0.7), _Req(rng, temperature=0.5),
+            _Req(rng, presence_penalty=-0.4, repetition_penalty=0.8), _Req(rng, frequency_penalty=1.1)]
+    state = PenaltyState(num_rows=4)
+    for step in range(5):
+        for req in reqs:
+            req.output_ids += [rng.randrange(-1, VOCAB + 1) for _ in range(rng.randrange(0, 4))]
+        seqs = [_seq(req, row, step == 0) for row, req in enumerate(reqs)]
+        logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(step)) * 3
+        expected = _dense_penalties(logits, reqs)
+        assert torch.equal(adjust_logits(logits, seqs), expected)
+        assert torch.equal(adjust_logits(logits, seqs, penalties=state), expected)
