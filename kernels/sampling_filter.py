@@ -8,7 +8,7 @@ below top_p (mass: the top_k tokens' cumsum(p)[top_k - 1], or 1 without top_k: a
 x + Gumbel noise (sampling_noise), ties to the lower id.
 
 Each filter removes a suffix of the ranking (the cumsum is sequential, so nondecreasing), so the
-kept tokens are a prefix of it. `draw_filtered` ranks only the C most probable tokens (torch.topk,
+kept tokens are a prefix of it. `draw_filtered` ranks only the C most probable tokens (a topk,
 its ties put in id order): the cumsum of a prefix is that of the whole ranking, so the candidates
 decide a row exactly unless its kept prefix reaches its C-th candidate's value (then tokens past
 the candidates, or ties cut by topk, may belong to it): such rows go to a larger C, then to the
@@ -22,12 +22,14 @@ import torch
 
 from radixserve.kernels.sampling_noise import gumbel_argmax, gumbel_at
 
-CANDIDATES = (256, 4096)  # candidate counts tried before the full sort (raised to top_k + 1)
+CANDIDATES = (256, 4096)  # candidate counts tried before the full sort, for rows without top_k
+_MIN_CANDIDATES = 64  # rows with top_k start at max(top_k + 1, this)
+_BLOCK_WIDTHS = (64, 32, 16)  # column blocks of the two-stage topk (a width dividing the vocabulary)
 
 
 def candidate_counts(top_k: list[int], vocab: int, tries: tuple[int, ...] = CANDIDATES) -> list[int]:
     """The candidate counts to try, on the host: the first covers every row's top_k + 1."""
-    first = min(vocab, max([tries[0]] + [k + 1 for k in top_k if k < vocab]))
+    first = min(vocab, max(max(k + 1, _MIN_CANDIDATES) if k < vocab else tries[0] for k in top_k))
     return [first] + [c for c in tries[1:] if first < c < vocab]
 
 
@@ -85,7 +87,7 @@ def candidate_keep(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | N
                    count: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows the `count` most probable tokens decide [num_rows] bool, their ids in rank order
     [num_rows, count], kept ranks [num_rows, count] bool); kept ranks are exact on decided rows."""
-    vals, ids = probs.topk(count, dim=-1)  # ties in no set order: put them in id order
+    vals, ids = top_candidates(probs, count)  # ties in no set order: put them in id order
     ids, perm = ids.sort(dim=-1)
     vals, perm = vals.gather(1, perm).sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(1, perm)
@@ -95,6 +97,20 @@ def candidate_keep(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | N
     # The top-k mass needs the k-th value: known when top_k <= count (or off, or past the p > 0 tokens).
     decided = (count == vocab) | (edge == 0) | ((last > edge) & ((k <= count) | (k >= vocab)))
     return (vals[:, 0] > 0) & decided, ids, keep
+
+
+def top_candidates(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs.topk(count, dim=-1) up to the order of ties, over the `count` column blocks of the
+    largest maxima: they hold every value above the count-th largest and enough equal to it."""
+    rows, vocab = probs.shape
+    width = next((w for w in _BLOCK_WIDTHS if vocab % w == 0), 0)
+    if not width or vocab // width < 4 * count:
+        return probs.topk(count, dim=-1)
+    block_max = probs.reshape(rows, vocab // width, width).amax(dim=-1)  # [rows, vocab / width]
+    blocks = block_max.topk(count, dim=-1).indices
+    ids = (blocks[:, :, None] * width + torch.arange(width, device=probs.device)).view(rows, -1)
+    vals, at = probs.gather(1, ids).topk(count, dim=-1)
+    return vals, ids.gather(1, at)
 
 
 def _draw_candidates(x: torch.Tensor, probs: torch.Tensor, key: torch.Tensor, k: torch.Tensor,

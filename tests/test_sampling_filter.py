@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import sampling, sampling_noise
 from radixserve.kernels.forward_io import SeqInput
-from radixserve.kernels.sampling_filter import candidate_keep, draw_filtered, reference_keep
+from radixserve.kernels.sampling_filter import candidate_keep, draw_filtered, reference_keep, top_candidates
 from radixserve.kernels.sampling_noise import gumbel_argmax, gumbel_at, gumbel_rows, row_keys, seed_words
 from radixserve.scheduler.sampling_params import SamplingParams
 
@@ -89,6 +89,25 @@ def test_ties_at_the_top_k_edge_keep_the_lower_ids():
     # With 6 candidates the 2.0s reach the last one: topk may have cut their group, so the row is left
     # to a larger count (it holds all four here, but the candidates cannot know that).
     assert not candidate_keep(torch.softmax(x, dim=-1), torch.tensor([4]), None, None, 6, 8)[0].item()
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 4), blocks=st.integers(4, 120), width=st.sampled_from([16, 32, 64]),
+       count=st.integers(1, 30), levels=st.integers(1, 6), seed=st.integers(0, 2**32), spread=st.booleans())
+def test_two_stage_topk_finds_the_largest_values(rows, blocks, width, count, levels, seed, spread):
+    vocab, count = blocks * width, max(1, min(count, blocks // 4))
+    gen = torch.Generator().manual_seed(seed)  # few distinct values: ties across blocks are common
+    probs = torch.randint(0, levels, (rows, vocab), generator=gen).float() / levels
+    probs[torch.rand(rows, vocab, generator=gen) < 0.3] = 0.0
+    if spread:  # the largest values one per block: every one of the `count` blocks is needed
+        at = torch.randperm(blocks, generator=gen)[:count] * width + torch.randint(0, width, (count,), generator=gen)
+        probs[:, at] = 2.0 + torch.arange(count, dtype=torch.float32)
+    vals, ids = top_candidates(probs, count)
+    expected = probs.topk(count, dim=-1).values
+    assert torch.equal(vals, expected) and torch.equal(probs.gather(1, ids), vals)
+    for row in range(rows):
+        above = set((probs[row] > expected[row, -1]).nonzero().flatten().tolist())
+        assert above <= set(ids[row].tolist()) and len(set(ids[row].tolist())) == count
 
 
 @settings(max_examples=60, deadline=None)
