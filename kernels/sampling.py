@@ -30,7 +30,7 @@ import torch
 
 from radixserve.kernels.forward_io import SeqInput, TokenLogprob
 from radixserve.kernels.native import argmax_rows
-from radixserve.kernels.sampling_filter import candidate_counts, draw_filtered
+from radixserve.kernels.sampling_filter import candidate_counts, draw_filtered, top_candidates
 from radixserve.kernels.sampling_noise import gumbel_argmax, row_keys, seed_words
 from radixserve.kernels.sampling_penalties import PenaltyState, penalty_entries
 from radixserve.kernels.step_upload import StepUpload
@@ -142,7 +142,7 @@ def token_logprobs(
     top_vals: list[list[float]] = [[] for _ in token_ids]
     top_ids: list[list[int]] = [[] for _ in token_ids]
     if max_top > 0:
-        values, indices = logp.topk(max_top, dim=-1)
+        values, indices = top_candidates(logp, max_top)  # torch's topk scans the row slowly on the CPU
         top_vals, top_ids = values.tolist(), indices.tolist()
     return [TokenLogprob(token_id=t, logprob=lp, top=list(zip(top_ids[i][:n], top_vals[i][:n])))
             for i, (t, lp, n) in enumerate(zip(token_ids, chosen, num_tops))]

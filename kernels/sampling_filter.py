@@ -100,8 +100,9 @@ def candidate_keep(probs: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | N
 
 
 def top_candidates(probs: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs.topk(count, dim=-1) up to the order of ties, over the `count` column blocks of the
-    largest maxima: they hold every value above the count-th largest and enough equal to it."""
+    """probs.topk(count, dim=-1) up to the order of ties (any float rows), over the `count` column
+    blocks of the largest maxima: they hold every value above the count-th largest and enough equal
+    to it."""
     rows, vocab = probs.shape
     width = next((w for w in _BLOCK_WIDTHS if vocab % w == 0), 0)
     if not width or vocab // width < 4 * count:

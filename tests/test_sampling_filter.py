@@ -175,7 +175,12 @@ def test_a_batch_64_step_sorts_no_row_of_the_vocabulary(monkeypatch):
     tokens, logprobs = sampling.sample_next_tokens(logits, seqs, native=True)
     assert sorts.widths and max(sorts.widths) <= 256  # candidates of 256 tokens, top_k 50 + 1, top logprobs
     assert tokens == reference
-    assert all(lp is not None for lp in logprobs[3:48:4])
+    assert [i for i, lp in enumerate(logprobs) if lp is not None] == list(range(3, 48, 4))
+    logp = torch.log_softmax(logits[3:48:4], dim=-1)
+    top = logp.topk(3, dim=-1)
+    for row, lp in enumerate(logprobs[3:48:4]):
+        assert lp.logprob == logp[row, lp.token_id].item()
+        assert lp.top == list(zip(top.indices[row].tolist(), top.values[row].tolist()))
 
 
 def test_a_flat_nucleus_is_sorted_and_the_recorder_sees_it(monkeypatch):
