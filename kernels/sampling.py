@@ -238,10 +238,14 @@ def _adjust(logits: torch.Tensor, p: _RowParams, up: StepUpload, penalties: Pena
 
 def _apply_bitmasks(out: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> None:
     """-inf where the rows' xgrammar token bitmasks ([ceil(vocab / 32)] int32 each) disallow a token,
-    in place with xgrammar's kernel; ids past a mask's 32 * words are not allowed either."""
-    import xgrammar
-
+    in place with xgrammar's kernel (unpacked here where xgrammar is absent: masks built by hand);
+    ids past a mask's 32 * words are not allowed either."""
     masks = torch.stack(bitmasks).to(out.device, non_blocking=True)  # [num_constrained, words] int32
+    try:
+        import xgrammar
+    except ImportError:
+        out[rows] = out[rows].masked_fill(~unpack_bitmask(masks, out.shape[-1]), float("-inf"))
+        return
     if len(rows) < out.shape[0]:  # the kernel reads the mask of row i at index i
         full = torch.full((out.shape[0], masks.shape[1]), -1, dtype=torch.int32, device=out.device)
         full[rows] = masks

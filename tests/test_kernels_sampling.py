@@ -1,6 +1,8 @@
 """Sampling: greedy equivalences, seeded determinism, support filters, penalties, logprobs."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -205,8 +207,11 @@ def test_large_batches_run_in_blocks_with_the_same_tokens(monkeypatch):
     assert sample_next_tokens(logits, seqs) == whole and calls == [3, 3, 1]
 
 
-def test_grammar_masks_on_some_rows_and_past_the_mask_width():
+@pytest.mark.parametrize("xgrammar_kernel", [True, False])
+def test_grammar_masks_on_some_rows_and_past_the_mask_width(xgrammar_kernel, monkeypatch):
     from radixserve.kernels.sampling import unpack_bitmask
+    if not xgrammar_kernel:
+        monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails: the unpacking path
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(4, 70, generator=gen)
     masks = torch.randint(-2**31, 2**31 - 1, (4, 2), generator=gen, dtype=torch.int64).to(torch.int32)  # 64 ids
