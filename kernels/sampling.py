@@ -83,22 +83,31 @@ def sample_next_tokens(
     rows whose [rows, vocab] temporaries stay in the cache (and are reused by the allocator, where a
     larger one would be mapped afresh, page by page, every step).
     """
-    step = max(1, _BLOCK_LOGITS // max(1, logits.shape[-1])) if logits.device.type == "cpu" else len(seqs)
-    if len(seqs) <= step:
-        return _sample_block(logits, seqs, penalties, native)
+    params = _read_params(seqs)
+    step = max(1, _BLOCK_LOGITS // max(1, logits.shape[-1]))
+    plain = logits.dtype == torch.float32 and _argmax_only(params, seqs)  # no temporaries, nothing to block
+    if len(seqs) <= step or logits.device.type != "cpu" or plain:
+        return _sample_block(logits, seqs, penalties, native, params)
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     for start in range(0, len(seqs), step):
-        block = _sample_block(logits[start:start + step], seqs[start:start + step], penalties, native)
+        block = _sample_block(logits[start:start + step], seqs[start:start + step], penalties, native, None)
         tokens += block[0]
         logprobs += block[1]
     return tokens, logprobs
 
 
-def _sample_block(logits: torch.Tensor, seqs: list[SeqInput], penalties: PenaltyState | None,
-                  native: bool) -> tuple[list[int], list[TokenLogprob | None]]:
+def _argmax_only(p: _RowParams, seqs: list[SeqInput]) -> bool:
+    """Whether the step is a plain argmax of every row."""
+    rep_rows, count_rows = p.penalised_rows()
+    return (all(p.greedy) and not (rep_rows or count_rows or p.grammar_rows or p.bias_rows)
+            and not any(p.masked_ids) and not any(_wants_logprobs(s) for s in seqs))
+
+
+def _sample_block(logits: torch.Tensor, seqs: list[SeqInput], penalties: PenaltyState | None, native: bool,
+                  params: _RowParams | None) -> tuple[list[int], list[TokenLogprob | None]]:
     logits = logits.float()  # a no-op for float32; bf16 is widened once (exactly) for every step below
-    params = _read_params(seqs)
+    params = _read_params(seqs) if params is None else params
     random_rows = [i for i, g in enumerate(params.greedy) if not g]
     up = StepUpload()
     _plan_adjust(up, seqs, params, logits.shape[-1], penalties)

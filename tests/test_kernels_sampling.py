@@ -205,6 +205,8 @@ def test_large_batches_run_in_blocks_with_the_same_tokens(monkeypatch):
     monkeypatch.setattr(sampling, "_sample_block", lambda lg, *a: calls.append(lg.shape[0]) or block(lg, *a))
     monkeypatch.setattr(sampling, "_BLOCK_LOGITS", 3 * VOCAB)
     assert sample_next_tokens(logits, seqs) == whole and calls == [3, 3, 1]
+    greedy = [_seq(SamplingParams(temperature=0.0)) for _ in range(7)]  # a plain argmax: no blocks
+    assert sample_next_tokens(logits, greedy)[0] == logits.argmax(dim=-1).tolist() and calls[3:] == [7]
 
 
 @pytest.mark.parametrize("xgrammar_kernel", [True, False])
