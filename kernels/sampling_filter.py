@@ -7,9 +7,9 @@ below top_p (mass: the top_k tokens' cumsum(p)[top_k - 1], or 1 without top_k: a
 1); and p[r] >= min_p * p[0]. Rank 0 is always kept. The token drawn is the kept id with the largest
 x + Gumbel noise (sampling_noise), ties to the lower id.
 
-Each filter removes a suffix of the ranking (the cumsum is sequential, so nondecreasing), so the
-kept tokens are a prefix of it. `draw_filtered` ranks only the C most probable tokens (a topk,
-its ties put in id order): the cumsum of a prefix is that of the whole ranking, so the candidates
+Each filter removes a suffix of the ranking (a cumsum of p >= 0 never decreases), so the kept
+tokens are a prefix of it. `draw_filtered` ranks only the C most probable tokens (a topk, its ties
+put in id order): a cumsum run in order gives a prefix the values of the whole ranking, so the
 decide a row exactly unless its kept prefix reaches its C-th candidate's value (then tokens past
 the candidates, or ties cut by topk, may belong to it): such rows go to a larger C, then to the
 full sort. Tokens with p == 0 never matter: p underflows only some 75 below the row's maximum x,
