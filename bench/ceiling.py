@@ -1,4 +1,5 @@
-"""The highest fraction of the matmul roofline that any engine could reach on a workload (fp32, this machine).
+"""The highest fraction of the matmul roofline that any engine could reach on each peer workload (fp32, this
+machine), beside the fractions a peer_vllm run reached.
 
 The peer bench reports linear GFLOP/s = linear FLOPs / wall time as a fraction of the measured matmul roofline
 (bench/roofline.py). Two things that every engine must also do bound that fraction below 1:
@@ -15,11 +16,10 @@ bound: best time = prefill linears + decode steps + attention, and the ceiling =
 time. Computed positions are those of the §8 optimum (bench/optimal.py), with each round's requests batched
 max_running at a time.
 
-    python -m radixserve.bench.ceiling --model M    # -> bench/results/roofline_ceiling_M.{json,md}
+    python -m radixserve.bench.ceiling --model M    # -> roofline_ceiling_M.{json,md}
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -27,6 +27,10 @@ from typing import Any, Sequence
 
 from radixserve.bench import roofline
 from radixserve.bench.optimal import Computed, computed_spans
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+
+# The peer run whose roofline fractions the table shows by default: the one the README quotes.
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# The roofline fraction's ceiling", "", *"\n\n".join(method).split("\n"), "",
              f"Matmul roofline **{report['gflops']:.1f} GFLOP/s** ({report.get('gflops_source', 'given')}), "
              f"weight streaming **{report['stream_gbs']:.1f} GB/s** (measured in this run). \"reached\": the "
-             "fraction that engine reached in that peer run (bench/results/peer_vllm_*.md).", "", head, "|---" * (6 + len(engines)) + "|"]
+             f"fraction that engine reached in the peer run {report.get('peer_report') or '(none given)'}.", "",
+             head, "|---" * (6 + len(engines)) + "|"]
     for row in report["rows"]:
         best = (f"{row['best_s']:.2f} s ({row['prefill_s']:.2f} + {row['decode_s']:.2f} + "
                 f"{row['attention_s']:.2f})")
@@ -127,32 +132,38 @@ def _peer_report(path: str) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from radixserve.bench.harness import bench_model_path, stand_in_rounds
+    from radixserve.bench.harness import MODEL_HELP, bench_model_path, stand_in_rounds
     from radixserve.bench.peer_vllm import PEER_WORKLOADS
     from radixserve.bench.workloads import make_workload
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="M")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = p.parse_args(argv)
+    p = bench_parser("ceiling", __doc__)
+    p.add_argument("--model", default="M", help=MODEL_HELP)
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the roofline and bandwidth measurements")
+    p.add_argument("--peer-report", metavar="JSON",
+                   help="a peer_vllm report whose roofline and reached fractions to show (default: the README's, "
+                        "bench/results/peer_vllm_MODEL.json, where it exists); without one the roofline is measured")
+    args = parse_args(p, argv)
+    peer_path = args.peer_report or os.path.join(RESULTS_DIR, f"peer_vllm_{args.model}.json")
+    peer = _peer_report(peer_path)
+    if args.peer_report and peer is None:
+        p.error(f"--peer-report {args.peer_report}: no such file, or a report without a roofline")
     config = roofline.load_config(bench_model_path(args.model))
-    peer = _peer_report(os.path.join(args.out, f"peer_vllm_{args.model}.json"))
-    # The fractions a peer run reached are over its own roofline: the ceiling uses the same one.
-    gflops = (peer or {}).get("roofline", {}).get("gflops") or roofline.measure_roofline(config, args.threads)["gflops"]
-    stream = roofline.measure_stream_gbs(roofline.linear_params(config), args.threads)
-    workloads = {n: stand_in_rounds(lambda n=n: make_workload(n, "full", 0)) for n in PEER_WORKLOADS}
+    with progress(2 + len(PEER_WORKLOADS), "ceiling", unit="step") as bar:
+        # The fractions a peer run reached are over its own roofline: the ceiling uses the same one.
+        gflops = (peer or {}).get("roofline", {}).get("gflops") or roofline.measure_roofline(config, args.threads)["gflops"]
+        bar.update()
+        stream = roofline.measure_stream_gbs(roofline.linear_params(config), args.threads)
+        bar.update()
+        workloads = {}
+        for name in PEER_WORKLOADS:
+            workloads[name] = stand_in_rounds(lambda name=name: make_workload(name, "full", 0))
+            bar.update()
     report = build_report(config, workloads, gflops, stream, measured_fractions(peer) if peer else None)
     report["gflops_source"] = "the peer report's roofline" if peer else "measured in this run"
-    report.update(model=args.model, threads=args.threads)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"roofline_ceiling_{args.model}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    print(markdown(report))
+    shown = args.peer_report or f"bench/results/peer_vllm_{args.model}.json"  # not this machine's absolute path
+    report.update(model=args.model, threads=args.threads, peer_report=shown if peer else None)
+    out = BenchOutput("ceiling", args.out)
+    out.finish(out.write_report(f"roofline_ceiling_{args.model}", report, markdown(report)))
     return report
 
 

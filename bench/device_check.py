@@ -4,13 +4,11 @@ On a CUDA machine: checks the Triton kernels against the torch reference (bf16, 
 at a tight tolerance that TF32 would fail), times them against the reference and against
 torch SDPA on contiguous KV (CUDA events over CUDA-graph replays, after a warm-up), reports
 decode's achieved memory bandwidth (bytes of K/V read / time), and writes
-bench/results/device_check.json plus a Markdown table. Without CUDA it prints what it would
+device_check.{json,md} (bench/output.py says where). Without CUDA it prints what it would
 measure and exits 0. ``--compile-check`` compiles the kernels for sm_90 without any GPU.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import math
 import platform
@@ -18,18 +16,16 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.kernels.attention.base import AttentionMetadata
 from radixserve.kernels.attention.metadata import meta_from_slot_lists
 
 logger = logging.getLogger(__name__)
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BF16_ATOL = 2e-2  # bf16 keeps 8 mantissa bits; outputs are O(1)
 FP32_ATOL = 1e-5  # a TF32 dot (10-bit mantissa) would miss this by ~100x on short contexts
 SM90_SHARED_BYTES = 232448  # H100/H200 per-block shared memory (opt-in maximum)
@@ -131,19 +127,19 @@ def make_meta(prefix_lens: list[int], q_lens: list[int], slot_lists: list[list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--quick", action="store_true", help="two tiny cases (smoke test)")
-    parser.add_argument("--dry-run", action="store_true", help="only print the plan")
+    parser = bench_parser("device_check", __doc__)
+    parser.add_argument("--quick", action="store_true", help="four small cases instead of the full set (a smoke test)")
+    parser.add_argument("--dry-run", action="store_true", help="only print what would be measured")
     parser.add_argument("--compile-check", action="store_true",
                         help="also compile the kernels for sm_90 (no GPU needed; needs TRITON_INTERPRET unset)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cases = QUICK_CASES if args.quick else CASES
+    out = BenchOutput("device_check", args.out)
     if args.compile_check and not compile_check():
         return 1
     if args.dry_run or not torch.cuda.is_available():
-        _print_plan(cases, args.out_dir)
+        _print_plan(cases, out.dir)
         return 0
     import triton
 
@@ -153,7 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("TRITON_INTERPRET is set: unset it to time compiled kernels on the GPU")
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must be exact fp32 too
     started = time.perf_counter()
-    rows = [_run_case(case) for case in tqdm(cases, desc="device check")]
+    with progress(len(cases), "device check", unit="case") as bar:
+        rows = []
+        for case in cases:
+            rows.append(_run_case(case))
+            bar.update()
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - started, 1),
         "cases": rows,
     }
-    _write(report, args.out_dir)
+    out.finish(_write(report, out))
     failed = [r["case"] for r in rows if not r["ok"]]
     if failed:
         logger.error("accuracy check FAILED for: %s", failed)
@@ -355,22 +355,21 @@ def _max_err(out: torch.Tensor, expected: torch.Tensor) -> float:
     return float((out.float() - expected).abs().max())
 
 
-def _print_plan(cases: list[Case], out_dir: Path) -> None:
+def _print_plan(cases: list[Case], out_dir: str) -> None:
     print("No CUDA device (or --dry-run): nothing measured. On a CUDA machine this script would:")
     print("  - check Triton store/extend/decode against the torch reference in bf16 (atol 2e-2) "
           "and in fp32 (atol 1e-5, which TF32 dots would fail)")
     print("  - time each (CUDA events over CUDA-graph replays, warm-up, median) against the torch "
           "reference and torch SDPA on contiguous KV")
     print("  - report decode's achieved memory bandwidth = bytes of K/V read / kernel time")
-    print(f"  - write {out_dir / 'device_check.json'} and {out_dir / 'device_check.md'}")
+    print(f"  - write device_check.json and device_check.md to {out_dir}/")
     print("Cases (bf16, pages of 16 slots placed non-contiguously):")
     for case in cases:
         print(f"  {case.label}")
 
 
-def _write(report: dict, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "device_check.json").write_text(json.dumps(report, indent=2) + "\n")
+def _write(report: dict, out: BenchOutput) -> str:
+    """Writes device_check.{json,md}; returns the Markdown."""
     lines = [f"# Triton attention device check ({report['device']})", "",
              f"torch {report['torch']}, triton {report['triton']}; bf16, pages of 16 scattered slots. "
              "Median ms per call from CUDA-graph replays (eager: with Python launch overhead); "
@@ -384,8 +383,7 @@ def _write(report: dict, out_dir: Path) -> None:
                      f"| {r['triton_eager_ms']:.3f} | {r['torch_ref_ms']:.3f} | {r['sdpa_ms']:.3f} "
                      f"| {r['torch_ref_ms'] / r['triton_ms']:.1f}x | {r['sdpa_ms'] / r['triton_ms']:.2f}x "
                      f"| {gbps} | {r['triton_tflops']:.1f} |")
-    (out_dir / "device_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return out.write_report("device_check", report, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

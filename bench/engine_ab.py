@@ -1,4 +1,5 @@
-"""radixserve against itself: two engine configurations, each in its own process, alternating.
+"""radixserve against itself: two engine configurations, each in its own process, alternating (for settings that
+act on the whole process, such as the host allocator).
 
 For settings that act on the whole process (the host allocator, threads) an in-process A/B would
 measure one setting twice, so each side is a child process holding one `Engine` and answering
@@ -7,7 +8,7 @@ every side first runs once untimed (new shapes build their oneDNN kernels), then
 for `--reps` repetitions (order flipped every other one) after `--settle-s` idle, median of the runs.
 
     python -m radixserve.bench.engine_ab --model M --workloads gsp,fewshot \
-        --a '{"release_host_memory": true}' --b '{}' --label-a release --label-b retain
+        --a '{"release_host_memory": true}' --b '{}' --label-a release --label-b retain --name host_memory_M
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
+from radixserve.bench.harness import MODEL_HELP
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.peer_vllm import alternation
+from radixserve.bench.workloads import NONALIGNED_WORKLOADS, WORKLOAD_NAMES
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 ENGINE = dict(kv_cache_tokens=120000, max_running_requests=64, chunked_prefill_size=4096)
 
 
@@ -82,15 +85,19 @@ def child_main(spec_json: str) -> int:
     return 0
 
 
-def measure(sides: dict[str, Child], workloads: list[str], reps: int, settle_s: float) -> list[dict[str, Any]]:
+def measure(sides: dict[str, Child], workloads: list[str], reps: int, settle_s: float,
+            on_run: Callable[[], object] = lambda: None) -> list[dict[str, Any]]:
+    """Per workload: one untimed run per side, then `reps` alternating timed ones; on_run() after every run."""
     runs = []
     for workload in workloads:
         for side in sides.values():
             side.run(workload)  # untimed: this workload's shapes
+            on_run()
         for rep, order in enumerate(alternation(list(sides), reps)):
             for label in order:
                 time.sleep(settle_s)
                 runs.append({"workload": workload, "side": label, "rep": rep, **sides[label].run(workload)})
+                on_run()
     return runs
 
 
@@ -139,40 +146,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for label in labels:
             sides[label] = Child(label, args.model, args.size, args.threads, configs[label])
-        runs = measure(sides, args.workloads, args.reps, args.settle_s)
+        with progress(len(args.workloads) * 2 * (1 + args.reps), "engine A/B") as bar:
+            runs = measure(sides, args.workloads, args.reps, args.settle_s, bar.update)
     finally:
         for side in sides.values():
             side.close()
-    report = {"bench": "engine_ab", "command": "python -m radixserve.bench.engine_ab " + " ".join(argv or sys.argv[1:]),
+    report = {"bench": "engine_ab", "command": args.command,
               "model": args.model, "size": args.size, "reps": args.reps, "threads": args.threads,
               "labels": list(labels), "configs": {k: sides[k].config for k in labels},
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
               "runs": runs, "rows": summarize(runs, labels)}
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(markdown(report))
-    print(markdown(report))
+    out = BenchOutput("engine_ab", args.out)
+    out.finish(out.write_report(args.name or f"engine_ab_{args.model}", report, markdown(report)))
     return report
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = bench_parser("engine_ab", __doc__)
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--model", default="M", help="bench model: S, M or tiny")
-    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="full")
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=["gsp", "fewshot", "multiturn", "react"])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--settle-s", type=float, default=3.0, help="idle before each run (OpenMP threads spin)")
-    p.add_argument("--a", default="{}", help="side a's Engine keywords (JSON)")
-    p.add_argument("--b", default="{}", help="side b's Engine keywords (JSON)")
-    p.add_argument("--label-a", default="a")
-    p.add_argument("--label-b", default="b")
-    p.add_argument("--out", help="write OUT.json and OUT.md (e.g. bench/results/host_memory_M)")
-    args = p.parse_args(argv)
+    p.add_argument("--model", default="M", help=MODEL_HELP)
+    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="full", help="workload size")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=["gsp", "fewshot", "multiturn", "react"],
+                   help="comma-separated workloads, from " + ", ".join(WORKLOAD_NAMES + NONALIGNED_WORKLOADS))
+    p.add_argument("--reps", type=int, default=3, help="timed runs per side and workload; the report gives their median")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    p.add_argument("--settle-s", type=float, default=3.0,
+                   help="idle seconds before each run, so the other side's spinning threads have stopped")
+    p.add_argument("--a", default="{}", help='side a\'s Engine keywords as JSON, e.g. \'{"release_host_memory": true}\'')
+    p.add_argument("--b", default="{}", help="side b's Engine keywords as JSON")
+    p.add_argument("--label-a", default="a", help="side a's name in the report")
+    p.add_argument("--label-b", default="b", help="side b's name in the report")
+    p.add_argument("--name", help="the result files' name, NAME.{json,md} (default: engine_ab_MODEL)")
+    args = parse_args(p, argv)
     if args.label_a == args.label_b:
         p.error("--label-a and --label-b must differ")
     return args

@@ -1,10 +1,10 @@
-"""Structured-generation bench (issue 11): what a JSON schema costs against unconstrained decoding, and what
-jump-forward saves on a schema with long fixed keys.
+"""Structured-generation bench: what a JSON schema costs against unconstrained decoding, and what jump-forward
+saves on a schema with long fixed keys.
 
     python -m radixserve.bench.grammar_bench                 # model M, batches 1 and 32 (a few minutes on 2 cores)
-    python -m radixserve.bench.grammar_bench --model tiny --size tiny --repeats 1   # the CI smoke run
+    python -m radixserve.bench.grammar_bench --model tiny --size tiny --repeats 1   # seconds
 
-Writes bench/results/grammar_bench.{json,md}. Every timed run sends `batch` distinct random-token prompts at
+Writes grammar_bench.{json,md} (bench/output.py says where). Every timed run sends `batch` distinct random-token prompts at
 once, greedy, after an emptied prefix cache; the cases of one repeat use the same prompts and run one after the
 other (alternating), and each figure is the median of --repeats.
 
@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections import Counter
 from typing import Any
 
-from radixserve.bench.harness import bench_model_path
+from radixserve.bench.harness import MODEL_HELP, bench_model_path
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.workloads import TOKEN_HI, TOKEN_LO
 
 logger = logging.getLogger(__name__)
@@ -90,20 +89,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engine.generate([[TOKEN_LO] * prompt_len], dict(params, max_new_tokens=min(params["max_new_tokens"], 4)))
     raw: dict[str, list[dict[str, Any]]] = {f"{case}@{b}": [] for case in CASES for b in batches}
     t_start = time.perf_counter()
-    for rep in range(args.repeats):
-        for batch in batches:
-            rng = random.Random(1000 * rep + batch)
-            prompts = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(prompt_len)] for _ in range(batch)]
-            for case in CASES:
-                row = timed_run(case_engine[case], prompts, case_params[case],
-                                schema=keyed if case.startswith("jump") else None)
-                raw[f"{case}@{batch}"].append(row)
-                logger.info("repeat %d batch %d %s: %.2f s, %.1f tok/s", rep, batch, case, row["wall_s"],
-                            row["tok_per_s"])
+    with progress(args.repeats * len(batches) * len(CASES), "grammar bench") as bar:
+        for rep in range(args.repeats):
+            for batch in batches:
+                rng = random.Random(1000 * rep + batch)
+                prompts = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(prompt_len)] for _ in range(batch)]
+                for case in CASES:
+                    row = timed_run(case_engine[case], prompts, case_params[case],
+                                    schema=keyed if case.startswith("jump") else None)
+                    raw[f"{case}@{batch}"].append(row)
+                    logger.info("repeat %d batch %d %s: %.2f s, %.1f tok/s", rep, batch, case, row["wall_s"],
+                                row["tok_per_s"])
+                    bar.update()
     for engine in engines.values():
         engine.shutdown()
     report = {
-        "command": "python -m radixserve.bench.grammar_bench " + " ".join(args.argv),
+        "command": args.command,
         "model": args.model, "model_path": model_path, "threads": args.threads, "repeats": args.repeats,
         "batches": list(batches), "prompt_len": prompt_len, "output_len": output_len,
         "fixed_schema_chars": fixed["minLength"], "long_keys_schema": keyed, "python": platform.python_version(),
@@ -111,11 +112,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "cases": {key: summarize(rows) for key, rows in raw.items()}, "runs": raw,
     }
     report["ratios"] = ratios(report["cases"], batches)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "grammar_bench.json"), "w") as f:
-        json.dump(report, f, indent=2)
-    with open(os.path.join(args.out, "grammar_bench.md"), "w") as f:
-        f.write(render_markdown(report))
+    out = BenchOutput("grammar_bench", args.out)
+    out.finish(out.write_report("grammar_bench", report, render_markdown(report)))
     return report
 
 
@@ -225,17 +223,17 @@ def _finish(summary: dict[str, Any]) -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="M", help="bench model: S, M or tiny")
-    p.add_argument("--size", choices=sorted(SIZES), default="default")
+    p = bench_parser("grammar_bench", __doc__)
+    p.add_argument("--model", default="M", help=MODEL_HELP)
+    p.add_argument("--size", choices=sorted(SIZES), default="default",
+                   help="batch sizes, prompt and output lengths: "
+                        + "; ".join(f"{k}: batches {','.join(map(str, v['batches']))}, {v['prompt_len']} prompt and "
+                                    f"{v['output_len']} output tokens" for k, v in SIZES.items()))
     p.add_argument("--batches", help="comma-separated batch sizes (default: the size's)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of every case; the report gives their median")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1 by default: on a shared 2-core machine more threads oversubscribe)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = p.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    return args
+                   help="torch threads (more than the free cores slows every thread down)")
+    return parse_args(p, argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ BENCH_MODELS: dict[str, dict[str, Any]] = {
               intermediate_size=4864, max_position_embeddings=32768, dtype="bfloat16", tie_word_embeddings=True),
 }
 
+MODEL_HELP = ("bench model: S, M, L or tiny (random weights, built once into the cache; tiny runs in seconds), "
+              "a checkpoint directory, or a config.json for random weights in its shape")
+
 
 def bench_model_path(name: str) -> str:
     """Directory of bench model `name`: one of BENCH_MODELS (built once into the radixserve cache), a Hugging Face
@@ -277,9 +280,10 @@ def _percentile(values: list[float], pct: float) -> float | None:
     return ordered[int(rank) - 1]
 
 
-def repeated_runs(engine: Any, make: Callable[[], Workload], config: dict[str, Any],
-                  num_runs: int = 3) -> tuple[dict[str, Any], list[RunResult]]:
+def repeated_runs(engine: Any, make: Callable[[], Workload], config: dict[str, Any], num_runs: int = 3,
+                  on_run: Callable[[], object] = lambda: None) -> tuple[dict[str, Any], list[RunResult]]:
     """Warm up, then `num_runs` runs of a fresh workload on an emptied cache; the median summary.
+    on_run() is called after each run (a progress bar's update).
 
     Every run sends the same tokens (greedy, same engine), so counts agree across runs; only the
     timings vary and are reported as medians.
@@ -290,6 +294,7 @@ def repeated_runs(engine: Any, make: Callable[[], Workload], config: dict[str, A
         if not engine.flush_cache():
             raise RuntimeError("flush_cache refused: the engine still has running requests")
         results.append(run_workload(engine, make(), config))
+        on_run()
     summaries = [r.summary() for r in results]
     cached = {s["cached_tokens"] for s in summaries}
     if len(cached) > 1:

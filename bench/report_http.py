@@ -2,14 +2,12 @@
 offline ratios), Markdown and a PNG (bench/http_bench.py measures; this module only aggregates and writes)."""
 from __future__ import annotations
 
-import json
-import logging
 import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from radixserve.bench.output import BenchOutput
 
 SIDES = ("http", "offline")
 TARGETS = {"S": 0.8, "M": 0.9}  # HTTP / offline req/s, to show (not asserted)
@@ -114,7 +112,7 @@ def markdown(report: dict[str, Any]) -> str:
                      + ", ".join(f"c={c} {'met' if ok else 'not met'}" for c, ok in met.items()) + ".")
         lines.append("")
     lines += ["Absolute times on a shared machine are noise; compare the ratios within one invocation.", "",
-              f"![HTTP / offline]({os.path.basename(cfg.get('out', 'http_bench'))}.png)", ""]
+              f"![HTTP / offline]({stem(report)}.png)", ""]
     return "\n".join(lines)
 
 
@@ -162,13 +160,10 @@ def plot(report: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_report(report: dict[str, Any], out: str) -> None:
-    """out: path without extension; writes out.json, out.md and out.png."""
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    with open(out + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    plot(report, out + ".png")
-    logger.info("wrote %s.{json,md,png}", out)
+def stem(report: dict[str, Any]) -> str:
+    return f"http_bench_{report['config']['model']}"
+
+
+def write_report(report: dict[str, Any], out: BenchOutput) -> str:
+    """Writes http_bench_MODEL.{json,png,md}; returns the Markdown."""
+    return out.write_report(stem(report), report, markdown(report), lambda path: plot(report, path))

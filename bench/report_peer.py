@@ -1,13 +1,12 @@
 """Summaries, JSON, Markdown and PNG of the vLLM peer bench (see peer_vllm)."""
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 from radixserve.bench.optimal import optimal_counts
+from radixserve.bench.output import BenchOutput
 from radixserve.bench.roofline import FORMULA, linear_flops
 
 OURS = "radixserve"  # the reference engine's name in rows
@@ -92,16 +91,11 @@ def _compare_outputs(ref: Any, run: Any) -> dict[str, Any]:
             "first_differ": differ[0] if differ else None}
 
 
-def write_report(report: dict[str, Any], out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    stem = f"peer_vllm_{report.get('model')}"  # one set of files per model
-    with open(os.path.join(out_dir, f"{stem}.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(out_dir, f"{stem}.md"), "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    plot_peer(report["rows"], os.path.join(out_dir, f"{stem}.png"),
-              title=f"model {report.get('model')}, {report.get('size')} workloads")
+def write_report(report: dict[str, Any], out: BenchOutput) -> str:
+    """Writes peer_vllm_MODEL.{json,png,md}; returns the Markdown."""
+    title = f"model {report.get('model')}, {report.get('size')} workloads"
+    return out.write_report(f"peer_vllm_{report.get('model')}", report, markdown(report),
+                            lambda path: plot_peer(report["rows"], path, title=title))
 
 
 _HEAD = ("| workload | engine | req/s median (min–max) | tok/s median | hit rate | optimal | outputs = ours "

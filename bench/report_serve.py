@@ -2,12 +2,12 @@
 and a PNG (bench/peer_serve.py measures; this module only aggregates and writes)."""
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from radixserve.bench.output import BenchOutput
 from radixserve.bench.report_peer import OURS
 
 # Medians over the runs of these (plus the hit rate) make a row.
@@ -175,15 +175,9 @@ def plot(r: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def write_report(report: dict[str, Any], out_dir: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
+def write_report(report: dict[str, Any], out: BenchOutput) -> str:
+    """Writes peer_serve_MODEL.{json,png,md}; returns the Markdown."""
     stem = report.setdefault("stem", f"peer_serve_{report.get('model')}")
-    with open(os.path.join(out_dir, stem + ".json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(out_dir, stem + ".md"), "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    plot(report, os.path.join(out_dir, stem + ".png"))
-    return os.path.join(out_dir, stem)
+    return out.write_report(stem, report, markdown(report), lambda path: plot(report, path))
 
 

@@ -8,25 +8,24 @@ runs its turns in order and the agents run concurrently. Reported per mode, medi
 prompt tokens sent, the cached ones (hit rate = cached / prompt), and latency p50 / p99. The chat mode resends
 the assistant's text, which the tokenizer need not split as the model wrote it; the responses mode continues
 from the exact token ids the server stored. Greedy, ignore_eos, so every turn generates --output-tokens.
-Writes results/responses_bench_MODEL.json and .md.
+Writes responses_bench_MODEL.{json,md} (bench/output.py says where).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import random
 import statistics
-import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
+from radixserve.bench.harness import MODEL_HELP
 from radixserve.bench.http_bench import percentile
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 
 logger = logging.getLogger(__name__)
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODES = ("responses", "chat")
 _WORDS = ("plan", "search", "file", "result", "agent", "tool", "error", "retry", "summary", "update", "check",
           "report", "data", "query", "step", "value", "list", "node", "cache", "route")
@@ -44,7 +43,7 @@ def instructions(words: int, seed: int) -> str:
 
 
 async def _agent(client: Any, mode: str, system: str, inputs: list[str], output_tokens: int,
-                 records: list[dict[str, Any]]) -> None:
+                 records: list[dict[str, Any]], on_turn: Callable[[], object]) -> None:
     sampling = {"temperature": 0, "ignore_eos": True}
     history: list[dict[str, Any]] = [{"role": "system", "content": system}]
     previous = None
@@ -65,15 +64,18 @@ async def _agent(client: Any, mode: str, system: str, inputs: list[str], output_
             usage = r["usage"]
             prompt, cached = usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
         records.append({"prompt": prompt, "cached": cached, "latency_s": time.perf_counter() - start})
+        on_turn()
 
 
-async def run_mode(url: str, mode: str, system: str, convs: list[list[str]], output_tokens: int) -> dict[str, Any]:
+async def run_mode(url: str, mode: str, system: str, convs: list[list[str]], output_tokens: int,
+                   on_turn: Callable[[], object] = lambda: None) -> dict[str, Any]:
+    """Every conversation through `mode`, the agents concurrently; on_turn() after each request."""
     import httpx
 
     records: list[dict[str, Any]] = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(_agent(client, mode, system, c, output_tokens, records) for c in convs))
+        await asyncio.gather(*(_agent(client, mode, system, c, output_tokens, records, on_turn) for c in convs))
         wall = time.perf_counter() - start
     prompt, cached = sum(r["prompt"] for r in records), sum(r["cached"] for r in records)
     latencies = [r["latency_s"] for r in records]
@@ -139,42 +141,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs = []
     try:
         asyncio.run(run_mode(server.url, "chat", system, convs[:1], 2))  # warm-up
-        for rep in range(args.runs):
-            for mode in MODES if rep % 2 == 0 else tuple(reversed(MODES)):
-                _flush_server(server.url)
-                runs.append(dict(asyncio.run(run_mode(server.url, mode, system, convs, args.output_tokens)), rep=rep))
-                logger.info("rep %d %s: %.2f req/s, hit rate %.3f", rep, mode, runs[-1]["req_per_s"],
-                            runs[-1]["hit_rate"])
+        with progress(args.runs * len(MODES) * args.agents * args.turns, "responses bench", unit="req") as bar:
+            for rep in range(args.runs):
+                for mode in MODES if rep % 2 == 0 else tuple(reversed(MODES)):
+                    _flush_server(server.url)
+                    run = asyncio.run(run_mode(server.url, mode, system, convs, args.output_tokens, bar.update))
+                    runs.append(dict(run, rep=rep))
+                    logger.info("rep %d %s: %.2f req/s, hit rate %.3f", rep, mode, run["req_per_s"], run["hit_rate"])
     finally:
         server.stop()
-    config = {"command": "python -m radixserve.bench.responses_bench " + " ".join(args.argv), "model": args.model,
+    config = {"command": args.command, "model": args.model,
               "agents": args.agents, "turns": args.turns, "output_tokens": args.output_tokens, "runs": args.runs,
               "threads": args.threads, "instruction_words": args.instruction_words,
               "words_per_turn": args.words_per_turn, "cpus": os.cpu_count()}
     report = build_report(runs, config)
-    with open(args.out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(args.out + ".md", "w") as f:
-        f.write(markdown(report))
+    out = BenchOutput("responses_bench", args.out)
+    out.finish(out.write_report(f"responses_bench_{args.model}", report, markdown(report)))
     return report
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="S", help="bench model (ARCHITECTURE §8): S, M or tiny")
-    p.add_argument("--agents", type=int, default=8)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--instruction-words", type=int, default=200)
-    p.add_argument("--words-per-turn", type=int, default=30)
-    p.add_argument("--runs", type=int, default=3, help="rounds per mode (alternating; the median is reported)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output path without extension")
-    args = p.parse_args(argv)
-    args.out = args.out or os.path.join(RESULTS_DIR, f"responses_bench_{args.model}")
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    return args
+    p = bench_parser("responses_bench", __doc__)
+    p.add_argument("--model", default="S", help=MODEL_HELP)
+    p.add_argument("--agents", type=int, default=8, help="conversations running at once")
+    p.add_argument("--turns", type=int, default=6, help="user turns per conversation")
+    p.add_argument("--output-tokens", type=int, default=32, help="tokens generated per turn")
+    p.add_argument("--instruction-words", type=int, default=200, help="words of the shared system instructions")
+    p.add_argument("--words-per-turn", type=int, default=30, help="words of each user turn")
+    p.add_argument("--runs", type=int, default=3,
+                   help="rounds per mode, the modes alternating; the report gives their median")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the server")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random words")
+    return parse_args(p, argv)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Cache-aware routing across replicas: `serve --replicas N` behind sglang-router, cache_aware vs
-round_robin vs one worker, on gsp as text prompts (ARCHITECTURE "Replicas and routing").
+round_robin vs one worker, on shared-system-prompt chat requests as text (~2 min on model S).
 
-    python -m radixserve.bench.router_bench --model S --replicas 4     # bench/results/router_bench_S.{json,md}
-    python -m radixserve.bench.router_bench --model tiny --replicas 2 --groups 4 --per-group 4 --out /tmp/rb
+    python -m radixserve.bench.router_bench --model S --replicas 4     # router_bench_S.{json,md}
+    python -m radixserve.bench.router_bench --model tiny --replicas 2 --groups 4 --per-group 4
 
 Workload: gsp (G groups x P chat requests; a group's requests share one system prompt, each has its
 own question), in a seeded shuffled order, as *text*: sglang-router's cache_aware policy matches
@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import platform
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from radixserve.bench.http_bench import RESULTS_DIR, percentile
+from radixserve.bench.http_bench import add_gsp_flags, percentile
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +100,10 @@ async def _one(client: Any, url: str, body: dict, headers: dict) -> dict[str, An
 
 
 async def run_stream(url: str, requests: Sequence[TextRequest], model: str, concurrency: int,
-                     headers: dict | None = None) -> tuple[list[dict], float]:
-    """All requests through `url`, at most `concurrency` in flight; (per-request timings, wall s)."""
+                     headers: dict | None = None,
+                     on_done: Callable[[], object] = lambda: None) -> tuple[list[dict], float]:
+    """All requests through `url`, at most `concurrency` in flight; (per-request timings, wall s).
+    on_done() is called as each request finishes (a progress bar's update)."""
     import httpx
 
     queue = list(reversed(requests))
@@ -111,6 +112,7 @@ async def run_stream(url: str, requests: Sequence[TextRequest], model: str, conc
         async def worker() -> None:
             while queue:
                 out.append(await _one(client, url, queue.pop().body(model), headers or {}))
+                on_done()
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -157,12 +159,9 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict[str, Any], out: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(out + ".md", "w") as f:
-        f.write(markdown(report))
+def write_report(report: dict[str, Any], out: BenchOutput) -> str:
+    """Writes router_bench_MODEL.{json,md}; returns the Markdown."""
+    return out.write_report(f"router_bench_{report['config']['model']}", report, markdown(report))
 
 
 def _pct(v: float | None) -> str:
@@ -181,12 +180,12 @@ def _ms(v: float | None) -> str:
 
 
 def run_side(side: str, url: str, worker_urls: Sequence[str], requests: Sequence[TextRequest], model: str,
-             concurrency: int) -> dict[str, Any]:
+             concurrency: int, on_done: Callable[[], object] = lambda: None) -> dict[str, Any]:
     """One side from emptied caches: warm-up request excluded, counters read around the stream."""
     for u in worker_urls:
         _flush(u)
     before = [_stats(u) for u in worker_urls]
-    timings, wall_s = asyncio.run(run_stream(url, requests, model, concurrency))
+    timings, wall_s = asyncio.run(run_stream(url, requests, model, concurrency, on_done=on_done))
     row = summarize(side, timings, wall_s, computed_tokens(before, [_stats(u) for u in worker_urls]))
     logger.info("%s: hit rate %.3f, %d prompt tokens computed, %.2f req/s", side, row["hit_rate"],
                 row["computed_tokens"], row["req_per_s"])
@@ -208,29 +207,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "--kv-cache-tokens", str(args.kv_cache_tokens), "--max-running-requests", str(args.concurrency)]
     env = {"OMP_NUM_THREADS": str(max(1, args.threads // args.replicas))}
     rows = []
-    single = ServerProcess([*common, "--num-threads", str(args.threads)], env={"OMP_NUM_THREADS": str(args.threads)})
-    try:
-        asyncio.run(run_stream(single.url, requests[:2], "bench", 2))  # warm-up, flushed away below
-        rows.append(run_side("single", single.url, [single.url], requests, "bench", args.concurrency))
-    finally:
-        single.stop()
-    replicas = ServerProcess([*common, "--replicas", str(args.replicas)], env=env, start_timeout_s=900)
-    try:
-        worker_urls = re.findall(r"worker \d+ ready on (http://[\d.]+:\d+)", replicas.log())
-        asyncio.run(run_stream(replicas.url, requests[:2], "bench", 2))
-        rows.append(run_side("cache_aware", replicas.url, worker_urls, requests, "bench", args.concurrency))
-        rr = RouterProcess(worker_urls, "127.0.0.1", free_port(), "round_robin", None)
+    with progress(len(SIDES) * len(requests), "router bench", unit="req") as bar:
+        single = ServerProcess([*common, "--num-threads", str(args.threads)],
+                               env={"OMP_NUM_THREADS": str(args.threads)})
         try:
-            rr.wait_ready(len(worker_urls))
-            rows.append(run_side("round_robin", rr.url, worker_urls, requests, "bench", args.concurrency))
+            asyncio.run(run_stream(single.url, requests[:2], "bench", 2))  # warm-up, flushed away below
+            rows.append(run_side("single", single.url, [single.url], requests, "bench", args.concurrency, bar.update))
         finally:
-            rr.stop(timeout=10)
-    finally:
-        replicas.stop()
+            single.stop()
+        replicas = ServerProcess([*common, "--replicas", str(args.replicas)], env=env, start_timeout_s=900)
+        try:
+            worker_urls = re.findall(r"worker \d+ ready on (http://[\d.]+:\d+)", replicas.log())
+            asyncio.run(run_stream(replicas.url, requests[:2], "bench", 2))
+            rows.append(run_side("cache_aware", replicas.url, worker_urls, requests, "bench", args.concurrency,
+                                 bar.update))
+            rr = RouterProcess(worker_urls, "127.0.0.1", free_port(), "round_robin", None)
+            try:
+                rr.wait_ready(len(worker_urls))
+                rows.append(run_side("round_robin", rr.url, worker_urls, requests, "bench", args.concurrency,
+                                     bar.update))
+            finally:
+                rr.stop(timeout=10)
+        finally:
+            replicas.stop()
     config = _config(args, model_path)
     config["elapsed_s"] = time.perf_counter() - started
     report = build_report(rows, config)
-    write_report(report, args.out)
+    out = BenchOutput("router_bench", args.out)
+    out.finish(write_report(report, out))
     return report
 
 
@@ -252,34 +256,32 @@ def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
     argv = list(args.argv)
     if "--note" in argv[:-1]:
         argv[argv.index("--note") + 1] = "'(the note below)'"
-    return {"command": "python -m radixserve.bench.router_bench " + " ".join(argv), "model": args.model,
+    return {"command": " ".join(["python -m radixserve.bench.router_bench", *argv]), "model": args.model,
             "model_path": model_path, "replicas": args.replicas, "workload": args.workload, "seed": args.seed,
             "concurrency": args.concurrency, "threads": args.threads,
             "worker_threads": max(1, args.threads // args.replicas), "kv_cache_tokens": args.kv_cache_tokens,
-            "router_version": importlib.metadata.version("sglang-router"), "note": args.note, "out": args.out,
+            "router_version": importlib.metadata.version("sglang-router"), "note": args.note,
             "endpoint": "/v1/chat/completions (text, streamed)",
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="S", choices=tuple(PRESETS), help="bench model (ARCHITECTURE §8)")
-    p.add_argument("--model-path", default=None, help="use this checkpoint instead of the bench model")
+    p = bench_parser("router_bench", __doc__)
+    p.add_argument("--model", default="S", choices=tuple(PRESETS),
+                   help="bench model (random weights, built once into the cache; tiny runs in seconds); it also "
+                        "picks the workload's preset")
+    p.add_argument("--model-path", default=None, help="a checkpoint directory to serve instead of the bench model")
     p.add_argument("--replicas", type=int, default=4, help="workers behind the router")
-    for key in PRESETS["S"]:
-        p.add_argument("--" + key.replace("_", "-").replace("num-groups", "groups"), dest=key, type=int,
-                       help=f"gsp {key.replace('_', ' ')} (default: the model's preset)")
+    add_gsp_flags(p, PRESETS)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (closed loop)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="torch threads of the single worker; each replica gets threads // replicas")
-    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool per worker")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+                   help="torch threads of the single worker; each replica gets threads // replicas "
+                        "(default: this machine's cores)")
+    p.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV pool per worker, in tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--note", default="", help="a sentence for the report (e.g. why a smaller configuration)")
-    p.add_argument("--out", default=None, help="output path without extension (default results/router_bench_MODEL)")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     args.workload = {k: getattr(args, k) or v for k, v in PRESETS[args.model].items()}
-    args.out = args.out or os.path.join(RESULTS_DIR, f"router_bench_{args.model}")
-    args.argv = list(argv if argv is not None else sys.argv[1:])
     return args
 
 

@@ -1,9 +1,10 @@
-"""Cache-aware scheduling and eviction benchmark (issue 4): one command for the whole grid.
+"""Cache-aware scheduling and eviction benchmark: scheduling policies x KV budgets x workloads, hit rate against
+the optimal, cache on/off throughput, eviction, starvation and scheduling overhead, in one command (~20 min).
 
-    python -m radixserve.bench.run_cache_bench                  # as recorded in bench/results
-    python -m radixserve.bench.run_cache_bench --quick          # reduced sizes, no model M
+    python -m radixserve.bench.run_cache_bench                  # as recorded in bench/results (~20 min)
+    python -m radixserve.bench.run_cache_bench --quick          # reduced sizes, no model M (a few minutes)
 
-Sections (bench/results/cache_bench.{json,md,png}):
+Sections of cache_bench.{json,md,png} (bench/output.py says where they go):
   grid      workloads x policies x KV budgets (25/50/100% of the workload's distinct tokens plus
             the running requests' decode room): hit rate vs the optimal, TTFT in engine steps.
             Hit rates depend on token ids only, so the grid runs on --hit-model (tiny by default).
@@ -25,9 +26,9 @@ import time
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
-from radixserve.bench.harness import bench_model_path, budget_tokens, repeated_runs, run_workload
+from radixserve.bench.harness import MODEL_HELP, bench_model_path, budget_tokens, repeated_runs, run_workload
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.report_cache import write_report
 from radixserve.bench.workloads import EVICTION_WORKLOADS, WORKLOAD_NAMES, MissStream, make_workload
 
@@ -46,8 +47,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     started = time.time()
     report: dict[str, Any] = {
-        "bench": "cache_bench", "command": "python -m radixserve.bench.run_cache_bench " + " ".join(args.argv),
-        "config": {k: v for k, v in vars(args).items() if k != "argv"},
+        "bench": "cache_bench", "command": args.command,
+        "config": {k: v for k, v in vars(args).items() if k not in ("argv", "command")},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
     }
     hit_model = bench_model_path(args.hit_model)
@@ -65,53 +66,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["speed"] = speed(speed_model, args.workloads, args.speed_size, args.runs)
         report["step_overhead"] = step_overhead(speed_model, batch=32)
     report["elapsed_s"] = time.time() - started
-    write_report(report, args.out)
+    out = BenchOutput("cache_bench", args.out)
+    out.finish(write_report(report, out))
     return report
 
 
 def grid(model_path: str, workloads: list[str], policies: list[str], budgets: list[float],
          size: str) -> list[dict[str, Any]]:
-    from radixserve.scheduler import Engine
-
     rows = []
     cells = [(w, b, p) for w in workloads for b in budgets for p in policies]
-    for workload, budget, policy in tqdm(cells, desc="grid", unit="run"):
-        make = _maker(workload, size)
-        kv_tokens = budget_tokens(make, budget, MAX_RUNNING)
-        engine = Engine(model_path, kv_cache_tokens=kv_tokens, schedule_policy=policy,
-                        max_running_requests=MAX_RUNNING, num_threads=torch.get_num_threads())
-        result = run_workload(engine, make())
-        stats = engine.stats()
-        engine.shutdown()
-        summary = result.summary()
-        rows.append({
-            "workload": workload, "policy": policy, "budget": budget, "kv_cache_tokens": kv_tokens,
-            **{k: summary[k] for k in ("num_requests", "prompt_tokens", "computed_tokens", "hit_rate",
-                                       "optimal_hit_rate", "hit_rate_vs_optimal", "num_steps",
-                                       "ttft_steps_p50", "ttft_steps_p99")},
-            "num_evicted_tokens": stats["num_evicted_tokens"], "num_retractions": stats["num_retractions"],
-        })
+    with progress(len(cells), "grid") as bar:
+        for workload, budget, policy in cells:
+            rows.append(_grid_cell(model_path, workload, budget, policy, size))
+            bar.update()
     return rows
+
+
+def _grid_cell(model_path: str, workload: str, budget: float, policy: str, size: str) -> dict[str, Any]:
+    from radixserve.scheduler import Engine
+
+    make = _maker(workload, size)
+    kv_tokens = budget_tokens(make, budget, MAX_RUNNING)
+    engine = Engine(model_path, kv_cache_tokens=kv_tokens, schedule_policy=policy,
+                    max_running_requests=MAX_RUNNING, num_threads=torch.get_num_threads())
+    result = run_workload(engine, make())
+    stats = engine.stats()
+    engine.shutdown()
+    summary = result.summary()
+    return {
+        "workload": workload, "policy": policy, "budget": budget, "kv_cache_tokens": kv_tokens,
+        **{k: summary[k] for k in ("num_requests", "prompt_tokens", "computed_tokens", "hit_rate",
+                                   "optimal_hit_rate", "hit_rate_vs_optimal", "num_steps",
+                                   "ttft_steps_p50", "ttft_steps_p99")},
+        "num_evicted_tokens": stats["num_evicted_tokens"], "num_retractions": stats["num_retractions"],
+    }
 
 
 def speed(model_path: str, workloads: list[str], size: str, num_runs: int) -> list[dict[str, Any]]:
     from radixserve.scheduler import Engine
 
     rows = []
-    for workload in tqdm(workloads, desc="speed", unit="workload"):
-        make = _maker(workload, size)
-        kv_tokens = budget_tokens(make, 1.0, MAX_RUNNING)
-        row: dict[str, Any] = {"workload": workload, "size": size, "kv_cache_tokens": kv_tokens}
-        for mode, disable in (("on", False), ("off", True)):
-            engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
-                            disable_radix_cache=disable, num_threads=torch.get_num_threads())
-            summary, _ = repeated_runs(engine, make, {}, num_runs=num_runs)
-            engine.shutdown()
-            for key in ("hit_rate", "optimal_hit_rate", "req_per_s", "tok_per_s", "ttft_s_p50",
-                        "ttft_s_p99", "wall_s_runs"):
-                row[f"{key}_{mode}"] = summary[key]
-        row["speedup"] = row["req_per_s_on"] / row["req_per_s_off"]
-        rows.append(row)
+    with progress(2 * num_runs * len(workloads), "speed") as bar:
+        for workload in workloads:
+            make = _maker(workload, size)
+            kv_tokens = budget_tokens(make, 1.0, MAX_RUNNING)
+            row: dict[str, Any] = {"workload": workload, "size": size, "kv_cache_tokens": kv_tokens}
+            for mode, disable in (("on", False), ("off", True)):
+                engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
+                                disable_radix_cache=disable, num_threads=torch.get_num_threads())
+                summary, _ = repeated_runs(engine, make, {}, num_runs=num_runs, on_run=bar.update)
+                engine.shutdown()
+                for key in ("hit_rate", "optimal_hit_rate", "req_per_s", "tok_per_s", "ttft_s_p50",
+                            "ttft_s_p99", "wall_s_runs"):
+                    row[f"{key}_{mode}"] = summary[key]
+            row["speedup"] = row["req_per_s_on"] / row["req_per_s_off"]
+            rows.append(row)
     return rows
 
 
@@ -121,7 +130,7 @@ def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
     one-offs, so fractions of them say little)."""
     from radixserve.scheduler import Engine
 
-    rows = []
+    cells = []
     for workload in EVICTION_WORKLOADS:
         make = _maker(workload, size)
         if workload == "hotstream":
@@ -130,7 +139,10 @@ def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
                      for m in (2, 3, 4, 5)]
         else:
             pools = [(f"{b:.0%}", budget_tokens(make, b, MAX_RUNNING)) for b in (0.25, 0.5)]
-        for label, kv_tokens in pools:
+        cells += [(workload, make, label, kv_tokens) for label, kv_tokens in pools]
+    rows = []
+    with progress(2 * len(cells), "eviction") as bar:
+        for workload, make, label, kv_tokens in cells:
             row: dict[str, Any] = {"workload": workload, "budget": label, "kv_cache_tokens": kv_tokens}
             for policy in ("lru", "lru-reuse"):
                 engine = Engine(model_path, kv_cache_tokens=kv_tokens, max_running_requests=MAX_RUNNING,
@@ -139,6 +151,7 @@ def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
                 engine.shutdown()
                 row[f"hit_rate_{policy}"] = summary["hit_rate"]
                 row["optimal_hit_rate"] = summary["optimal_hit_rate"]
+                bar.update()
             rows.append(row)
     return rows
 
@@ -155,13 +168,15 @@ def starvation(model_path: str) -> dict[str, Any]:
     shape = dict(num_steps=120, hot_per_step=1, miss_every=10)
     first: dict[str, dict[str, int]] = {}
     summaries: dict[str, dict] = {}
-    for label, policy, cfg in variants:
-        engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4,
-                        num_threads=torch.get_num_threads(), policy=PolicyConfig(**cfg))
-        result = run_workload(engine, MissStream(**shape))
-        engine.shutdown()
-        first[label] = {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}
-        summaries[label] = result.summary()
+    with progress(len(variants), "starvation") as bar:
+        for label, policy, cfg in variants:
+            engine = Engine(model_path, kv_cache_tokens=20_000, schedule_policy=policy, max_running_requests=4,
+                            num_threads=torch.get_num_threads(), policy=PolicyConfig(**cfg))
+            result = run_workload(engine, MissStream(**shape))
+            engine.shutdown()
+            first[label] = {r.key: r.first_token_step for r in result.records if r.key.startswith("m")}
+            summaries[label] = result.summary()
+            bar.update()
     base = first["fcfs"]
     rows = []
     for label, _, _ in variants:
@@ -187,23 +202,28 @@ def _maker(workload: str, size: str) -> Callable[[], Any]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="full", help="workload size for grid/eviction: full, reduced, tiny")
-    p.add_argument("--speed-size", default="reduced", help="workload size for the model-M speed runs")
-    p.add_argument("--hit-model", default="tiny")
-    p.add_argument("--speed-model", default="M")
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOAD_NAMES))
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICY_NAMES))
-    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS))
-    p.add_argument("--runs", type=int, default=3)
+    p = bench_parser("run_cache_bench", __doc__)
+    p.add_argument("--size", default="full", choices=("full", "reduced", "tiny"),
+                   help="workload size for the grid, eviction and starvation sections")
+    p.add_argument("--speed-size", default="reduced", choices=("full", "reduced", "tiny"),
+                   help="workload size for the cache on/off speed runs")
+    p.add_argument("--hit-model", default="tiny",
+                   help="model of the hit-rate sections (hit rates depend on the token ids only); " + MODEL_HELP)
+    p.add_argument("--speed-model", default="M", help="model of the speed and step-overhead sections")
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOAD_NAMES),
+                   help="comma-separated workloads")
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICY_NAMES),
+                   help="comma-separated scheduling policies")
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS),
+                   help="comma-separated KV budgets, as fractions of each workload's distinct tokens")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per speed measurement; the report gives their median")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1 by default: on a shared 2-core machine more threads oversubscribe)")
+                   help="torch threads (more than the free cores slows every thread down)")
     p.add_argument("--skip", type=lambda s: s.split(","), default=[],
-                   help="sections to leave out: eviction, starve, overhead, speed (speed = every model-M run)")
-    p.add_argument("--quick", action="store_true", help="reduced sizes, no model-M runs (a few minutes)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = p.parse_args(argv)
-    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+                   help="comma-separated sections to leave out: eviction, starve, overhead, speed (speed = every "
+                        "run on the speed model)")
+    p.add_argument("--quick", action="store_true", help="reduced sizes and no speed section (a few minutes)")
+    args = parse_args(p, argv)
     if args.quick:
         args.size = "reduced"
         args.skip = sorted(set(args.skip) | {"speed"})

@@ -1,10 +1,10 @@
-"""Shared-system-prompt benchmark, radix cache on vs off (issue 2's bench).
+"""Shared-system-prompt benchmark: the same requests with the radix cache on and off, on one bench model.
 
     python -m radixserve.bench.run_prefix_bench            # reduced size, model M, a few minutes on a CPU
     python -m radixserve.bench.run_prefix_bench --size full
 
-Writes bench/results/prefix_bench.{json,md}: computed prompt tokens, hit rate against the optimal
-hit rate (§8), requests/s and tokens/s (median of --runs after a warm-up) and the on/off ratio.
+Writes prefix_bench.{json,md} (bench/output.py says where): computed prompt tokens, hit rate against the optimal
+hit rate (ARCHITECTURE §8), requests/s and tokens/s (median of --runs after a warm-up) and the on/off ratio.
 "Cache off" is `disable_radix_cache=True` and nothing else: same pool, same limits, same batches.
 The pool holds every request's prompt and output without sharing, so neither side is short of KV
 and the ratio measures the compute the cache saves.
@@ -12,13 +12,13 @@ and the ratio measures the compute the cache saves.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 from typing import Any
 
-from radixserve.bench.harness import bench_model_path, repeated_runs, stand_in_rounds
+from radixserve.bench.harness import MODEL_HELP, bench_model_path, repeated_runs, stand_in_rounds
+from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.workloads import SharedSystemPrompt
 
 logger = logging.getLogger(__name__)
@@ -50,17 +50,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = bench_model_path(args.model)
     engine_config = dict(kv_cache_tokens=kv_tokens, max_running_requests=args.max_running_requests,
                          chunked_prefill_size=args.chunked_prefill_size, num_threads=args.threads)
-    modes = {}
-    for mode, disable in (("cache_on", False), ("cache_off", True)):
-        from radixserve.scheduler import Engine
+    from radixserve.scheduler import Engine
 
-        logger.info("%s: %d runs of gsp %s", mode, args.runs, shape)
-        engine = Engine(model_path, disable_radix_cache=disable, **engine_config)
-        summary, _ = repeated_runs(engine, make, {"mode": mode}, num_runs=args.runs)
-        engine.shutdown()
-        modes[mode] = summary
+    modes = {}
+    with progress(2 * args.runs, "prefix bench") as bar:
+        for mode, disable in (("cache_on", False), ("cache_off", True)):
+            logger.info("%s: %d runs of gsp %s", mode, args.runs, shape)
+            engine = Engine(model_path, disable_radix_cache=disable, **engine_config)
+            summary, _ = repeated_runs(engine, make, {"mode": mode}, num_runs=args.runs, on_run=bar.update)
+            engine.shutdown()
+            modes[mode] = summary
     report = _report(args, shape, engine_config, model_path, modes)
-    _write(report, args.out)
+    out = BenchOutput("prefix_bench", args.out)
+    out.finish(out.write_report("prefix_bench", report, _markdown(report)))
     return report
 
 
@@ -77,22 +79,12 @@ def _report(args: argparse.Namespace, shape: dict, engine_config: dict, model_pa
         "speedup_ok": ratio is not None and ratio >= TARGET_SPEEDUP,
     }
     return {
-        "bench": "prefix_bench", "command": "python -m radixserve.bench.run_prefix_bench " + " ".join(args.argv),
+        "bench": "prefix_bench", "command": args.command,
         "model": args.model, "model_path": os.path.basename(model_path), "workload": {"name": "gsp", **shape},
         "engine": engine_config, "runs": args.runs, "threads": args.threads,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         "cache_on": on, "cache_off": off, "checks": checks,
     }
-
-
-def _write(report: dict[str, Any], out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "prefix_bench.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    with open(os.path.join(out_dir, "prefix_bench.md"), "w", encoding="utf-8") as f:
-        f.write(_markdown(report))
-    logger.info("wrote %s/prefix_bench.{json,md}", out_dir)
 
 
 def _markdown(r: dict[str, Any]) -> str:
@@ -128,24 +120,23 @@ def _markdown(r: dict[str, Any]) -> str:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", choices=sorted(SIZES), default="reduced")
-    p.add_argument("--model", default="M", help="bench model: S, M or tiny")
-    p.add_argument("--groups", type=int)
-    p.add_argument("--per-group", type=int)
-    p.add_argument("--system-len", type=int)
-    p.add_argument("--question-len", type=int)
-    p.add_argument("--output-len", type=int)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
+    p = bench_parser("run_prefix_bench", __doc__)
+    p.add_argument("--size", choices=sorted(SIZES), default="reduced",
+                   help="workload size (groups x prompts per group, system / question / output tokens): "
+                        + "; ".join(f"{k}: {g} x {n}, {s} / {q} / {o}" for k, (g, n, s, q, o) in SIZES.items()))
+    p.add_argument("--model", default="M", help=MODEL_HELP)
+    p.add_argument("--groups", type=int, help="groups of prompts that share one system prompt (default: the size's)")
+    p.add_argument("--per-group", type=int, help="prompts per group (default: the size's)")
+    p.add_argument("--system-len", type=int, help="tokens of each system prompt (default: the size's)")
+    p.add_argument("--question-len", type=int, help="tokens after the system prompt, per prompt (default: the size's)")
+    p.add_argument("--output-len", type=int, help="tokens generated per request (default: the size's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per mode; the report gives their median")
+    p.add_argument("--max-running-requests", type=int, default=64, help="requests the engine runs at once")
+    p.add_argument("--chunked-prefill-size", type=int, default=512, help="prompt tokens the engine computes per step")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1 by default: on a shared 2-core machine more threads oversubscribe)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = p.parse_args(argv)
-    args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
-    return args
+                   help="torch threads (more than the free cores slows every thread down)")
+    return parse_args(p, argv)
 
 
 if __name__ == "__main__":

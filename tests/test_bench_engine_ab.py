@@ -16,10 +16,9 @@ def test_summary_takes_medians_and_the_speedup_of_b():
 
 
 def test_two_processes_alternate_on_the_tiny_model(tmp_path):
-    out = tmp_path / "ab"
     report = engine_ab.main(["--model", "tiny", "--size", "tiny", "--workloads", "gsp", "--reps", "2",
                              "--threads", "1", "--settle-s", "0", "--a", '{"release_host_memory": true}',
-                             "--label-a", "release", "--label-b", "retain", "--out", str(out)])
+                             "--label-a", "release", "--label-b", "retain", "--out", str(tmp_path), "--name", "ab"])
     assert [(r["side"], r["rep"]) for r in report["runs"]] == [("release", 0), ("retain", 0),
                                                                 ("retain", 1), ("release", 1)]
     assert all(r["wall_s"] > 0 and r["requests"] > 0 and r["minor_faults"] >= 0 for r in report["runs"])

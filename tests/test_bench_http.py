@@ -12,6 +12,7 @@ import pytest
 from radixserve.bench import http_bench, peer_serve, report_http, report_serve
 from radixserve.bench.http_bench import Timing, percentile, summarize_run
 from radixserve.bench.http_client import HTTPConnection
+from radixserve.bench.output import BenchOutput
 from radixserve.bench.report_peer import OURS
 
 HTTP_COLUMNS = ("| c |", "HTTP req/s", "offline req/s", "HTTP tok/s", "offline tok/s", "HTTP / offline",
@@ -65,7 +66,7 @@ def _http_config(model="M"):
             "model_path": "/cache/ckpt-llama-x", "workload": {"num_groups": 2, "per_group": 5, "system_len": 64,
                                                               "question_len": 8, "output_len": 11, "seed": 0},
             "concurrency": [1, 8], "runs": 3, "threads": 2, "settle_s": 1.0, "engine": {"kv_cache_tokens": 4096},
-            "machine": {"cpus": 2}, "out": "/x/http_bench_M", "elapsed_s": 60.0}
+            "machine": {"cpus": 2}, "elapsed_s": 60.0}
 
 
 def test_http_aggregate_medians_ratios_and_targets(tmp_path):
@@ -80,15 +81,14 @@ def test_http_aggregate_medians_ratios_and_targets(tmp_path):
     assert lv1["http"]["num_runs"] == 3 and lv1["http"]["hit_rate"] == 0.5
     assert report["target_ratio"] == 0.9 and report["target_met"] == {"1": False, "8": True}
 
-    out = str(tmp_path / "http_bench_M")
-    report_http.write_report(report, out)
+    report_http.write_report(report, BenchOutput("http_bench", str(tmp_path)))
     saved = json.loads((tmp_path / "http_bench_M.json").read_text())
     assert saved["levels"][1]["ratio"] == pytest.approx(0.95) and len(saved["records"]) == 12
     md = (tmp_path / "http_bench_M.md").read_text()
     for column in HTTP_COLUMNS:
         assert column in md
     assert "| 1 | 8.80 (8.00–9.60) | 11.00 (10.00–12.00) |" in md and "**0.800**" in md
-    assert "c=1 not met, c=8 met" in md
+    assert "c=1 not met, c=8 met" in md and "![HTTP / offline](http_bench_M.png)" in md
     assert (tmp_path / "http_bench_M.png").stat().st_size > 1000
 
 
@@ -143,7 +143,7 @@ def test_peer_serve_summary_picks_the_best_vllm_per_concurrency(tmp_path):
                             "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, "startup_s": 21.0}}
     report = report_serve.build_report(records, meta, servers)
     assert report["runs"] == 3 and len(report["records"]) == len(records)
-    report_serve.write_report(report, str(tmp_path))
+    report_serve.write_report(report, BenchOutput("peer_serve", str(tmp_path)))
     saved = json.loads((tmp_path / "peer_serve_S.json").read_text())
     assert saved["ratios"]["64"]["best_vllm"] == "vllm-b32"
     md = (tmp_path / "peer_serve_S.md").read_text()
@@ -250,9 +250,8 @@ def test_client_reads_chunked_sse_and_sized_bodies():
 
 def test_http_bench_end_to_end_on_the_tiny_model(tmp_path):
     start = time.monotonic()
-    out = str(tmp_path / "http_bench_tiny")
     report = http_bench.main(["--model", "tiny", "--concurrency", "4", "--runs", "1", "--threads", "1",
-                              "--settle-s", "0", "--out", out])
+                              "--settle-s", "0", "--out", str(tmp_path)])
     assert time.monotonic() - start < 30
     (level,) = report["levels"]
     assert level["concurrency"] == 4 and level["ratio"] > 0

@@ -9,6 +9,7 @@ import pytest
 
 from radixserve.bench import _vllm_worker, peer_vllm, report_peer, roofline
 from radixserve.bench.harness import bench_model_path
+from radixserve.bench.output import BenchOutput
 from radixserve.bench.optimal import optimal_counts
 from radixserve.bench.peer_vllm import Measure, OursSide, VllmSide, alternation, parse_reply, run_rounds
 from radixserve.bench.report_peer import summarize
@@ -135,7 +136,7 @@ def test_summary_medians_ratio_and_report_files(tmp_path):
     # P_linear = 8*8 + 2*8*4 + 8*8 + 3*8*16 = 576; forward tokens = 80 - 38 + 8 = 50 over 2 s.
     assert ours["linear_gflops"] == pytest.approx(2 * 576 * 50 / 2.0 / 1e9)
     assert ours["roofline_fraction"] == pytest.approx(ours["linear_gflops"] / 1e-6)
-    report_peer.write_report(report, str(tmp_path))
+    report_peer.write_report(report, BenchOutput("peer_vllm", str(tmp_path)))
     saved = json.loads((tmp_path / "peer_vllm_tiny.json").read_text())
     assert saved["ratios"]["gsp"]["ours_over_best"] == 0.5
     md = (tmp_path / "peer_vllm_tiny.md").read_text()

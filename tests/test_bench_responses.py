@@ -4,10 +4,10 @@ from radixserve.bench import responses_bench
 
 
 def test_responses_bench_runs_both_modes(tmp_path):
-    out = str(tmp_path / "rb")
+    out = str(tmp_path / "responses_bench_tiny")
     report = responses_bench.main(["--model", "tiny", "--agents", "2", "--turns", "3", "--output-tokens", "8",
                                    "--instruction-words", "40", "--words-per-turn", "8", "--runs", "1",
-                                   "--threads", "1", "--out", out])
+                                   "--threads", "1", "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in report["rows"]}
     assert set(rows) == {"responses", "chat"}
     for run in report["runs"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from radixserve.bench.output import BenchOutput
 
 from radixserve.bench.router_bench import (
     SIDES, build_report, computed_tokens, markdown, summarize, text_gsp, write_report)
@@ -52,6 +53,6 @@ def test_summary_and_report(tmp_path):
     text = markdown(report)
     assert "| single | 1 | 80.0% | 200 | 1.00x | 1.50 | 200 / 298 |" in text
     assert "| round_robin | 4 | 60.0% | 400 | 2.00x |" in text and "honest note" in text
-    write_report(report, str(tmp_path / "rb"))
-    assert json.loads((tmp_path / "rb.json").read_text())["sides"][2]["computed_tokens"] == 400
-    assert (tmp_path / "rb.md").read_text() == text
+    assert write_report(report, BenchOutput("router_bench", str(tmp_path))) == text
+    assert json.loads((tmp_path / "router_bench_S.json").read_text())["sides"][2]["computed_tokens"] == 400
+    assert (tmp_path / "router_bench_S.md").read_text() == text

@@ -12,7 +12,7 @@ import pytest
 def test_device_check_cpu_mode(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "0"}  # compiled kernels, no CUDA
     proc = subprocess.run([sys.executable, "-m", "radixserve.bench.device_check", "--compile-check",
-                           "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == 6 and not any("TOO MUCH" in line or "TF32" in line for line in compiled)
@@ -27,7 +27,7 @@ def test_device_check_quick_on_gpu(tmp_path):
     A subprocess, so the kernels compile even where conftest turned the interpreter on."""
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-m", "radixserve.bench.device_check", "--quick",
-                           "--out-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert len(report["cases"]) == 4
