@@ -4,6 +4,10 @@
 
 Each `fork` first sends the shared prefix once as a prefix-only request, so every branch's
 request starts with a cache hit; the branches of one level run concurrently and batch together.
+
+It needs a chat model that can propose and judge approaches. The built-in demo model was never
+trained to (it knows a fact table, sums and tool calls), so on it the approaches and steps are
+fragments and the answer is wrong: there the run shows only the tree's requests and cache hits.
 """
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from radixserve.lang import function, gen, select, user
 from radixserve.lang.examples.common import add_backend_args, make_backend
 
 QUESTION = "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left?"
+DEMO_NOTE = ("Note: this runs on the built-in demo model, which was never trained to propose or judge approaches: "
+             "expect fragments and a wrong answer below; the requests and the hit rate are what it shows. "
+             "--model DIR or --url URL runs it on a chat model.")
 
 
 @function
@@ -52,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question", default=QUESTION)
     args = parser.parse_args(argv)
     backend = make_backend(args)
+    if args.model is None and args.url is None:
+        print(DEMO_NOTE + "\n")
     try:
         state = tree_of_thought.run(question=args.question, backend=backend, temperature=0.0)
         for i, approach in enumerate(state["approach"]):
