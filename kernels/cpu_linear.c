@@ -20,37 +20,12 @@
 #define NB 4 /* weight rows per tile */
 #define MB 4 /* input rows per group */
 
-RS_INLINE float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 RS_INLINE uint16_t f32_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-
-#if defined(__AVX512F__)
-RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 */
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-#else
-typedef uint16_t vh __attribute__((vector_size(2 * VW)));
-RS_INLINE vf vf_load_bf16(const uint16_t *p) {
-    vf x;
-    EACH(i) {
-        vh h;
-        memcpy(&h, p + VW * i, sizeof h);
-        x.p[i] = (vn)(__builtin_convertvector(h, vni) << 16);
-    }
-    return x;
-}
-#endif
 
 /* out[j * NB + i] = x_j . w_i over k in [0, K), for j < mm, i < nn (widening path). Inlined with a
  * constant mm (tile_fma's switch), so the accumulators stay in registers. */
@@ -86,7 +61,6 @@ static void tile_fma(const uint16_t *x, int64_t K, const uint16_t *w, int nn, in
 }
 
 #if defined(__AVX512F__)
-#define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 /* The same with vdpbf16ps (32 elements a step, masked tail). */
 DP_TARGET RS_INLINE void dot_dp(const uint16_t *x, int64_t K, const uint16_t *w, int nn, const int mm, float *out) {
     __m512 acc[NB][MB];

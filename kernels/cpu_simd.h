@@ -1,5 +1,6 @@
-/* The vector layer of cpu_kernels.c: 16-float vectors (vf), 16-int vectors (vi) and 16-lane masks
- * (vm), once per instruction set, so that the kernels' algorithm is written once.
+/* The vector layer of cpu_kernels.c and cpu_linear.c: 16-float vectors (vf), 16-int vectors (vi) and
+ * 16-lane masks (vm), once per instruction set, so that the kernels' algorithm is written once; bf16
+ * inputs are widened to fp32 on load (vf_load_bf16, bf16_to_f32).
  *
  * AVX-512 (compiled with -mavx512f ...): thin wrappers over the intrinsics, one zmm register per
  * vector and a k register per mask. Everything else (AVX2 + FMA, or the plain baseline of the
@@ -27,6 +28,9 @@
 #define QK_NV 2
 #define PV_NV 2
 #define FEW_CONST_D 1
+/* AVX512-BF16 code (vdpbf16ps) inside this build, called only where the CPU has the flag (native.py
+ * decides): a function-level target, since the library must also run on AVX-512 CPUs without it. */
+#define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
 typedef __m512 vf;
 typedef __m512i vi;
 typedef __mmask16 vm;
@@ -50,6 +54,10 @@ RS_INLINE vm vm_first(int64_t n) { return n >= 16 ? (vm)0xFFFF : (vm)((1u << n) 
 /* The first n floats at p, lanes from n on `fill` (nothing read past p + n). */
 RS_INLINE vf vf_loadu_first(const float *p, int64_t n, float fill) {
     return _mm512_mask_loadu_ps(_mm512_set1_ps(fill), vm_first(n), p);
+}
+RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact: a shift) */
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 RS_INLINE vi vi_load(const int32_t *p) { return _mm512_load_si512(p); } /* 64-byte aligned */
 RS_INLINE vi vi_set1(int32_t s) { return _mm512_set1_epi32(s); }
@@ -152,6 +160,16 @@ RS_INLINE vf vf_loadu_first(const float *p, int64_t n, float fill) {
     for (int i = 0; i < 16; ++i) lanes[i] = i < n ? p[i] : fill;
     return vf_loadu(lanes);
 }
+typedef uint16_t vh __attribute__((vector_size(2 * VW)));
+RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact: a shift) */
+    vf x;
+    EACH(i) {
+        vh h;
+        memcpy(&h, p + VW * i, sizeof h);
+        x.p[i] = (vn)(__builtin_convertvector(h, vni) << 16);
+    }
+    return x;
+}
 RS_INLINE vm vf_ge(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] >= b.p[i]; return m; }
 RS_INLINE vm vf_eq(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] == b.p[i]; return m; }
 RS_INLINE vm vf_ne(vf a, vf b) { return vm_or(vf_gt(a, b), vf_gt(b, a)); } /* false where NaN */
@@ -181,6 +199,28 @@ RS_INLINE vf exp2_ps(vf t) { /* as the AVX-512 one; round and scale by hand */
     return vf_maskz(normal, vf_mul(exp2_poly(vf_sub(t, n)), two_n));
 }
 #endif
+
+RS_INLINE float bf16_to_f32(uint16_t h) { /* one bf16 widened (vf_load_bf16's scalar twin) */
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* 16 elements of a row of fp32 or bf16 (a constant after inlining) from element c on, as fp32. */
+RS_INLINE vf row_load(const void *row, int64_t c, const int bf16) {
+    return bf16 ? vf_load_bf16((const uint16_t *)row + c) : vf_loadu((const float *)row + c);
+}
+
+/* Element i of an fp32 or bf16 array as fp32. */
+RS_INLINE float elt(const void *base, int64_t i, const int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* The address of element i of an fp32 or bf16 array. */
+RS_INLINE const void *at_elt(const void *base, int64_t i, const int bf16) {
+    return (const char *)base + i * (bf16 ? 2 : 4);
+}
 
 /* e^(f ln 2) = 2^f for f in [-0.5, 0.5]: Taylor to degree 6, rel. error 1.2e-7. */
 RS_INLINE vf exp2_poly(vf f) {

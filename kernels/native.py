@@ -1,18 +1,22 @@
-"""radixserve's compiled CPU kernels (``cpu_kernels.c``): build once per machine, load, call.
+"""radixserve's compiled CPU kernels (``cpu_*.c``): build once per machine, load, call.
 
 ``attend_paged`` / ``attend_tokens`` are the attention over the paged KV pool that the CPU attention
-backend reads with (kernels/attention/torch_backend.py); ``argmax_rows`` is the sampler's greedy
-argmax. One C source (its vector layer, ``cpu_simd.h``, written per instruction set) is compiled on
-first use with the system C compiler (``$CC``, else ``cc``) for one of ``ISAS``: AVX-512, AVX2 + FMA,
-or the portable build with the compiler's baseline flags, each with explicit ``-m`` flags (never
-``-march=native``, so nothing built here assumes more than the named instruction set). The best one
-the running CPU's flags allow is chosen at load time; ``RADIXSERVE_NATIVE_ISA`` (read in
-``chosen_isa``) forces one. Libraries live in the private radixserve cache (kernels/cache_dir.py),
-named by a key of the source, the compiler's version and the variant's flags, so one built for
-another CPU or compiler is never loaded. They link libgomp, which resolves to the copy torch has
-already loaded, so kernel and torch share one OpenMP runtime. Where no variant can be had (not
-Linux, no compiler, the build fails) ``load()`` returns None and says why once, as a WARNING; the
-backend then uses torch's flash op (partials.attend). ``status()`` names what is in use.
+backend reads with (kernels/attention/torch_backend.py), fp32 or bf16 (fp32 sums either way; in bf16
+on AMX tiles where the CPU has AMX-BF16, ``_use_amx``); ``argmax_rows`` is the sampler's greedy
+argmax; ``linear_bf16`` the few-row bf16 linears. The C sources (over one vector layer,
+``cpu_simd.h``, written per instruction set) are compiled on first use with the system C compiler
+(``$CC``, else ``cc``) for one of ``ISAS``: AVX-512, AVX2 + FMA, or the portable build with the
+compiler's baseline flags, each with explicit ``-m`` flags (never ``-march=native``, so nothing built
+here assumes more than the named instruction set; AVX512-BF16 and AMX code sits behind function
+target attributes and runs only where the CPU has them). The best variant the running CPU's flags
+allow is chosen at load time; ``RADIXSERVE_NATIVE_ISA`` (read in ``chosen_isa``) forces one.
+Libraries live in the private radixserve cache (kernels/cache_dir.py), named by a key of the
+sources, the compiler's version and the variant's flags, so one built for another CPU or compiler
+is never loaded. They link libgomp, which resolves to the copy torch has already loaded, so kernel
+and torch share one OpenMP runtime. Where no variant can be had (not Linux, no compiler, the build
+fails) ``load()`` returns None and says why once, as a WARNING; the backend then reads through
+torch's flash op (partials.attend_tokens, the same contract as ``attend_tokens``). ``status()``
+names what is in use.
 """
 from __future__ import annotations
 
@@ -35,9 +39,11 @@ from radixserve.kernels.loader import cpu_flags as this_cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.c", "cpu_linear.c", "cpu_simd.h"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_simd.h", "cpu_amx.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
+DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the KV pool is in the model's dtype)
 ISA_ENV = "RADIXSERVE_NATIVE_ISA"
 FALLBACK_COST = "attention falls back to torch's flash op, ~1.5-2.5x slower"
 
@@ -75,7 +81,8 @@ class _Args(ctypes.Structure):
         ("tok", ctypes.c_void_p), ("tok_sb", ctypes.c_int64),
         ("out", ctypes.c_void_p), (("o_sb", "o_sh", "o_sr"), ctypes.c_int64),
         ("lse", ctypes.c_void_p), (("l_sb", "l_sh", "l_sr"), ctypes.c_int64),
-        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads"), ctypes.c_int32),
+        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads", "bf16", "amx"),
+         ctypes.c_int32),
         ("scale", ctypes.c_float),
     ] for name in ((names,) if isinstance(names, str) else names)]
 
@@ -166,6 +173,7 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.rs_linear_bf16.restype = ctypes.c_int
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
+    lib.rs_amx_ready.argtypes, lib.rs_amx_ready.restype = [], ctypes.c_int
     if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline
         raise Unavailable(f"{path} was asked for {isa.name} but compiled for {lib.rs_isa().decode()}")
     return lib
@@ -226,11 +234,12 @@ def reset() -> None:
     cache or $RADIXSERVE_NATIVE_ISA: tests), and every choice made from it."""
     _state.cache_clear()
     _use_dpbf16.cache_clear()
+    _use_amx.cache_clear()
 
 
 def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether the kernel can serve these K/V (and is built)."""
-    return (device.type == "cpu" and dtype == torch.float32 and head_dim % 32 == 0
+    return (device.type == "cpu" and dtype in DTYPES and head_dim % 32 == 0
             and head_dim <= MAX_HEAD_DIM and load() is not None)
 
 
@@ -242,7 +251,8 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     run of the pool). ``bounds`` = (lo, hi), int32 [b, rows] with the same strides: row r sees keys
     [lo, hi) (None: all; lo None: from 0).
     Returns (out [b, h, rows, d] float32, natural-log LSE [b, h, rows]); a row that sees no key
-    gets out 0 and LSE -inf. Every tensor's last dimension must be contiguous; ``supports`` must hold."""
+    gets out 0 and LSE -inf. q, K and V share one of DTYPES; every tensor's last dimension must be
+    contiguous; ``supports`` must hold."""
     num_b, num_h, rows, d = q.shape
     if out is None:
         out = torch.empty((num_b, num_h, rows, d), dtype=torch.float32)
@@ -274,6 +284,12 @@ def _by_token(t: torch.Tensor, group: int) -> tuple[int, int, int]:
 
 def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse, l_strides,
           num_b, num_h, rows, scale, merge) -> None:
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"native attention takes q, K and V all float32 or all bfloat16, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ValueError(f"native attention writes float32 out and lse, got {out.dtype}, {lse.dtype}")
+    bf16 = q.dtype == torch.bfloat16
     lo, hi = bounds if bounds is not None else (None, None)
     for name, t in (("lo", lo), ("hi", hi), ("tokens", tokens), ("slots", slots)):
         if t is not None and t.stride(-1) != 1:  # the kernel steps through their rows one by one
@@ -283,7 +299,7 @@ def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_s
                  0 if hi is None else hi.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
                  out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
                  num_b, num_h, rows, slots.shape[1] if slots is not None else k_cache.shape[0], q.shape[-1],
-                 group, int(merge), torch.get_num_threads(), scale)
+                 group, int(merge), torch.get_num_threads(), int(bf16), int(bf16 and _use_amx()), scale)
     if load().rs_attend(ctypes.byref(args)) != 0:
         raise ValueError(f"native attention refused head_dim {q.shape[-1]}, {rows} rows or group {group}")
 
@@ -309,6 +325,15 @@ def linear_bf16_supported(weight: torch.Tensor) -> bool:
     library is built)."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.is_contiguous() and load() is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _use_amx() -> bool:
+    """AMX tiles for bf16 attention (cpu_amx.h) where the CPU has AMX-BF16, the library is the AVX-512
+    build and Linux grants this process the tile state."""
+    flags = this_cpu_flags()
+    return ({"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags) and load().rs_isa().decode() == "avx512"
+            and load().rs_amx_ready() == 1)
 
 
 @functools.lru_cache(maxsize=1)

@@ -84,7 +84,7 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 decode_stage_fraction: float = 0.25, native_kernels: bool = True) -> None:
+                 native_kernels: bool = True) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -107,8 +107,7 @@ class ModelRunner:
                            context_length, config.max_position_embeddings, self.context_length)
         native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
         self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
-        self.backend: AttentionBackend = _make_backend(attention_backend, self.device,
-                                                       int(num_slots * decode_stage_fraction), native)
+        self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
         self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
@@ -141,19 +140,6 @@ class ModelRunner:
         outputs = self._sample(logits, fi, seqs)
         self.last_profile = {"build_s": t1 - t0, "forward_s": t2 - t1, "sample_s": time.perf_counter() - t2}
         return outputs
-
-    def drop_step_state(self) -> None:
-        """Frees what the backend keeps from one step for the next (the CPU backend's decode key stages)."""
-        if self._stages is not None:
-            self._stages.clear()
-
-    def stage_counters(self) -> tuple[int, int]:
-        """(copied, reused) own-key cells of the CPU backend's decode stages (0, 0 for other backends)."""
-        return (self._stages.counters.copied, self._stages.counters.reused) if self._stages is not None else (0, 0)
-
-    @property
-    def _stages(self):
-        return getattr(self.backend, "stages", None)  # only the CPU backend keeps decode key stages
 
     def _sample(self, logits: torch.Tensor, fi: ForwardInput, seqs: list[SeqInput]) -> list[SeqOutput]:
         outputs = [SeqOutput(next_token_id=None, next_logprob=None) for _ in seqs]
@@ -300,12 +286,12 @@ def attention_path(backend: str, native: bool) -> str:
     return native_lib.status() if native else "torch flash op"
 
 
-def _make_backend(name: str, device: torch.device, stage_budget_slots: int, native: bool) -> AttentionBackend:
+def _make_backend(name: str, device: torch.device, native: bool) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
-        return TorchAttentionBackend(stage_budget_slots=stage_budget_slots, native=native)
+        return TorchAttentionBackend(native=native)
     try:
         from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:

@@ -126,10 +126,8 @@ class EngineConfig:
     shared_prefix_min_tokens: int = option(32, "shortest shared prefix read once for all requests below it (0: any)")
     disable_native_kernels: bool = option(
         False, "CPU: attend with torch's flash attention op instead of radixserve's compiled kernel "
-               "(kernels/native.py; used where it builds: x86-64 with AVX-512, a C compiler; fp32)")
-    decode_stage_fraction: float = option(
-        0.25, "CPU attention: decode requests' own keys are kept between steps (only new keys copied), in at most "
-              "this fraction of the KV pool's size (0: gather them every step)")
+               "(kernels/native.py; used where it builds: Linux with a C compiler; fp32 or bf16, head_dim a "
+               "multiple of 32 up to 128)")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")
@@ -147,7 +145,6 @@ class EngineConfig:
         check_int("shared_prefix_min_tokens", self.shared_prefix_min_tokens, lo=0)
         check_int("seed", self.seed)
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
-        check_number("decode_stage_fraction", self.decode_stage_fraction, lo=0, hi=1)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)

@@ -53,7 +53,6 @@ class Engine:
                                   context_length=cfg.context_length, max_running_requests=cfg.max_running_requests,
                                   num_threads=cfg.resolved_num_threads(),
                                   retain_host_memory=not cfg.release_host_memory,
-                                  decode_stage_fraction=cfg.decode_stage_fraction,
                                   native_kernels=not cfg.disable_native_kernels)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
@@ -173,8 +172,6 @@ class Engine:
         for d in deltas:
             if d.finished:
                 self._reqs.pop(d.rid, None)
-        if not self.planner.running:  # idle: nothing the next step could reuse
-            self.runner.drop_step_state()
         self._step_idx += 1
         self._record_profile(t0)
         return deltas
@@ -351,7 +348,6 @@ class Engine:
 
     def _compute_stats(self) -> dict[str, Any]:
         tree, m = self.kv.tree, self.metrics
-        staged_copied, staged_reused = self.runner.stage_counters()
         return {
             "total_slots": self.kv.total_slots, "free_slots": self.kv.allocator.num_free_slots,
             "evictable_slots": tree.evictable_size, "locked_slots": tree.locked_size,
@@ -369,7 +365,6 @@ class Engine:
             "num_shared_prefix_steps": m.num_shared_prefix_steps,
             "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
             "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
-            "num_staged_keys_copied": staged_copied, "num_staged_keys_reused": staged_reused,
             "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
         }
 

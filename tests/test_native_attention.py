@@ -1,11 +1,14 @@
-"""The native CPU attention kernel (kernels/native.py, kernels/cpu_kernels.c) against plain torch.
+"""The native CPU attention kernel (kernels/native.py, kernels/cpu_kernels.c) against float64 torch.
 
 Rows see random key intervals (empty, one key, all, crossing the kernel's 64-row items, 16-row
 strips and 128-key blocks); keys sit on random slots of a pool whose other slots hold NaN, so a
 read outside a batch entry's keys shows in the output. The cascade and engine tests run it inside
-the backend; here it is checked alone, shape by shape, once per instruction-set build this CPU can
-run (the portable one always), each forced through $RADIXSERVE_NATIVE_ISA. The module skips only
-where nothing can be built (not Linux, no C compiler): a build that fails fails the tests.
+the backend; here it is checked alone, shape by shape, on every build this CPU can run and every
+element type and QK^T path of each (tests/_native_readers.py). The module skips only where nothing
+can be built (not Linux, no C compiler): a build that fails fails the tests.
+
+Tolerance: fp32 accumulation (ATOL), the same for fp32 and bf16 (bf16 inputs are exact in float64),
+plus on AMX the rounding of P to bf16 (``_native_readers.p_rounding`` times sum_j p_j |v_j|).
 """
 from __future__ import annotations
 
@@ -14,25 +17,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _native_readers import NEEDS_NATIVE, isa, p_rounding, reader  # noqa: F401 (fixtures)
 from radixserve.kernels import native
 
-pytestmark = pytest.mark.skipif(native.cannot_build() is not None, reason=f"{native.cannot_build()}")
+pytestmark = NEEDS_NATIVE
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=native.runnable_isas())
-def isa(request):
-    """The kernel built for one instruction set, forced for this module's tests that take it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(native.ISA_ENV, request.param)
-        native.reset()
-        assert native.status() == f"native {request.param}"
-        yield request.param
-    native.reset()
-
-
 def _reference(q, k_cache, v_cache, slots, lo, hi, scale):
-    """q [b, h, r, d]; keys of entry b = slots[b]; row r sees [lo, hi). Empty rows: 0 and -inf."""
+    """q [b, h, r, d]; keys of entry b = slots[b]; row r sees [lo, hi). Empty rows: 0 and -inf.
+    Returns out, lse and sum_j p_j |v_j| (what rounding P scales), in float64."""
     keys = k_cache[slots].permute(0, 2, 1, 3).double()  # [b, h, n, d]
     values = v_cache[slots].permute(0, 2, 1, 3).double()
     s = q.double() @ keys.transpose(-1, -2) * scale
@@ -41,27 +35,34 @@ def _reference(q, k_cache, v_cache, slots, lo, hi, scale):
     s = s.masked_fill(~seen[:, None], float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.where(seen[:, None], torch.softmax(s.nan_to_num(neginf=-1e300), -1), 0.0)
-    return (p @ values).float(), lse.float()
+    return p @ values, lse, p @ values.abs()
 
 
-def _nan_pool(gen, b, num_keys, kv_heads, d):
+def _assert_close(out, lse, expected, expected_lse, mass, dtype):
+    """out / lse (float32) against the float64 reference within the reader's bound (module docstring)."""
+    bound = ATOL + p_rounding(dtype) * mass
+    assert ((out.double() - expected).abs() <= bound).all(), (out.double() - expected).abs().max()
+    torch.testing.assert_close(lse, expected_lse.float(), atol=ATOL, rtol=0)  # -inf where a row sees nothing
+
+
+def _nan_pool(gen, b, num_keys, kv_heads, d, dtype=torch.float32):
     """A pool of NaN where b entries' num_keys keys each sit on random slots: (k_cache, v_cache, slots [b, keys])."""
     pool = 2 * b * num_keys + 8
-    k_cache = torch.full((pool, kv_heads, d), float("nan"))
-    v_cache = torch.full((pool, kv_heads, d), float("nan"))
+    k_cache = torch.full((pool, kv_heads, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((pool, kv_heads, d), float("nan"), dtype=dtype)
     slots = torch.randperm(pool, generator=gen)[:b * num_keys].view(b, num_keys)
-    k_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
-    v_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen)
+    k_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen).to(dtype)
+    v_cache[slots] = torch.randn(b, num_keys, kv_heads, d, generator=gen).to(dtype)
     return k_cache, v_cache, slots
 
 
 @settings(max_examples=60, deadline=None)
 @given(b=st.integers(1, 3), h=st.integers(1, 3), rows=st.one_of(st.integers(1, 20), st.integers(60, 140)),
-       num_keys=st.one_of(st.integers(1, 12), st.integers(120, 300)), d=st.sampled_from([32, 64, 128]),
+       num_keys=st.one_of(st.integers(1, 12), st.integers(120, 300)), d=st.sampled_from([32, 64, 96, 128]),
        threads=st.sampled_from([1, 2]), data=st.data())
-def test_matches_reference(isa, b, h, rows, num_keys, d, threads, data):
+def test_matches_reference(reader, b, h, rows, num_keys, d, threads, data):
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, h, d)
+    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, h, d, reader)
     lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     kind = data.draw(st.sampled_from(["random", "all", "causal"]), label="intervals")
@@ -71,15 +72,13 @@ def test_matches_reference(isa, b, h, rows, num_keys, d, threads, data):
         lo.zero_()
         hi.copy_((num_keys - rows + 1 + torch.arange(rows)).clamp(0, num_keys).expand(b, rows))
     # q as a strided view (rows of a token-major tensor), as the backend passes stacked heads.
-    q = torch.randn(b, rows, h, d, generator=gen).transpose(1, 2)
+    q = torch.randn(b, rows, h, d, generator=gen).to(reader).transpose(1, 2)
     torch.set_num_threads(threads)
     try:
         out, lse = native.attend_paged(q, k_cache, v_cache, slots, (lo, hi), d ** -0.5)
     finally:
         torch.set_num_threads(1)
-    expected, expected_lse = _reference(q, k_cache, v_cache, slots, lo, hi, d ** -0.5)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
-    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)  # -inf where a row sees nothing
+    _assert_close(out, lse, *_reference(q, k_cache, v_cache, slots, lo, hi, d ** -0.5), reader)
 
 
 @settings(max_examples=40, deadline=None)
@@ -87,19 +86,20 @@ def test_matches_reference(isa, b, h, rows, num_keys, d, threads, data):
        per_entry=st.one_of(st.integers(1, 4), st.integers(20, 50)),
        num_keys=st.one_of(st.integers(1, 9), st.integers(120, 200)),
        d=st.sampled_from([32, 64]), merge=st.booleans(), threads=st.sampled_from([1, 2]), data=st.data())
-def test_rows_by_token_write_and_merge_in_place(isa, b, kv_heads, group, per_entry, num_keys, d, merge, threads, data):
+def test_rows_by_token_write_and_merge_in_place(reader, b, kv_heads, group, per_entry, num_keys, d, merge, threads,
+                                                data):
     """attend_tokens: q and out are token-major [tokens, q_heads, d]; entry rows name their tokens
     (-1: padding, never written). merge=True folds the call's keys into the partial out / lse
     already hold, so prior keys + these keys = attention over both; untouched tokens keep their bytes."""
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     num_tokens, q_heads = b * per_entry + 5, kv_heads * group
-    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, kv_heads, d)
+    k_cache, v_cache, slots = _nan_pool(gen, b, num_keys, kv_heads, d, reader)
     tokens = torch.randperm(num_tokens, generator=gen)[:b * per_entry].view(b, per_entry).to(torch.int32)
     tokens[torch.rand(b, per_entry, generator=gen) < 0.2] = -1  # padding rows
     rows = per_entry * group
     lo = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
     hi = torch.randint(0, num_keys + 1, (b, rows), generator=gen, dtype=torch.int32)
-    q = torch.randn(num_tokens, q_heads + 1, d, generator=gen)[:, 1:]  # a strided view, as after a split
+    q = torch.randn(num_tokens, q_heads + 1, d, generator=gen).to(reader)[:, 1:]  # a strided view, as after a split
     # The partial already held: each token's attention over 30 prior keys of its own (or nothing, lse -inf).
     prior_k = torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
     prior_v = torch.randn(num_tokens, kv_heads, 30, d, generator=gen)
@@ -116,7 +116,8 @@ def test_rows_by_token_write_and_merge_in_place(isa, b, kv_heads, group, per_ent
     finally:
         torch.set_num_threads(1)
     # Reference per written (token, q head): scores over the call's keys, plus the prior's when merging.
-    expected_out, expected_lse = before_out.clone(), before_lse.clone()
+    expected_out, expected_lse = before_out.double(), before_lse.double()
+    mass = torch.zeros_like(expected_out)  # sum_j p_j |v_j| of each written row
     for e in range(b):
         for r in range(rows):
             t, head = int(tokens[e, r // group]), (r % group)
@@ -134,46 +135,49 @@ def test_rows_by_token_write_and_merge_in_place(isa, b, kv_heads, group, per_ent
                     if not merge:
                         expected_out[t, qh], expected_lse[t, qh] = 0.0, float("-inf")
                     continue
-                expected_out[t, qh] = (torch.softmax(s, 0) @ vals).float()
-                expected_lse[t, qh] = torch.logsumexp(s, 0).float()
-    torch.testing.assert_close(out, expected_out, atol=ATOL, rtol=0)
-    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
+                expected_out[t, qh] = torch.softmax(s, 0) @ vals
+                expected_lse[t, qh] = torch.logsumexp(s, 0)
+                mass[t, qh] = torch.softmax(s, 0) @ vals.abs()
+    _assert_close(out, lse, expected_out, expected_lse, mass, reader)
 
 
-def test_contiguous_keys_without_slots_or_bounds(isa):
+def test_contiguous_keys_without_slots_or_bounds(reader):
     """slots None: key j is slot j of the (view of the) pool; bounds None: every row sees every key."""
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache = torch.randn(400, 2, 64, generator=gen), torch.randn(400, 2, 64, generator=gen)
-    q = torch.randn(1, 2, 70, 64, generator=gen)
+    k_cache, v_cache = (torch.randn(400, 2, 64, generator=gen).to(reader) for _ in range(2))
+    q = torch.randn(1, 2, 70, 64, generator=gen).to(reader)
     out, lse = native.attend_paged(q, k_cache[100:300], v_cache[100:300], None, None, 0.125)
     slots = torch.arange(100, 300)[None]
     full = (torch.zeros(1, 70, dtype=torch.int32), torch.full((1, 70), 200, dtype=torch.int32))
-    expected, expected_lse = _reference(q, k_cache, v_cache, slots, *full, 0.125)
-    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
-    torch.testing.assert_close(lse, expected_lse, atol=ATOL, rtol=0)
+    _assert_close(out, lse, *_reference(q, k_cache, v_cache, slots, *full, 0.125), reader)
 
 
-def test_reference_catches_a_one_key_shift(isa):
+@pytest.mark.parametrize("rows", [5, 20])  # the few-row path and the tiles
+def test_reference_catches_a_one_key_shift(reader, rows):
     """The comparison fails when a row reads one key past its interval."""
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache = torch.randn(64, 1, 32, generator=gen), torch.randn(64, 1, 32, generator=gen)
+    k_cache, v_cache = (torch.randn(64, 1, 32, generator=gen).to(reader) for _ in range(2))
     slots = torch.arange(64)[None]
-    q = torch.randn(1, 1, 5, 32, generator=gen)
-    lo = torch.zeros(1, 5, dtype=torch.int32)
-    hi = torch.full((1, 5), 40, dtype=torch.int32)
-    out, _ = native.attend_paged(q, k_cache, v_cache, slots, (lo, hi + 1), 0.2)
-    expected, _ = _reference(q, k_cache, v_cache, slots, lo, hi, 0.2)
-    assert not torch.allclose(out, expected, atol=1e-3, rtol=0)
+    q = torch.randn(1, 1, rows, 32, generator=gen).to(reader)
+    lo = torch.zeros(1, rows, dtype=torch.int32)
+    hi = torch.full((1, rows), 40, dtype=torch.int32)
+    out, lse = native.attend_paged(q, k_cache, v_cache, slots, (lo, hi + 1), 0.2)
+    with pytest.raises(AssertionError):
+        _assert_close(out, lse, *_reference(q, k_cache, v_cache, slots, lo, hi, 0.2), reader)
 
 
 def test_supports_only_what_it_computes():
-    assert native.supports(torch.float32, 64, torch.device("cpu"))
-    assert native.supports(torch.float32, 128, torch.device("cpu"))
-    assert not native.supports(torch.float32, 48, torch.device("cpu"))  # not a multiple of 32
-    assert not native.supports(torch.float32, 256, torch.device("cpu"))  # above MAX_HEAD_DIM
-    assert not native.supports(torch.bfloat16, 64, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        assert native.supports(dtype, 64, cpu) and native.supports(dtype, 128, cpu)
+        assert not native.supports(dtype, 48, cpu)  # not a multiple of 32
+        assert not native.supports(dtype, 256, cpu)  # above MAX_HEAD_DIM
+    assert not native.supports(torch.float16, 64, cpu)
     with pytest.raises(ValueError, match="head_dim 48"):
         native.attend_paged(torch.zeros(1, 1, 1, 48), torch.zeros(4, 1, 48), torch.zeros(4, 1, 48), None, None, 1.0)
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):  # q in another dtype than the pool
+        native.attend_paged(torch.zeros(1, 1, 1, 64), torch.zeros(4, 1, 64, dtype=torch.bfloat16),
+                            torch.zeros(4, 1, 64, dtype=torch.bfloat16), None, None, 1.0)
 
 
 def test_supports_nothing_where_it_cannot_build(monkeypatch, tmp_path, caplog):

@@ -56,15 +56,6 @@ class SharedPrefixPlan:
     prefix: SharedPrefix
     slots: torch.Tensor  # [num_tokens] int64, the KV slots of the shared positions
     q_rows: torch.Tensor  # [num_q] int64, token rows (into q) of every query below the prefix
-    q_row_range: tuple[int, int] | None  # (start, end) when q_rows is one contiguous run
-    # The slots as a few runs of consecutive slot ids [(first slot, length)], each read as a view
-    # of the pool; None when there are too many runs (then the slots are gathered).
-    runs: list[tuple[int, int]] | None
-
-    @property
-    def contiguous_start(self) -> int | None:
-        """First slot when the whole prefix is one run of consecutive slots."""
-        return self.runs[0][0] if self.runs is not None and len(self.runs) == 1 else None
 
 
 @dataclass

@@ -13,10 +13,6 @@ import torch
 
 from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefix, SharedPrefixPlan
 
-# A range read as at most this many views of the pool (runs of consecutive slots); more runs
-# are gathered. Chunked prefill allocates a prompt chunk by chunk, so a long prefix is a few runs.
-MAX_VIEW_RUNS = 8
-
 
 def build_metadata(
     *,
@@ -56,8 +52,6 @@ class HostCounters:
         self.host_tensor_elems = 0
         self.h2d_bytes = 0
         self.list_elems = 0
-        self.view_reads = 0  # shared prefixes read as a view of the pool (no gather)
-        self.gather_reads = 0  # shared prefixes whose slots are not contiguous (gathered)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -88,17 +82,6 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, e
     return table[rows[seq], col]
 
 
-def slot_runs(slots: torch.Tensor, max_runs: int = MAX_VIEW_RUNS) -> list[tuple[int, int]] | None:
-    """slots [n] as runs of consecutive ids [(first, length)], or None past max_runs runs.
-    Reads the tensor on the host: call it only for a CPU-resident table (once per step)."""
-    breaks = (torch.nonzero(slots.diff() != 1).flatten() + 1).tolist()  # run starts after the first
-    if len(breaks) >= max_runs:
-        return None
-    bounds = [0, *breaks, slots.numel()]
-    firsts = slots[bounds[:-1]].tolist()
-    return [(first, b - a) for first, a, b in zip(firsts, bounds, bounds[1:])]
-
-
 def _own_starts(shared: list[SharedPrefix], q_lens: list[int], kv_lens: list[int]) -> list[int]:
     """Per sequence, the end of its shared ranges; checks that they tile [0, own_start)."""
     own = [0] * len(q_lens)
@@ -118,45 +101,16 @@ def _own_starts(shared: list[SharedPrefix], q_lens: list[int], kv_lens: list[int
 
 def _plan_shared(shared: list[SharedPrefix], qo: list[int], rows: list[int], table: torch.Tensor,
                  counters: HostCounters | None) -> list[SharedPrefixPlan]:
-    """Every shared prefix's plan; their query rows cross in one host tensor and, on the CPU,
-    their runs of slots are found in one pass (a few ops per step, not per prefix)."""
+    """Every shared prefix's plan; their query rows cross in one host tensor."""
     if not shared:
         return []
-    slots = [table[rows[p.seq_idx[0]], p.kv_start:p.kv_end] for p in shared]  # views of one member's row
-    runs: list[list[tuple[int, int]] | None] = [None] * len(shared)
-    if table.device.type == "cpu":  # views only matter to the torch backend; no sync on a GPU
-        runs = _runs_of_each(slots)
-        if counters is not None:
-            counters.view_reads += sum(r is not None for r in runs)
-            counters.gather_reads += sum(r is None for r in runs)
     spans = [[(qo[i], qo[i + 1]) for i in p.seq_idx] for p in shared]
     counts = [sum(b - a for a, b in q_spans) for q_spans in spans]
     q_rows = host_tensor([t for q_spans in spans for a, b in q_spans for t in range(a, b)], table.device,
                          counters).split(counts)
-    plans = []
-    for p, p_slots, p_rows, q_spans, p_runs in zip(shared, slots, q_rows, spans, runs):
-        is_run = all(a[1] == b[0] for a, b in zip(q_spans, q_spans[1:]))
-        plans.append(SharedPrefixPlan(prefix=p, slots=p_slots, q_rows=p_rows,
-                                      q_row_range=(q_spans[0][0], q_spans[-1][1]) if is_run else None, runs=p_runs))
-    return plans
-
-
-def _runs_of_each(slots: list[torch.Tensor], max_runs: int = MAX_VIEW_RUNS) -> list[list[tuple[int, int]] | None]:
-    """slot_runs of each tensor, in one pass over their concatenation."""
-    flat = torch.cat(slots)
-    ends = list(itertools.accumulate(s.numel() for s in slots))
-    cuts = sorted({*(torch.nonzero(flat.diff() != 1).flatten() + 1).tolist(), *ends[:-1]})  # every run start > 0
-    starts = [0, *cuts]
-    firsts = flat[starts].tolist()
-    out: list[list[tuple[int, int]] | None] = []
-    k = 0  # index into starts
-    for end in ends:
-        runs = []
-        while k < len(starts) and starts[k] < end:
-            runs.append((firsts[k], min(starts[k + 1] if k + 1 < len(starts) else end, end) - starts[k]))
-            k += 1
-        out.append(runs if len(runs) <= max_runs else None)
-    return out
+    # The slots: views of one member's row of the table.
+    return [SharedPrefixPlan(prefix=p, slots=table[rows[p.seq_idx[0]], p.kv_start:p.kv_end], q_rows=p_rows)
+            for p, p_rows in zip(shared, q_rows)]
 
 
 def meta_from_slot_lists(prefix_lens: list[int], q_lens: list[int], slot_lists: list[list[int]],

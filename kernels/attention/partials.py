@@ -1,8 +1,9 @@
-"""Partial attention with its log-sum-exp, and the merge of partials over disjoint keys (CPU).
+"""The CPU attention reader where the native kernel is not built: ``attend_tokens``, the contract of
+``native.attend_tokens`` in torch, over K/V gathered per call (and widened to fp32).
 
-``attend`` is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the LSE a merge
-needs; it is private to torch, so plain matmuls (``attend_matmul``) stand in when it is missing or
-refuses the inputs, and serve decode queries over head-major staged keys, where they are faster.
+``attend`` is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp a
+merge needs; it is private to torch, so plain matmuls (``attend_matmul``) stand in when it is
+missing or refuses the inputs.
 """
 from __future__ import annotations
 
@@ -15,14 +16,41 @@ logger = logging.getLogger(__name__)
 _FLASH_OP = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
-    """(o_acc, lse_acc) := the log-sum-exp merge of two partial attentions over disjoint keys, in
-    place: o [kv_heads, n, d], lse [kv_heads, n], both sides finite (every row saw some key)."""
-    top = torch.maximum(lse_acc, lse)
-    w_acc, w = torch.exp(lse_acc - top), torch.exp(lse - top)
-    total = w_acc + w
-    o_acc.mul_((w_acc / total)[..., None]).add_(o.float().mul((w / total)[..., None]))
-    lse_acc.copy_(top.add_(total.log_()))
+def attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  bounds: tuple[torch.Tensor | None, torch.Tensor], tokens: torch.Tensor, scale: float,
+                  out: torch.Tensor, lse: torch.Tensor, merge: bool) -> None:
+    """native.attend_tokens in torch: entry b's stacked row r (token ``tokens[b, r // group]``, q head
+    kv_head * group + r % group; -1 = padding) attends over its keys [lo, hi) of ``slots[b]``; the
+    result and its LSE go to out [tokens, q_heads, d] / lse [tokens, q_heads] (float32) in place, or
+    with merge are log-sum-exp merged into the partial they hold. No token may appear twice."""
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    num, per = tokens.shape
+    tok = tokens.reshape(-1).long()
+    real = tok >= 0
+    qb = q[tok.clamp(min=0)].view(num, per, num_kv_heads, group, head_dim).transpose(1, 2)
+    qb = qb.reshape(num, num_kv_heads, per * group, head_dim)
+    lo, hi = bounds
+    key = torch.arange(slots.shape[1], device=q.device)
+    seen = key < hi[..., None]  # [num, rows, keys]
+    if lo is not None:
+        seen &= key >= lo[..., None]
+    some = seen.any(-1)  # [num, rows]
+    seen[..., 0] |= ~some  # a row that sees nothing reads key 0 (the op leaves NaN on it) and is dropped below
+    mask = torch.zeros(seen.shape, dtype=torch.float32, device=q.device).masked_fill_(~seen, float("-inf"))
+    # fp32 throughout, as the kernel: in bf16 the op would round each partial before the merges
+    keys, values = (cache[slots].transpose(1, 2).float() for cache in (k_cache, v_cache))
+    o, o_lse = attend(qb.float(), keys, values, mask[:, None], scale)
+    o = o.masked_fill_(~some[:, None, :, None], 0.0)
+    o_lse = o_lse.masked_fill(~some[:, None], float("-inf"))
+    # stacked [num, kv_heads, per * group, ...] -> token-major [num * per, q_heads, ...], real tokens only
+    o = o.view(num, num_kv_heads, per, group, head_dim).transpose(1, 2).reshape(num * per, -1, head_dim)[real]
+    o_lse = o_lse.view(num, num_kv_heads, per, group).transpose(1, 2).reshape(num * per, -1)[real]
+    rows = tok[real]
+    if merge:
+        o, o_lse = lse_merge(out[rows], lse[rows], o, o_lse)
+    out[rows] = o
+    lse[rows] = o_lse
 
 
 def lse_merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor):
@@ -50,9 +78,7 @@ def attend(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attend_matmul(q, k, v, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """attend as plain matmuls: for decode queries over head-major keys (each head's keys one
-    contiguous block) faster than the flash op (measured, 2 threads, 8 x 1008 keys: 529 vs 626 us
-    token-major; 64 x 96: 248 vs 337 us), and the fallback where that op is missing."""
+    """attend as plain matmuls, where the flash op is missing or refuses the inputs (a GPU)."""
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
     if mask is not None:
         s.add_(mask)

@@ -84,8 +84,9 @@ def _padded_attention(
     valid = col[None, :] < kv_lens[:, None]  # [num_sel, max_kv]
     flat = (kv_start[:, None] + col[None, :]).clamp(max=meta.kv_indices.numel() - 1)
     slots = torch.where(valid, meta.kv_indices.cpu()[flat], 0).to(device)  # [num_sel, max_kv]
-    keys = k_cache[slots].float()  # [num_sel, max_kv, num_kv_heads, head_dim]
-    values = v_cache[slots].float()
+    work = torch.promote_types(q.dtype, torch.float32)  # float64 in, float64 math (tests' exact references)
+    keys = k_cache[slots].to(work)  # [num_sel, max_kv, num_kv_heads, head_dim]
+    values = v_cache[slots].to(work)
 
     # Absolute position of each query: the last q_len positions of its sequence.
     pos = (kv_lens - q_len)[:, None] + torch.arange(q_len)[None, :]  # [num_sel, q_len]
@@ -96,7 +97,7 @@ def _padded_attention(
 
     # SDPA with an explicit mask: the same math as softmax(q k^T * scale + mask) v, about twice
     # as fast on the CPU as the einsum formulation (GQA groups handled by enable_gqa).
-    qf = q.float().transpose(1, 2)  # [num_sel, num_q_heads, q_len, head_dim]
+    qf = q.to(work).transpose(1, 2)  # [num_sel, num_q_heads, q_len, head_dim]
     out = F.scaled_dot_product_attention(
         qf, keys.transpose(1, 2), values.transpose(1, 2),  # [num_sel, kv_heads, max_kv, head_dim]
         attn_mask=mask[:, None], scale=sm_scale, enable_gqa=group > 1)

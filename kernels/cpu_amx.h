@@ -1,0 +1,164 @@
+/* AMX tiles for cpu_kernels.c's items of many rows in bf16: the AVX-512 build compiles them under a
+ * target attribute and calls them only where the CPU has AMX-BF16 and the OS granted the tile
+ * state (rs_amx_ready; native.py asks it once). tdpbf16ps multiplies 16 x 32 by 32 x 16 bf16 into
+ * 16 x 16 fp32 sums, an order of magnitude more products per cycle than the FMAs. Per key block:
+ *
+ *   S^T = K Q^T  A: K rows gathered into kb [keys][d]; B: Q^T as pairs qt2 [d / 2][QB][2]; C: 16 keys
+ *                x 16 rows of s [keys][QB], the layout softmax_block reads (q is unscaled: scaled q
+ *                would be rounded to bf16 again, so softmax_block scales the scores).
+ *   O += P V     A: P [rows][keys] in bf16 (s transposed and rounded: the one approximation beyond
+ *                fp32 sums; the softmax sum l stays fp32 over the unrounded p); B: V as key pairs
+ *                vb [keys / 2][d][2]; C: 16 x 16 tiles of o [rows][d].
+ *
+ * Keys come in multiples of 32 (the block's tail repeats a key, masked to p = 0) and rows in
+ * multiples of 16 (padding rows see nothing). Tiles 0-3 accumulate, 4 and 5 are the operands.
+ */
+#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 once Linux granted this process the AMX tile state (asked once; torch's oneDNN asks the same). */
+int rs_amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return ready;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Six tiles of 16 rows x 64 bytes, the caller's tile configuration kept in `saved`: torch's brgemm
+ * (cpublas) remembers per thread which configuration it loaded and skips reloading it, so an
+ * item must leave the configuration as it found it (the tile data it may clobber). */
+AMX_TARGET static inline void amx_begin(tile_config *saved) {
+    tile_config cfg;
+    _tile_storeconfig(saved); /* all zero where no configuration is loaded */
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET static inline void amx_end(const tile_config *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
+/* s[j][i] = K[j] . Q[i] for keys j < nkp and rows i < np (at most 64: one accumulator tile per 16). */
+AMX_TARGET static inline void qk_amx(const uint16_t *kb, const uint16_t *qt2, int d, int nkp, int np, float *s) {
+#define QK_ROWS(T)                                                  \
+    if (16 * (T) < np) {                                            \
+        _tile_loadd(5, qt2 + c * QB + 32 * (T), 4 * QB);           \
+        _tile_dpbf16ps(T, 4, 5);                                    \
+    }
+#define S_STORE(T) \
+    if (16 * (T) < np) _tile_stored(T, s + j * QB + 16 * (T), 4 * QB);
+    for (int j = 0; j < nkp; j += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < d; c += 32) {
+            _tile_loadd(4, kb + j * d + c, 2 * d);
+            QK_ROWS(0) QK_ROWS(1) QK_ROWS(2) QK_ROWS(3)
+        }
+        S_STORE(0) S_STORE(1) S_STORE(2) S_STORE(3)
+    }
+#undef QK_ROWS
+#undef S_STORE
+}
+
+/* The permutations of transpose16: per scale h = 8, 4, 2, 1 (step t), lanes for row i and row i + h. */
+AMX_TARGET static inline void transpose_indices(__m512i idx[4][2]) {
+    for (int t = 0, h = 8; t < 4; ++t, h /= 2) {
+        int lo[16], hi[16];
+        for (int j = 0; j < 16; ++j) {
+            lo[j] = j & h ? 16 + j - h : j; /* row i keeps its left part and takes row i + h's */
+            hi[j] = j & h ? 16 + j : j + h;
+        }
+        idx[t][0] = _mm512_loadu_si512(lo), idx[t][1] = _mm512_loadu_si512(hi);
+    }
+}
+
+/* r[i][j] := r[j][i] for 16 x 16 floats: off-diagonal blocks swapped at every scale. */
+AMX_TARGET static inline void transpose16(__m512 r[16], const __m512i idx[4][2]) {
+    for (int t = 0, h = 8; t < 4; ++t, h /= 2)
+        for (int i = 0; i < 16; ++i)
+            if (!(i & h)) {
+                const __m512 a = r[i], b = r[i + h];
+                r[i] = _mm512_permutex2var_ps(a, idx[t][0], b), r[i + h] = _mm512_permutex2var_ps(a, idx[t][1], b);
+            }
+}
+
+/* pb[i][j] = bf16(s[j][i]) for rows i < np and keys j < nkp (32 keys a row store). */
+AMX_TARGET static inline void p_rows(const float *s, int nkp, int np, uint16_t *pb) {
+    __m512i idx[4][2];
+    transpose_indices(idx);
+    for (int j = 0; j < nkp; j += 32)
+        for (int i = 0; i < np; i += 16) {
+            __m512 first[16], second[16];
+            for (int r = 0; r < 16; ++r) {
+                first[r] = _mm512_load_ps(s + (j + r) * QB + i);
+                second[r] = _mm512_load_ps(s + (j + 16 + r) * QB + i);
+            }
+            transpose16(first, idx), transpose16(second, idx);
+            for (int r = 0; r < 16; ++r)
+                _mm512_storeu_si512(pb + (i + r) * KB + j, (__m512i)_mm512_cvtne2ps_pbh(second[r], first[r]));
+        }
+}
+
+/* vb[p][c][0 / 1] = V[2p][c] / V[2p + 1][c] for key pairs p < nkp / 2: the B layout of P V. */
+AMX_TARGET static inline void v_pairs(const void *const *vp, int d, int nkp, uint16_t *vb) {
+    int lo_idx[16], hi_idx[16]; /* 16-bit lanes 2k, 2k + 1 <- a[k], b[k] (k < 16), then k + 16 */
+    for (int k = 0; k < 16; ++k) {
+        lo_idx[k] = (32 + k) << 16 | k;
+        hi_idx[k] = (48 + k) << 16 | (16 + k);
+    }
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
+    for (int p = 0; p < nkp / 2; ++p)
+        for (int c = 0; c < d; c += 32) {
+            const __m512i a = _mm512_loadu_si512((const uint16_t *)vp[2 * p] + c);
+            const __m512i b = _mm512_loadu_si512((const uint16_t *)vp[2 * p + 1] + c);
+            _mm512_storeu_si512(vb + 2 * (p * d + c), _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vb + 2 * (p * d + c + 16), _mm512_permutex2var_epi16(a, hi, b));
+        }
+}
+
+/* o[i][c] += sum_j P[i][j] V[j][c] for rows i < np, keys j < nkp, columns c < d (64 at a time). */
+AMX_TARGET static inline void pv_amx(const uint16_t *pb, const uint16_t *vb, int d, int nkp, int np, float *o) {
+#define O_LOAD(T) \
+    if (c + 16 * (T) < d) _tile_loadd(T, o + i * d + c + 16 * (T), 4 * d);
+#define PV_COLS(T)                                                   \
+    if (c + 16 * (T) < d) {                                          \
+        _tile_loadd(5, vb + j * d + 2 * (c + 16 * (T)), 4 * d);     \
+        _tile_dpbf16ps(T, 4, 5);                                     \
+    }
+#define O_STORE(T) \
+    if (c + 16 * (T) < d) _tile_stored(T, o + i * d + c + 16 * (T), 4 * d);
+    for (int i = 0; i < np; i += 16)
+        for (int c = 0; c < d; c += 64) {
+            O_LOAD(0) O_LOAD(1) O_LOAD(2) O_LOAD(3)
+            for (int j = 0; j < nkp; j += 32) { /* key pairs j / 2 .. j / 2 + 15 */
+                _tile_loadd(4, pb + i * KB + j, 2 * KB);
+                PV_COLS(0) PV_COLS(1) PV_COLS(2) PV_COLS(3)
+            }
+            O_STORE(0) O_STORE(1) O_STORE(2) O_STORE(3)
+        }
+#undef O_LOAD
+#undef PV_COLS
+#undef O_STORE
+}
+#else
+#define HAVE_AMX 0
+int rs_amx_ready(void) { return 0; }
+#endif
