@@ -307,6 +307,13 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
         "reduced": lambda s: TreeOfThought(3, 3, 128, 12, 16, num_trees=1, seed=s),
         "tiny": lambda s: TreeOfThought(3, 3, 24, 4, 4, num_trees=1, seed=s),
     },
+    # One long shared prefix read by many requests decoding together (an agent's system prompt and tool
+    # blocks): where reading the prefix once per step, not once per request, matters most.
+    "gsp_long": {
+        "full": lambda s: SharedSystemPrompt(1, 32, 4096, 64, 64, seed=s, name="gsp_long"),
+        "reduced": lambda s: SharedSystemPrompt(1, 16, 1024, 32, 16, seed=s, name="gsp_long"),
+        "tiny": lambda s: SharedSystemPrompt(1, 8, 96, 8, 4, seed=s, name="gsp_long"),
+    },
     "hotstream": {
         "full": lambda s: HotPrefixStream(96, 4, 1024, 32, 768, 8, gap=2, seed=s),
         "reduced": lambda s: HotPrefixStream(60, 4, 384, 16, 256, 4, gap=2, seed=s),
@@ -315,8 +322,9 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
 }
 
 NONALIGNED_WORKLOADS = ("gsp1000q61", "fewshot1499")  # for the vLLM peer bench, not the scheduling grid
-WORKLOAD_NAMES = tuple(name for name in _FACTORIES
-                       if name != "hotstream" and name not in NONALIGNED_WORKLOADS)  # the scheduling grid
+LONG_PREFIX_WORKLOADS = ("gsp_long",)  # for the peer benches on model L; not the scheduling grid (too long on S/M)
+WORKLOAD_NAMES = tuple(name for name in _FACTORIES if name != "hotstream" and name not in NONALIGNED_WORKLOADS
+                       and name not in LONG_PREFIX_WORKLOADS)  # the scheduling grid
 EVICTION_WORKLOADS = ("hotstream", "multiturn", "react")  # where LRU and reuse-weighted eviction differ
 
 
