@@ -100,7 +100,7 @@ def _recording_state(threads: list[str]) -> SimpleNamespace:
 
     tokenizer = SimpleNamespace(encode=record, render_chat=record, apply_chat_template=record,
                                 convert_ids_to_tokens=record, decode=record)
-    return SimpleNamespace(config=SimpleNamespace(max_n=4), check_model=lambda model: None, encode=record,
+    return SimpleNamespace(config=SimpleNamespace(max_n=4), structured=True, check_model=lambda model: None, encode=record,
                            render_chat=record, new_id=lambda prefix: prefix + "-1",
                            engine=SimpleNamespace(tokenizer=tokenizer),
                            client=SimpleNamespace(vocab_size=512, context_length=512))
