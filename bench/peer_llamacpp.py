@@ -67,16 +67,17 @@ from radixserve.bench.workloads import SIZES, ReAct, SharedSystemPrompt, WorkReq
 
 logger = logging.getLogger(__name__)
 
-# The issue's shapes: gsp 2 groups x 8 on 1,024 + 64 tokens; react one agent per client; 64 output tokens each.
+# full (= real): issue 35's shapes, gsp 2 groups x 8 on 1,024 + 64 tokens, react one agent per client, 64 output
+# tokens each (bench.workloads' "real" size); reduced and tiny keep the same structure, smaller.
 PRESETS: dict[str, dict[str, Callable[[int], Workload]]] = {
-    "gsp": {"full": lambda s: SharedSystemPrompt(2, 8, 1024, 64, 64, seed=s),
-            "reduced": lambda s: SharedSystemPrompt(2, 8, 256, 32, 16, seed=s),
+    "gsp": {"reduced": lambda s: SharedSystemPrompt(2, 8, 256, 32, 16, seed=s),
             "tiny": lambda s: SharedSystemPrompt(2, 4, 32, 8, 4, seed=s)},
-    "react": {"full": lambda s: ReAct(16, 6, 512, 64, (32, 192), 64, seed=s),
-              "reduced": lambda s: ReAct(16, 3, 160, 24, (16, 64), 16, seed=s),
+    "react": {"reduced": lambda s: ReAct(16, 3, 160, 24, (16, 64), 16, seed=s),
               "tiny": lambda s: ReAct(4, 3, 32, 8, (4, 12), 4, seed=s)},
-    "gsp_long": {size: (lambda s, size=size: make_workload("gsp_long", size, s)) for size in SIZES},
+    "gsp_long": {size: (lambda s, size=size: make_workload("gsp_long", size, s)) for size in ("reduced", "tiny")},
 }
+for _name, _sizes in PRESETS.items():
+    _sizes["full"] = _sizes["real"] = lambda s, name=_name: make_workload(name, "real", s)
 CLIENTS = {"gsp": 16, "react": 16, "gsp_long": 32}
 
 

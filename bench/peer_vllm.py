@@ -33,11 +33,11 @@ from radixserve.bench._vllm_worker import PREFIX
 from radixserve.bench.harness import MODEL_HELP
 from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 from radixserve.bench.report_peer import OURS
-from radixserve.bench.workloads import NONALIGNED_WORKLOADS, Workload, make_workload
+from radixserve.bench.workloads import LONG_PREFIX_WORKLOADS, NONALIGNED_WORKLOADS, SIZES, Workload, make_workload
 
 logger = logging.getLogger(__name__)
 
-PEER_WORKLOADS = ("gsp", "fewshot", "multiturn", "react", *NONALIGNED_WORKLOADS)
+PEER_WORKLOADS = ("gsp", "fewshot", "multiturn", "react", *NONALIGNED_WORKLOADS, *LONG_PREFIX_WORKLOADS)
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_worker.py")
 _WARMUP_PROMPT = list(range(100, 164))
 
@@ -306,10 +306,23 @@ def pool_tokens(names: list[str], size: str, seed: int = 0) -> tuple[int, int]:
     return total, longest
 
 
-def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_requests: int = 64) -> int:
-    """VLLM_CPU_KVCACHE_SPACE (whole GiB): `tokens` plus a partial block per running request, fp32, x1.5."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def resolve_dtype(dtype: str, model_config: dict[str, Any]) -> str:
+    """Both engines' dtype: `auto` is the checkpoint's own (config.json's dtype / torch_dtype; float32 if absent)."""
+    if dtype != "auto":
+        return dtype
+    own = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
+    return own if own in DTYPE_BYTES else "float32"
+
+
+def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_requests: int = 64,
+                dtype: str = "float32") -> int:
+    """VLLM_CPU_KVCACHE_SPACE (whole GiB): `tokens` plus a partial block per running request, in `dtype`, x1.5."""
     kv_heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
-    per_token = model_config["num_hidden_layers"] * 2 * kv_heads * roofline.head_dim(model_config) * 4
+    per_token = (model_config["num_hidden_layers"] * 2 * kv_heads * roofline.head_dim(model_config)
+                 * DTYPE_BYTES[dtype])
     return max(1, math.ceil(1.5 * (tokens + num_requests * max_block) * per_token / 2**30))
 
 
@@ -329,14 +342,14 @@ def start_sides(args: argparse.Namespace, model_path: str, model_config: dict[st
     if longest > max_model_len:
         raise ValueError(f"a request needs {longest} tokens, more than max_model_len {max_model_len}")
     kv_gib = args.vllm_kv_gib or vllm_kv_gib(tokens, model_config, max(args.block_sizes or [1]),
-                                                args.max_running_requests)
+                                                args.max_running_requests, args.dtype)
     env = worker_env(args.threads_bind or f"0-{args.threads - 1}", kv_gib, dict(args.vllm_env))
-    sides[OURS] = OursSide(model_path, args.threads, kv_cache_tokens=tokens,
+    sides[OURS] = OursSide(model_path, args.threads, dtype=args.dtype, kv_cache_tokens=tokens,
                            max_running_requests=args.max_running_requests,
                            chunked_prefill_size=args.chunked_prefill_size)
     for block in args.block_sizes:
         llm_config: dict[str, Any] = dict(model=model_path, block_size=block, max_model_len=max_model_len,
-                                          max_num_seqs=args.max_running_requests)
+                                          max_num_seqs=args.max_running_requests, dtype=args.dtype)
         if args.vllm_max_num_batched_tokens:
             llm_config["max_num_batched_tokens"] = args.vllm_max_num_batched_tokens
         logger.info("starting vLLM, block size %d (KV %d GiB)", block, kv_gib)
@@ -353,6 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     model_path = bench_model_path(args.model)
     model_config = roofline.load_config(model_path)
+    args.dtype = resolve_dtype(args.dtype, model_config)
     roof = roofline.measure_roofline(model_config, args.threads) if _wants_roofline(args) else None
     start = time.perf_counter()
     sides: dict[str, Side] = {}
@@ -392,7 +406,7 @@ def _engine_info(sides: dict[str, Side]) -> dict[str, Any]:
 
 
 def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
-    return {"command": args.command, "model": args.model,
+    return {"command": args.command, "model": args.model, "dtype": args.dtype,
             "model_path": os.path.basename(model_path), "size": args.size, "reps": args.reps,
             "threads": args.threads, "seed": args.seed, "workloads": args.workloads, "settle_s": args.settle_s,
             "warmup_runs": args.warmup_runs,
@@ -402,7 +416,10 @@ def _meta(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = bench_parser("peer_vllm", __doc__)
     p.add_argument("--model", default="S", help=MODEL_HELP + " (vLLM needs a head size of at least 32: not tiny)")
-    p.add_argument("--size", choices=("full", "reduced", "tiny"), default="reduced", help="workload size")
+    p.add_argument("--size", choices=SIZES, default="reduced",
+                   help="workload size (real: issue 35's shapes for model L, 64 output tokens a request)")
+    p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
+                   help="weights, activations and KV of both engines (auto: the checkpoint's own, e.g. bf16 for L)")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PEER_WORKLOADS),
                    help="comma-separated workloads")
     p.add_argument("--rounds", "--reps", dest="reps", type=int, default=3,

@@ -91,10 +91,16 @@ def _compare_outputs(ref: Any, run: Any) -> dict[str, Any]:
             "first_differ": differ[0] if differ else None}
 
 
+def report_name(report: dict[str, Any]) -> str:
+    """peer_vllm_MODEL, with _bf16 when the engines ran bf16 (fp32 runs keep their earlier names)."""
+    dtype = report.get("dtype", "float32")
+    return f"peer_vllm_{report.get('model')}" + ("" if dtype == "float32" else "_bf16")
+
+
 def write_report(report: dict[str, Any], out: BenchOutput) -> str:
     """Writes peer_vllm_MODEL.{json,png,md}; returns the Markdown."""
-    title = f"model {report.get('model')}, {report.get('size')} workloads"
-    return out.write_report(f"peer_vllm_{report.get('model')}", report, markdown(report),
+    title = f"model {report.get('model')} ({report.get('dtype', 'float32')}), {report.get('size')} workloads"
+    return out.write_report(report_name(report), report, markdown(report),
                             lambda path: plot_peer(report["rows"], path, title=title))
 
 
@@ -123,7 +129,7 @@ def markdown(r: dict[str, Any]) -> str:
                        f"**{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
                        "GFLOP/s = linear FLOPs / median wall time.")]
     lines += _profile_lines(r["rows"])
-    lines += ["", *_engines(r), "", f"![throughput and hit rate](peer_vllm_{r.get('model')}.png)", ""]
+    lines += ["", *_engines(r), "", f"![throughput and hit rate]({report_name(r)}.png)", ""]
     return "\n".join(lines)
 
 
@@ -144,7 +150,8 @@ def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def _method(r: dict[str, Any]) -> list[str]:
     order = ", ".join(r.get("engines", {})) or "the engines"
-    return [(f"Model {r.get('model')} (`{r.get('model_path')}`), {r.get('size')} workloads, seed {r.get('seed')}; "
+    return [(f"Model {r.get('model')} (`{r.get('model_path')}`, {r.get('dtype', 'float32')}), {r.get('size')} "
+             f"workloads, seed {r.get('seed')}; "
              f"greedy, ignore_eos. Each engine is warmed up once, then runs each workload "
              f"{r.get('warmup_runs', 0)} time(s) untimed; per workload the engines run in the order {order}, "
              "reversed every other repetition, each run from an emptied prefix cache after "

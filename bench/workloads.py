@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 TOKEN_LO, TOKEN_HI = 10, 4000
-SIZES = ("full", "reduced", "tiny")
+SIZES = ("full", "reduced", "tiny", "real")
+# "real": issue 35's shapes for real-shape models (model L), 64 output tokens a request; a workload
+# without its own "real" entry uses its "full" one.
 
 
 @dataclass(frozen=True)
@@ -266,6 +268,7 @@ class MissStream(Workload):
 # "tiny" is for CI with a tiny model (hit rates do not depend on the model's size).
 _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
     "gsp": {
+        "real": lambda s: SharedSystemPrompt(2, 8, 1024, 64, 64, seed=s),
         "full": lambda s: SharedSystemPrompt(8, 8, 1024, 64, 32, seed=s),
         "reduced": lambda s: SharedSystemPrompt(4, 8, 256, 32, 16, seed=s),
         "tiny": lambda s: SharedSystemPrompt(3, 4, 48, 8, 4, seed=s),
@@ -288,16 +291,19 @@ _FACTORIES: dict[str, dict[str, Callable[[int], Workload]]] = {
         "tiny": lambda s: FewShot(95, 16, 7, 4, seed=s, name="fewshot1499"),
     },
     "fewshot": {
+        "real": lambda s: FewShot(1500, 64, 50, 64, seed=s),
         "full": lambda s: FewShot(1500, 64, 50, 8, seed=s),
         "reduced": lambda s: FewShot(400, 24, 24, 8, seed=s),
         "tiny": lambda s: FewShot(96, 16, 8, 4, seed=s),
     },
     "multiturn": {
+        "real": lambda s: MultiTurn(4, 3, 128, 64, seed=s),
         "full": lambda s: MultiTurn(8, 4, 128, 32, seed=s),
         "reduced": lambda s: MultiTurn(6, 4, 48, 16, seed=s),
         "tiny": lambda s: MultiTurn(4, 3, 16, 4, seed=s),
     },
     "react": {
+        "real": lambda s: ReAct(16, 6, 512, 64, (32, 192), 64, seed=s),
         "full": lambda s: ReAct(8, 6, 512, 64, (32, 192), 32, seed=s),
         "reduced": lambda s: ReAct(6, 5, 160, 24, (16, 64), 16, seed=s),
         "tiny": lambda s: ReAct(6, 4, 32, 8, (4, 12), 4, seed=s),
@@ -334,7 +340,8 @@ def make_workload(name: str, size: str = "full", seed: int = 0) -> Workload:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(_FACTORIES)}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    return _FACTORIES[name][size](seed)
+    factories = _FACTORIES[name]
+    return factories.get(size, factories["full"])(seed)
 
 
 def _check_positive(**values: int) -> None:

@@ -234,3 +234,27 @@ def test_main_end_to_end_with_a_stand_in_vllm(tmp_path, fake_vllm):
     assert report["engines"]["vllm-b32"]["llm"]["max_num_seqs"] == 64
     assert report["warmup_runs"] == 1 and "runs each workload 1 time(s) untimed" in (out / "peer_vllm_tiny.md").read_text()
     assert {p.name for p in out.iterdir()} == {"peer_vllm_tiny.json", "peer_vllm_tiny.md", "peer_vllm_tiny.png"}
+
+
+def test_dtype_follows_the_checkpoint_and_sizes_the_vllm_kv():
+    config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896}
+    assert peer_vllm.resolve_dtype("auto", {**config, "torch_dtype": "bfloat16"}) == "bfloat16"
+    assert peer_vllm.resolve_dtype("auto", {**config, "dtype": "bfloat16"}) == "bfloat16"
+    assert peer_vllm.resolve_dtype("auto", config) == "float32"
+    assert peer_vllm.resolve_dtype("float32", {**config, "dtype": "bfloat16"}) == "float32"
+    tokens = 2**30 // (24 * 2 * 2 * 64 * 2)  # 1 GiB of bf16 KV
+    bf16 = peer_vllm.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="bfloat16")
+    fp32 = peer_vllm.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="float32")
+    assert (bf16, fp32) == (2, 3)  # x1.5, rounded up to whole GiB
+    assert report_peer.report_name({"model": "L", "dtype": "bfloat16"}) == "peer_vllm_L_bf16"
+    assert report_peer.report_name({"model": "S"}) == "peer_vllm_S"
+
+
+def test_real_size_is_issue_35s_shapes():
+    gsp = make_workload("gsp", "real").make_round(0, {}).requests
+    assert len(gsp) == 16 and {len(r.prompt_ids) for r in gsp} == {1024 + 64}
+    assert {r.max_new_tokens for r in gsp} == {64}
+    long = make_workload("gsp_long", "real").make_round(0, {}).requests
+    assert len(long) == 32 and {len(r.prompt_ids) for r in long} == {4096 + 64}
+    for name in ("fewshot", "multiturn", "react"):
+        assert {r.max_new_tokens for r in make_workload(name, "real").make_round(0, {}).requests} == {64}
