@@ -306,15 +306,12 @@ def pool_tokens(names: list[str], size: str, seed: int = 0) -> tuple[int, int]:
     return total, longest
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
 def resolve_dtype(dtype: str, model_config: dict[str, Any]) -> str:
     """Both engines' dtype: `auto` is the checkpoint's own (config.json's dtype / torch_dtype; float32 if absent)."""
     if dtype != "auto":
         return dtype
     own = str(model_config.get("dtype") or model_config.get("torch_dtype") or "float32")
-    return own if own in DTYPE_BYTES else "float32"
+    return own if own in roofline.DTYPE_BYTES else "float32"
 
 
 def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_requests: int = 64,
@@ -322,7 +319,7 @@ def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_r
     """VLLM_CPU_KVCACHE_SPACE (whole GiB): `tokens` plus a partial block per running request, in `dtype`, x1.5."""
     kv_heads = model_config.get("num_key_value_heads", model_config["num_attention_heads"])
     per_token = (model_config["num_hidden_layers"] * 2 * kv_heads * roofline.head_dim(model_config)
-                 * DTYPE_BYTES[dtype])
+                 * roofline.DTYPE_BYTES[dtype])
     return max(1, math.ceil(1.5 * (tokens + num_requests * max_block) * per_token / 2**30))
 
 
@@ -367,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = bench_model_path(args.model)
     model_config = roofline.load_config(model_path)
     args.dtype = resolve_dtype(args.dtype, model_config)
-    roof = roofline.measure_roofline(model_config, args.threads) if _wants_roofline(args) else None
+    roof = roofline.measure_roofline(model_config, args.threads, dtype=args.dtype) if _wants_roofline(args) else None
     start = time.perf_counter()
     sides: dict[str, Side] = {}
     try:
@@ -391,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _wants_roofline(args: argparse.Namespace) -> bool:
-    return args.roofline == "on" or (args.roofline == "auto" and args.model == "M")
+    return args.roofline == "on" or (args.roofline == "auto" and args.model in ("M", "L"))
 
 
 def _engine_info(sides: dict[str, Side]) -> dict[str, Any]:
@@ -418,7 +415,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="S", help=MODEL_HELP + " (vLLM needs a head size of at least 32: not tiny)")
     p.add_argument("--size", choices=SIZES, default="reduced",
                    help="workload size (real: issue 35's shapes for model L, 64 output tokens a request)")
-    p.add_argument("--dtype", choices=("auto", *DTYPE_BYTES), default="auto",
+    p.add_argument("--dtype", choices=("auto", *roofline.DTYPE_BYTES), default="auto",
                    help="weights, activations and KV of both engines (auto: the checkpoint's own, e.g. bf16 for L)")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PEER_WORKLOADS),
                    help="comma-separated workloads")
@@ -443,7 +440,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         "prefill in equal steps)")
     p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's longest sequence")
     p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto",
-                   help="measure the matmul roofline and report each engine's share of it (auto: on for model M)")
+                   help="measure the matmul roofline and report each engine's share of it (auto: on for models M and L)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--settle-s", type=float, default=3.0,
                    help="idle seconds before each run, so no engine pays for another's spinning threads")

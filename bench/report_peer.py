@@ -123,7 +123,7 @@ def markdown(r: dict[str, Any]) -> str:
         if x["ours_over_best"] is not None:
             lines.append(f"- {w}: radixserve / best vLLM ({x['best_peer']}) = **{x['ours_over_best']:.2f}x**")
     if roof:
-        lines += ["", (f"Roofline: the best fp32 matmul at the model's layer shapes, {roof['threads']} thread(s) "
+        lines += ["", (f"Roofline: the best {roof.get('dtype', 'float32')} matmul at the model's layer shapes, {roof['threads']} thread(s) "
                        f"({roof.get('method', 'torch.matmul')} at {roof['num_tokens']} tokens; the best of "
                        "torch.matmul and the engine's packed linear at 512 and 4096 tokens): "
                        f"**{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "

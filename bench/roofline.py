@@ -19,6 +19,9 @@ FORMULA = ("linear FLOPs = 2 * P_linear * (prompt tokens - cached tokens + outpu
            "q, k, v, o, gate, up, down weights of all layers (no embeddings, no lm_head)")
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # element sizes of the dtypes the benches run
+
+
 def load_config(model_path: str) -> dict[str, Any]:
     with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
         return json.load(f)
@@ -70,8 +73,8 @@ def passes_per_second(run_pass: Callable[[], None], min_time_s: float) -> tuple[
 
 
 def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int | tuple[int, ...] = (512, 4096),
-                     min_time_s: float = 0.5) -> dict[str, Any]:
-    """GFLOP/s of fp32 matmuls at the layer's shapes with `threads` intra-op threads (restored after): the best of
+                     min_time_s: float = 0.5, dtype: str = "float32") -> dict[str, Any]:
+    """GFLOP/s of matmuls in `dtype` (float32 or bfloat16) at the layer's shapes with `threads` intra-op threads (restored after): the best of
     torch.matmul and the engine's own linear (oneDNN's packed weights, kernels.layers.Linear) at each token count
     (the peer benches' prefill chunks hold 4096 tokens), so that no engine's linears should exceed it."""
     import torch
@@ -83,8 +86,8 @@ def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int | tup
     with torch_threads(threads):
         for tokens in (num_tokens,) if isinstance(num_tokens, int) else num_tokens:
             flops_per_pass = sum(2.0 * tokens * k * n for k, n in shapes)
-            xs = [torch.randn(tokens, k) for k, _ in shapes]
-            weights = [torch.randn(n, k) for k, n in shapes]
+            xs = [torch.randn(tokens, k, dtype=getattr(torch, dtype)) for k, _ in shapes]
+            weights = [torch.randn(n, k, dtype=getattr(torch, dtype)) for k, n in shapes]
             linears = [Linear(w, None) for w in weights]
             kinds = {"torch.matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)],
                      "packed linear": lambda: [lin(x) for x, lin in zip(xs, linears)]}
@@ -93,7 +96,7 @@ def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int | tup
                 runs.append({"method": method, "num_tokens": tokens, "passes": passes,
                              "gflops": flops_per_pass * passes / elapsed / 1e9})
     best = max(runs, key=lambda r: r["gflops"])
-    return {**best, "threads": threads, "runs": runs, "shapes": [list(s) for s in shapes],
+    return {**best, "threads": threads, "dtype": dtype, "runs": runs, "shapes": [list(s) for s in shapes],
             "linear_params": linear_params(config)}
 
 
