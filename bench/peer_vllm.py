@@ -335,7 +335,8 @@ def start_sides(args: argparse.Namespace, model_path: str, model_config: dict[st
                 sides: dict[str, Side]) -> None:
     """Fills `sides` (the caller closes whatever started, also when a later start fails)."""
     tokens, longest = pool_tokens(args.workloads, args.size, args.seed)
-    max_model_len = min(args.max_model_len, model_config.get("max_position_embeddings", args.max_model_len))
+    wanted = args.max_model_len or max(4096, longest)  # vLLM's longest sequence: by default what the workloads need
+    max_model_len = min(wanted, model_config.get("max_position_embeddings", wanted))
     if longest > max_model_len:
         raise ValueError(f"a request needs {longest} tokens, more than max_model_len {max_model_len}")
     kv_gib = args.vllm_kv_gib or vllm_kv_gib(tokens, model_config, max(args.block_sizes or [1]),
@@ -380,11 +381,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for side in sides.values():
             side.close()
-    report = report_peer.build_report(measures, model_config, roof, engines=engines, meta=_meta(args, model_path))
+    meta = {**_meta(args, model_path), "decode_step_bytes": _step_bytes(args, model_config)}
+    report = report_peer.build_report(measures, model_config, roof, engines=engines, meta=meta)
     report["elapsed_s"] = time.perf_counter() - start
     out = BenchOutput("peer_vllm", args.out)
     out.finish(report_peer.write_report(report, out))
     return report
+
+
+def _step_bytes(args: argparse.Namespace, model_config: dict[str, Any]) -> dict[str, dict[str, float]]:
+    from radixserve.bench.harness import stand_in_rounds
+
+    elem = roofline.DTYPE_BYTES[args.dtype]
+    return {name: roofline.decode_step_bytes(model_config, stand_in_rounds(
+        lambda name=name: make_workload(name, args.size, args.seed)), elem) for name in args.workloads}
 
 
 def _wants_roofline(args: argparse.Namespace) -> bool:
@@ -438,7 +448,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=VLLM_CPU_BATCHED_TOKENS,
                    help="radixserve's prompt tokens per step (default: vLLM-CPU's per-step budget, so both engines "
                         "prefill in equal steps)")
-    p.add_argument("--max-model-len", type=int, default=4096, help="vLLM's longest sequence")
+    p.add_argument("--max-model-len", type=int,
+                   help="vLLM's longest sequence (default: 4096, or the longest request of the workloads if longer)")
     p.add_argument("--roofline", choices=("auto", "on", "off"), default="auto",
                    help="measure the matmul roofline and report each engine's share of it (auto: on for models M and L)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")

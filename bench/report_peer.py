@@ -128,9 +128,25 @@ def markdown(r: dict[str, Any]) -> str:
                        "torch.matmul and the engine's packed linear at 512 and 4096 tokens): "
                        f"**{roof['gflops']:.1f} GFLOP/s**. {r['flops_formula']}; "
                        "GFLOP/s = linear FLOPs / median wall time.")]
+    lines += _step_bytes_lines(r.get("decode_step_bytes") or {}, r.get("ratios", {}))
     lines += _profile_lines(r["rows"])
     lines += ["", *_engines(r), "", f"![throughput and hit rate]({report_name(r)}.png)", ""]
     return "\n".join(lines)
+
+
+def _step_bytes_lines(step_bytes: dict[str, dict[str, float]], ratios: dict[str, Any]) -> list[str]:
+    """What one decode step reads on each workload (bench.roofline.decode_step_bytes), beside the ratio."""
+    if not step_bytes:
+        return []
+    lines = ["", "Bytes one decode step reads, averaged over the workload's decode steps: the weights (linears and "
+             "LM head), and the running requests' K/V read once per request or once per shared prefix:", "",
+             "| workload | weights MB | K/V MB, per request | K/V MB, prefix once | radixserve / best vLLM |",
+             "|---|---|---|---|---|"]
+    for w, b in step_bytes.items():
+        x = (ratios.get(w) or {}).get("ours_over_best")
+        lines.append(f"| {w} | {b['weights'] / 1e6:,.0f} | {b['kv_per_request'] / 1e6:,.0f} | "
+                     f"{b['kv_prefix_once'] / 1e6:,.0f} | {'-' if x is None else f'{x:.2f}x'} |")
+    return lines
 
 
 def _profile_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -13,7 +13,7 @@ import contextlib
 import json
 import os
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 FORMULA = ("linear FLOPs = 2 * P_linear * (prompt tokens - cached tokens + output tokens); P_linear = "
            "q, k, v, o, gate, up, down weights of all layers (no embeddings, no lm_head)")
@@ -108,3 +108,46 @@ def measure_stream_gbs(num_floats: int, threads: int, min_time_s: float = 0.5) -
     with torch_threads(threads):
         passes, elapsed = passes_per_second(data.sum, min_time_s)
     return 4.0 * num_floats * passes / elapsed / 1e9
+
+
+def kv_bytes_per_token(config: dict[str, Any], elem: int) -> int:
+    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    return 2 * elem * config["num_hidden_layers"] * kv_heads * head_dim(config)
+
+
+def decode_step_bytes(config: dict[str, Any], rounds: Sequence[Sequence[tuple]], elem: int) -> dict[str, float]:
+    """Bytes one decode step reads, averaged over a workload's decode steps (each round's requests decoding
+    together, one output token a step): the linears and LM head, and the K/V of the running requests'
+    contexts, read once per request (`kv_per_request`) or once per distinct prefix-tree token
+    (`kv_prefix_once`: what a reader of shared prefixes needs). Rounds as bench.harness.stand_in_rounds gives."""
+    weights = elem * (linear_params(config) + config["vocab_size"] * config["hidden_size"])
+    per_token = kv_bytes_per_token(config, elem)
+    steps = per_request = once = 0
+    for items in rounds:
+        distinct: dict[int, int] = {}  # running count -> tree size of their prompts (the set only shrinks)
+        for step in range(max((len(out) for _, out, _ in items), default=0)):
+            running = [prompt for prompt, out, _ in items if len(out) > step]
+            if len(running) not in distinct:
+                distinct[len(running)] = _trie_size(running)
+            steps += 1
+            per_request += sum(len(p) + step for p in running)
+            once += distinct[len(running)] + step * len(running)  # outputs are each request's own
+    if not steps:
+        return {"weights": float(weights), "kv_per_request": 0.0, "kv_prefix_once": 0.0, "decode_steps": 0}
+    return {"weights": float(weights), "kv_per_request": per_token * per_request / steps,
+            "kv_prefix_once": per_token * once / steps, "decode_steps": steps}
+
+
+def _trie_size(prompts: Iterable[Sequence[int]]) -> int:
+    """Distinct tokens of the prefix tree of `prompts` (shared prefixes counted once)."""
+    root: dict[int, dict] = {}
+    size = 0
+    for prompt in prompts:
+        node = root
+        for tok in prompt:
+            child = node.get(tok)
+            if child is None:
+                child = node[tok] = {}
+                size += 1
+            node = child
+    return size

@@ -258,3 +258,19 @@ def test_real_size_is_issue_35s_shapes():
     assert len(long) == 32 and {len(r.prompt_ids) for r in long} == {4096 + 64}
     for name in ("fewshot", "multiturn", "react"):
         assert {r.max_new_tokens for r in make_workload(name, "real").make_round(0, {}).requests} == {64}
+
+
+def test_decode_step_bytes_by_hand():
+    # 1 layer: q, o, gate, up, down 4 x 4 and k, v 4 x 2 (96) + a 4 x 4 head (16): 224 bf16 bytes;
+    # K/V 2 x 2 bytes x 1 KV head x 2 dims = 8 B/token.
+    config = {"hidden_size": 4, "intermediate_size": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 2, "num_hidden_layers": 1, "vocab_size": 4}
+    # Two requests on a shared 3-token prefix, 2 and 1 output tokens: step 0 runs both, step 1 the first.
+    rounds = [[([1, 2, 3, 4], [9, 9], None), ([1, 2, 3, 5], [9], None)]]
+    b = roofline.decode_step_bytes(config, rounds, elem=2)
+    assert b["weights"] == 224 and b["decode_steps"] == 2
+    assert b["kv_per_request"] == pytest.approx(8 * ((4 + 4) + (4 + 1)) / 2)
+    # step 0: the tree of both prompts holds 5 tokens; step 1: the first prompt's 4 + its first output token
+    assert b["kv_prefix_once"] == pytest.approx(8 * ((5 + 0) + (4 + 1)) / 2)
+    md = "\n".join(report_peer._step_bytes_lines({"gsp": b}, {"gsp": {"ours_over_best": 1.25}}))
+    assert "| gsp | 0 | 0 | 0 | 1.25x |" in md
