@@ -136,13 +136,14 @@ def _peer_report(path: str) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from radixserve.bench.harness import MODEL_HELP, bench_model_path, stand_in_rounds
-    from radixserve.bench.peer_vllm import PEER_WORKLOADS, resolve_dtype
+    from radixserve.bench.peer_sides import resolve_dtype
+    from radixserve.bench.peer_vllm import PEER_WORKLOADS
     from radixserve.bench.report_peer import report_name
     from radixserve.bench.workloads import SIZES, make_workload
 
     p = bench_parser("ceiling", __doc__)
     p.add_argument("--model", default="M", help=MODEL_HELP)
-    p.add_argument("--dtype", choices=("auto", *roofline.DTYPE_BYTES), default="auto",
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="the weights' dtype (auto: the checkpoint's own, bf16 for L)")
     p.add_argument("--size", choices=SIZES, help="workload size (default: real for L, full otherwise)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the roofline and bandwidth measurements")

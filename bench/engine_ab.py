@@ -66,7 +66,8 @@ class Child:
 def child_main(spec_json: str) -> int:
     """The child: stdout carries only protocol lines (logs go to stderr)."""
     from radixserve.bench.harness import bench_model_path
-    from radixserve.bench.peer_vllm import OursSide, run_rounds, warm_up
+    from radixserve.bench.peer_sides import OursSide
+    from radixserve.bench.peer_vllm import run_rounds, warm_up
     from radixserve.bench.workloads import make_workload
 
     spec = json.loads(spec_json)

@@ -47,7 +47,8 @@ from typing import Any, Callable, Protocol
 
 from radixserve.bench.harness import MODEL_HELP
 from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.peer_vllm import alternation, vllm_kv_gib, worker_env
+from radixserve.bench.peer_sides import vllm_kv_gib, worker_env
+from radixserve.bench.peer_vllm import alternation
 from radixserve.bench.report_peer import OURS
 from radixserve.bench.report_serve import build_report, write_report
 
@@ -84,7 +85,7 @@ class OursServer:
         from radixserve.frontend.spawn import ServerProcess
 
         self.name = OURS
-        from radixserve.bench.peer_vllm import VLLM_CPU_BATCHED_TOKENS
+        from radixserve.bench.peer_sides import VLLM_CPU_BATCHED_TOKENS
 
         # The same per-step token budget as vLLM-CPU's default max_num_batched_tokens (an
         # --radixserve-arg given later overrides it).

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
-from radixserve.bench import _vllm_worker, peer_vllm, report_peer, roofline
+from radixserve.bench import _vllm_worker, peer_sides, peer_vllm, report_peer, roofline
 from radixserve.bench.harness import bench_model_path
 from radixserve.bench.output import BenchOutput
 from radixserve.bench.optimal import optimal_counts
-from radixserve.bench.peer_vllm import Measure, OursSide, VllmSide, alternation, parse_reply, run_rounds
+from radixserve.bench.peer_sides import OursSide, VllmSide, parse_reply
+from radixserve.bench.peer_vllm import Measure, alternation, run_rounds
 from radixserve.bench.report_peer import summarize
 from radixserve.bench.workloads import SIZES, TOKEN_HI, TOKEN_LO, WORKLOAD_NAMES, make_workload
 
@@ -193,7 +194,7 @@ def test_radixserve_side_chains_rounds_and_reports_hits(ours_tiny):
 
 
 def test_vllm_side_speaks_the_worker_protocol(fake_vllm):
-    env = peer_vllm.worker_env("0", 1, {"PYTHONPATH": fake_vllm})
+    env = peer_sides.worker_env("0", 1, {"PYTHONPATH": fake_vllm})
     side = VllmSide("vllm-b32", sys.executable, {"model": "/nowhere", "block_size": 32}, env, startup_timeout_s=60)
     tmp = side.tmp
     try:
@@ -212,7 +213,7 @@ def test_vllm_side_speaks_the_worker_protocol(fake_vllm):
 
 
 def test_vllm_side_reports_a_failed_start(fake_vllm, tmp_path):
-    env = peer_vllm.worker_env("0", 1, {"PYTHONPATH": fake_vllm})
+    env = peer_sides.worker_env("0", 1, {"PYTHONPATH": fake_vllm})
     with pytest.raises(RuntimeError, match="AssertionError"):
         VllmSide("vllm-b32", sys.executable, {"model": "/nowhere", "dtype": "float16"}, env,
                  startup_timeout_s=60, work_root=str(tmp_path))
@@ -238,13 +239,13 @@ def test_main_end_to_end_with_a_stand_in_vllm(tmp_path, fake_vllm):
 
 def test_dtype_follows_the_checkpoint_and_sizes_the_vllm_kv():
     config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896}
-    assert peer_vllm.resolve_dtype("auto", {**config, "torch_dtype": "bfloat16"}) == "bfloat16"
-    assert peer_vllm.resolve_dtype("auto", {**config, "dtype": "bfloat16"}) == "bfloat16"
-    assert peer_vllm.resolve_dtype("auto", config) == "float32"
-    assert peer_vllm.resolve_dtype("float32", {**config, "dtype": "bfloat16"}) == "float32"
+    assert peer_sides.resolve_dtype("auto", {**config, "torch_dtype": "bfloat16"}) == "bfloat16"
+    assert peer_sides.resolve_dtype("auto", {**config, "dtype": "bfloat16"}) == "bfloat16"
+    assert peer_sides.resolve_dtype("auto", config) == "float32"
+    assert peer_sides.resolve_dtype("float32", {**config, "dtype": "bfloat16"}) == "float32"
     tokens = 2**30 // (24 * 2 * 2 * 64 * 2)  # 1 GiB of bf16 KV
-    bf16 = peer_vllm.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="bfloat16")
-    fp32 = peer_vllm.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="float32")
+    bf16 = peer_sides.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="bfloat16")
+    fp32 = peer_sides.vllm_kv_gib(tokens, config, 32, num_requests=0, dtype="float32")
     assert (bf16, fp32) == (2, 3)  # x1.5, rounded up to whole GiB
     assert report_peer.report_name({"model": "L", "dtype": "bfloat16"}) == "peer_vllm_L_bf16"
     assert report_peer.report_name({"model": "S"}) == "peer_vllm_S"
