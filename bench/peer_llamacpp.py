@@ -328,7 +328,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="the Python that runs the converter (needs torch, transformers, sentencepiece)")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PRESETS), metavar="LIST",
                    help="comma-separated, from " + ", ".join(PRESETS))
-    p.add_argument("--size", default="full", choices=SIZES, help="workload size (full and real: shapes for real-size models such as L, 64 output tokens a request)")
+    p.add_argument("--size", default="full", choices=SIZES,
+                   help="workload size (full and real: shapes for real-size models such as L, 64 output tokens each)")
     p.add_argument("--clients", type=int, metavar="N",
                    help="connections sending requests (default: gsp 16, react 16, gsp_long 32)")
     p.add_argument("--llama-slots", type=lambda s: s.split(","), default=["4", "c", "cu"], metavar="LIST",
