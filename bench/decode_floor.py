@@ -23,17 +23,9 @@ from typing import Any, Sequence
 from radixserve.bench import roofline
 from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def weight_bytes(config: dict[str, Any], elem: int) -> int:
     """Bytes of the linears and the LM head that one decode step reads (the embedding's few rows are left out)."""
     return elem * (roofline.linear_params(config) + config["vocab_size"] * config["hidden_size"])
-
-
-def kv_bytes_per_token(config: dict[str, Any], elem: int) -> int:
-    kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    return 2 * elem * config["num_hidden_layers"] * kv_heads * roofline.head_dim(config)
 
 
 def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
@@ -46,11 +38,33 @@ def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeat
     shapes = roofline.layer_shapes(config)
     weights = [torch.randn(n, k).to(tdtype) for k, n in shapes]
     linears = [Linear(w, None) for w in weights]
+    return _rates(shapes, dtype, rows, repeats, lambda xs: {
+        "packed": lambda: [lin(x) for lin, x in zip(linears, xs)],
+        "matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)]})
+
+
+def head_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+    """Per row count: the LM head (vocab x hidden) from a packed copy and from the plain table a tied head shares
+    with the embedding (the native kernel at its few rows, F.linear beyond), alternating."""
+    import torch
+
+    from radixserve.kernels.layers import Linear
+
+    shape = (config["hidden_size"], config["vocab_size"])
+    table = torch.randn(shape[1], shape[0]).to(getattr(torch, dtype))
+    packed, shared = Linear(table, None), Linear(table, None, pack=False)
+    return _rates([shape], dtype, rows, repeats, lambda xs: {
+        "packed copy": lambda: packed(xs[0]), "shared table": lambda: shared(xs[0])})
+
+
+def _rates(shapes: list[tuple[int, int]], dtype: str, rows: Sequence[int], repeats: int,
+           kinds_for: Any) -> list[dict[str, Any]]:
+    """Median time of each kind (kinds_for(inputs) -> name: run) at each row count, the kinds alternating."""
+    import torch
+
     out = []
     for m in rows:
-        xs = [torch.randn(m, k).to(tdtype) for k, _ in shapes]
-        kinds = {"packed": lambda: [lin(x) for lin, x in zip(linears, xs)],
-                 "matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)]}
+        kinds = kinds_for([torch.randn(m, k).to(getattr(torch, dtype)) for k, _ in shapes])
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for kind in kinds.values():
             kind()  # first call: oneDNN builds its primitive for this shape
@@ -60,7 +74,7 @@ def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeat
                 run()
                 times[name].append(time.perf_counter() - start)
         flops = sum(2.0 * m * k * n for k, n in shapes)
-        wbytes = sum(k * n for k, n in shapes) * DTYPE_BYTES[dtype]
+        wbytes = sum(k * n for k, n in shapes) * roofline.DTYPE_BYTES[dtype]
         for name, ts in times.items():
             med = statistics.median(ts)
             out.append({"rows": m, "method": name, "ms": med * 1e3, "gflops": flops / med / 1e9,
@@ -123,8 +137,15 @@ def report(result: dict[str, Any]) -> tuple[str, str]:
     rates = ["| rows | method | ms per layer | GFLOP/s | weight GB/s |", "|---|---|---|---|---|"]
     rates += [f"| {r['rows']} | {r['method']} | {r['ms']:.3f} | {r['gflops']:.0f} | {r['weight_gbs']:.1f} |"
               for r in result["linear_rates"]]
+    head = ["| rows | head from | ms | weight GB/s |", "|---|---|---|---|"]
+    head += [f"| {r['rows']} | {r['method']} | {r['ms']:.2f} | {r['weight_gbs']:.1f} |"
+             for r in result.get("head_rates", [])]
     text = "\n".join(table)
-    return "\n".join(lines + table + ["", "One layer's linears at each row count:", ""] + rates) + "\n", text
+    parts = lines + table + ["", "One layer's linears at each row count:", ""] + rates
+    if result.get("head_rates"):
+        parts += ["", "The LM head (vocab x hidden) from a packed copy or from the plain table a tied head shares "
+                  "with the embedding:", ""] + head
+    return "\n".join(parts) + "\n", text
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -148,16 +169,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     path = bench_model_path(args.model)
     config = roofline.load_config(path)
     dtype = (config.get("torch_dtype") or config.get("dtype") or "float32") if args.dtype == "auto" else args.dtype
-    elem = DTYPE_BYTES[dtype]
+    elem = roofline.DTYPE_BYTES[dtype]
     batches, rows = [int(b) for b in args.batches.split(",")], [int(r) for r in args.rows.split(",")]
     result: dict[str, Any] = {"command": args.command, "model": args.model, "dtype": dtype, "threads": args.threads,
                               "context": args.context, "stream_gib": args.stream_gib,
                               "weight_bytes": weight_bytes(config, elem),
-                              "kv_bytes_per_token": kv_bytes_per_token(config, elem)}
-    with progress(2 + len(batches), "decode floor", unit="part") as bar:
+                              "kv_bytes_per_token": roofline.kv_bytes_per_token(config, elem)}
+    with progress(3 + len(batches), "decode floor", unit="part") as bar:
         result["stream_gbs"] = roofline.measure_stream_gbs(int(args.stream_gib * 2**30 / 4), args.threads)
         bar.update()
         result["linear_rates"] = linear_rates(config, dtype, rows, args.repeats)
+        bar.update()
+        result["head_rates"] = head_rates(config, dtype, [r for r in rows if r <= 64], args.repeats)
         bar.update()
         result["decode"] = []
         for batch in batches:

@@ -49,8 +49,12 @@ class CausalLM:
                 raise ValueError("checkpoint is missing weight 'lm_head.weight' "
                                  "(and tie_word_embeddings is false)")
             lm_head = self.embed
-        # A tied head shares the embedding table (needed for lookups), so it is not repacked.
-        self.lm_head = Linear(lm_head, None, pack=not tied)  # hidden -> vocab
+        self.lm_head = Linear(lm_head, None)  # hidden -> vocab; a tied head packs a copy (the lookups keep the table)
+        if tied and self.lm_head.packed is not None:
+            # The packed layout streams the head faster than the plain table at every row count, and the head is a
+            # decode step's largest matmul: worth the table's size once (bench/results/lm_head_L.md).
+            logger.info("tied LM head: a packed copy of the embedding (%.0f MB), faster than reading the shared "
+                        "table in every decode step", lm_head.numel() * lm_head.element_size() / 2**20)
         leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             logger.warning("ignoring %d unused checkpoint tensor(s), e.g. %s", len(leftover), leftover[0])
