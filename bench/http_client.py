@@ -16,16 +16,21 @@ class HTTPConnection:
         self.writer: asyncio.StreamWriter | None = None
 
     async def post_lines(self, path: str, body: bytes):
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
                 f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        self.writer.write(head + body)
-        reader = self.reader
-        assert reader is not None
-        status = await reader.readline()
+        reused = self.writer is not None and not self.writer.is_closing() and not self.reader.at_eof()
+        if not reused:
+            await self._connect()
+        status = await self._send(head + body)
+        if not status and reused:
+            # A server may close a keep-alive connection that sat idle (llama.cpp's after 5 s) before it
+            # reads the next request: nothing of it was processed, so it goes again on a new connection.
+            await self._connect()
+            status = await self._send(head + body)
         if not status:
             raise ConnectionError("the server closed the connection")
+        reader = self.reader
+        assert reader is not None
         code = int(status.split(b" ", 2)[1])
         headers: dict[bytes, bytes] = {}
         while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
@@ -49,6 +54,20 @@ class HTTPConnection:
             yield pending
         if close:
             await self.close()
+
+    async def _connect(self) -> None:
+        await self.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def _send(self, request: bytes) -> bytes:
+        """The response's status line, or b"" if the server closed the connection before answering."""
+        assert self.reader is not None and self.writer is not None
+        try:
+            self.writer.write(request)
+            await self.writer.drain()
+            return await self.reader.readline()
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
 
     @staticmethod
     async def _chunked(reader: asyncio.StreamReader):

@@ -268,3 +268,43 @@ def test_http_bench_end_to_end_on_the_tiny_model(tmp_path):
         assert column in md
     assert "| 4 |" in md
     assert (tmp_path / "http_bench_tiny.png").stat().st_size > 1000
+
+
+def _serve_then_drop(drop_after_reading: bool):
+    """A server answering each connection's first request, then closing it: right away when the next request
+    arrives (drop_after_reading: the client's retry path) or after 0.1 s idle (the client sees the EOF)."""
+    counts = {"connections": 0, "answered": 0}
+
+    async def handle(reader, writer):
+        counts["connections"] += 1
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)  # the body: {}
+        counts["answered"] += 1
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
+        await writer.drain()
+        if drop_after_reading:
+            await reader.readuntil(b"\r\n\r\n")
+        else:
+            await asyncio.sleep(0.1)
+        writer.close()
+
+    return counts, handle
+
+
+@pytest.mark.parametrize("drop_after_reading", [False, True])
+def test_a_keep_alive_connection_the_server_closed_is_reopened(drop_after_reading):
+    async def run():
+        counts, handle = _serve_then_drop(drop_after_reading)
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        conn = HTTPConnection("127.0.0.1", server.sockets[0].getsockname()[1])
+        replies = []
+        for _ in range(3):
+            replies.append([line async for line in conn.post_lines("/x", b"{}")])
+            await asyncio.sleep(0.3)
+        await conn.close()
+        server.close()
+        return counts, replies
+
+    counts, replies = asyncio.run(run())
+    assert replies == [[b"ok"]] * 3
+    assert counts == {"connections": 3, "answered": 3}
