@@ -1,0 +1,88 @@
+"""The soak's verdict: pure checks over the recorded outcomes, the RSS samples and the server's idle state.
+
+Each check returns the violations it found as sentences; an empty list is a clean run."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Sequence
+
+from radixserve.bench.soak_traffic import Outcome
+
+RSS_GROWTH_MB = 50.0  # per process, between the end of the warm-up and the end of the run
+SERVER_ERRORS = ("500", "502", "503", "504")
+# What each kind may legitimately end in (besides a kill window, where the engine's death excuses 5xx and errors).
+ALLOWED = {
+    "malformed": lambda s: s.startswith("4"),
+    "burst": lambda s: s in ("200", "429"),
+    "hangup": lambda s: s in ("hangup", "200"),  # a short answer may end before the client leaves
+    "abort_request": lambda s: s in ("200", "404"),  # 404: the request had already finished
+}
+
+
+def in_window(t: float, windows: Sequence[tuple[float, float]]) -> bool:
+    return any(lo <= t <= hi for lo, hi in windows)
+
+
+def outcome_violations(outcomes: Sequence[Outcome], kill_windows: Sequence[tuple[float, float]] = ()) -> list[str]:
+    """Every request got an allowed terminal outcome: no hang, no 5xx (an aborted request included), no transport
+    failure, no stream cut or errored, a 4xx for each malformed request; a 429 (the queue was full: a clear answer
+    under a burst) is allowed for any request; kill windows excuse all but hangs."""
+    bad: collections.Counter[tuple[str, str]] = collections.Counter()
+    for o in outcomes:
+        if o.status == "timeout":
+            bad[(o.kind, "hung past the client deadline")] += 1
+            continue
+        if in_window(o.start, kill_windows) or in_window(o.start + o.latency_s, kill_windows):
+            continue
+        allowed = ALLOWED.get(o.kind, lambda s: s == "200")
+        if not allowed(o.status) and o.status != "429":
+            bad[(o.kind, f"ended {o.status}")] += 1
+    return [f"{n} {kind} request(s) {what}" for (kind, what), n in sorted(bad.items())]
+
+
+def rss_violations(samples: dict[str, list[tuple[float, float]]], warmup_end: float,
+                   limit_mb: float = RSS_GROWTH_MB) -> list[str]:
+    """samples: process -> [(time, RSS MB)]; growth from the first sample at or after the warm-up's end to the last."""
+    out = []
+    for name, series in samples.items():
+        growth = rss_growth(series, warmup_end)
+        if growth is not None and growth >= limit_mb:
+            out.append(f"{name} RSS grew {growth:.0f} MB after the warm-up (limit {limit_mb:.0f} MB)")
+    return out
+
+
+def rss_growth(series: Sequence[tuple[float, float]], warmup_end: float) -> float | None:
+    after = [rss for t, rss in series if t >= warmup_end]
+    return after[-1] - after[0] if len(after) >= 2 else None
+
+
+def idle_violations(stats: dict[str, Any]) -> list[str]:
+    """Idle: free + evictable + locked + in flight = total, nothing locked or in flight, nothing running or waiting."""
+    parts = {k: stats.get(k) for k in ("free_slots", "evictable_slots", "locked_slots", "in_flight_slots")}
+    if any(v is None for v in parts.values()) or "total_slots" not in stats:
+        return [f"the server's stats lack the KV accounting: {sorted(stats)}"]
+    out = []
+    if sum(parts.values()) != stats["total_slots"]:
+        out.append(f"KV identity broken: {parts} does not sum to {stats['total_slots']}")
+    if parts["locked_slots"] or parts["in_flight_slots"]:
+        out.append(f"slots leaked when idle: {parts['locked_slots']} locked, {parts['in_flight_slots']} in flight")
+    if stats.get("num_running") or stats.get("num_waiting"):
+        out.append(f"not idle: {stats.get('num_running')} running, {stats.get('num_waiting')} waiting")
+    return out
+
+
+def log_violations(log: str) -> list[str]:
+    return [f"the server logged {log.count('Traceback')} traceback(s)"] if "Traceback" in log else []
+
+
+def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
+    """Rows of kind x status: count and latency p50 / max."""
+    groups: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    for o in outcomes:
+        groups[(o.kind, o.status)].append(o.latency_s)
+    rows = []
+    for (kind, status), lat in sorted(groups.items()):
+        lat.sort()
+        rows.append({"kind": kind, "status": status, "count": len(lat), "p50_s": lat[len(lat) // 2],
+                     "max_s": lat[-1]})
+    return rows
