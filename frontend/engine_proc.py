@@ -12,6 +12,7 @@ If the engine process dies, every open request gets `EngineDead`, new ones are r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -138,14 +139,16 @@ class EngineProcess:
             self._routes.pop(rid, None)
             self._admissions.pop(rid, None)
             if isinstance(exc, asyncio.CancelledError) and not self.dead:
-                self._send(msg.AbortRequest(rid))  # admitted later (a grammar compiling), it must not run
+                with contextlib.suppress(EngineDead):  # admitted later (a grammar compiling), it must not run
+                    self._send(msg.AbortRequest(rid))
             raise
 
     def abort(self, rid: str) -> None:
         """Abort a request (no-op if it is finished or unknown); its final delta still arrives
-        (finish_reason "abort") and ends its route."""
+        (finish_reason "abort") and ends its route. If the engine is gone, its death ends the route instead."""
         if rid in self._routes and not self.dead:
-            self._send(msg.AbortRequest(rid))
+            with contextlib.suppress(EngineDead):
+                self._send(msg.AbortRequest(rid))
 
     def open_rids(self) -> list[str]:
         return list(self._routes)
@@ -171,7 +174,16 @@ class EngineProcess:
             raise EngineDead("the engine process is not running")
 
     def _send(self, message: Any) -> None:
-        self._requests.send(msg.dumps(message))
+        """Never blocks the event loop: a PUSH socket whose peer is gone (the engine died) would wait for one
+        forever, and the death would never be noticed. Failing to send means the engine is gone: it is declared
+        dead here (every open request fails) rather than when the reader thread next looks."""
+        try:
+            self._requests.send(msg.dumps(message), zmq.NOBLOCK)
+        except zmq.Again:
+            self.proc.join(1.0)  # the engine's end closed its socket; its exit status is a moment behind
+            if not self.dead:
+                self._died()
+            raise EngineDead("the engine process is not reading requests") from None
 
     # -- events (reader thread -> event loop) -----------------------------------------------
 
@@ -233,6 +245,8 @@ class EngineProcess:
         self._calls.clear()
 
     def _died(self) -> None:
+        if self.dead:  # _send and the reader thread may both see the death
+            return
         code = self.proc.exitcode
         self.dead = True
         logger.error("the engine process died (exit code %s); failing %d open request(s)", code, len(self._routes))
