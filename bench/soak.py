@@ -124,7 +124,9 @@ class Soak:
             return
         self.pids = {n: p for n, p in self.pids.items() if not n.startswith("worker0")}  # restarted from scratch
         old = worker_urls(self.server.log())[0]
-        while not stop.is_set():  # the supervisor restarts worker 0 on a new port; the window ends when it answers
+        end = self.start + self.args.minutes * 60
+        while not stop.is_set() and time.monotonic() < end + 60:  # the supervisor restarts worker 0 on a new port;
+            # the window ends when it answers (kill_violations names a worker that never came back)
             url = worker_urls(self.server.log()).get(0, old)
             if url != old and await _healthy(url):
                 self.back_at = time.monotonic()
@@ -190,7 +192,8 @@ def _wait_idle(client: httpx.Client, url: str, timeout_s: float = 120.0) -> dict
     return stats
 
 
-def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any],
+           exit_code: int | None = None) -> tuple[dict[str, Any], str]:
     rows = soak_checks.summary(soak.outcomes)
     warmup_end = args.warmup_s
     rss = {name: {"start_mb": s[0][1] if s else None, "growth_after_warmup_mb": soak_checks.rss_growth(s, warmup_end),
@@ -198,6 +201,8 @@ def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any]) 
     data = {"bench": "soak", "command": args.command, "model": args.model or "demo", "minutes": args.minutes,
             "requests": len(soak.outcomes), "violations": violations, "rows": rows, "rss": rss, "final_stats": stats,
             "killed_engine_at_s": None if soak.kill_at is None else soak.kill_at - soak.start,
+            "kill_window_s": None if soak.kill_at is None or soak.back_at is None else soak.back_at - soak.kill_at,
+            "server_exit_status": exit_code,
             "settings": {k: getattr(args, k) for k in ("concurrency", "kv_cache_tokens", "max_queued_requests",
                                                        "burst_size", "burst_every_s", "deadline_s", "seed",
                                                        "warmup_s")}}
@@ -209,8 +214,18 @@ def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any]) 
              "Final engine stats: " + ", ".join(f"{k} {stats.get(k)}" for k in (
                  "total_slots", "free_slots", "evictable_slots", "locked_slots", "in_flight_slots", "num_running",
                  "num_waiting", "num_retractions", "num_evicted_tokens", "num_requests_aborted") if k in stats), "",
+             _kill_text(data), "",
              "**Violations**: " + ("none" if not violations else "; ".join(violations)), ""]
     return data, "\n".join(lines)
+
+
+def _kill_text(data: dict[str, Any]) -> str:
+    if data["killed_engine_at_s"] is None:
+        return f"No kill; the server stopped with exit status {data['server_exit_status']}."
+    back = ("" if data["kill_window_s"] is None else
+            f"; the killed worker answered /health {data['kill_window_s']:.1f} s later")
+    return (f"Engine SIGKILLed {data['killed_engine_at_s']:.0f} s into the run{back}; the server's exit status "
+            f"{data['server_exit_status']}.")
 
 
 def _rss_text(name: str, rss: dict[str, Any], warmup_end: float) -> str:
@@ -255,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         code = stop_process(server.proc, 60) if server is not None else None
     violations += kill_violations(soak, code)
-    data, markdown = report(soak, args, violations, stats)
+    data, markdown = report(soak, args, violations, stats, code)
     out = BenchOutput("soak", args.out)
     out.write_report(f"soak_{data['model']}", data, markdown)
     out.finish(markdown)
