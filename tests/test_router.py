@@ -115,7 +115,8 @@ def flush_all(server: ServerProcess) -> None:
 
 
 def chat(url: str, content: str, headers: dict | None = None, **extra) -> httpx.Response:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4,
+            "ignore_eos": True, **extra}  # the random model samples EOS now and then
     return httpx.post(url + "/v1/chat/completions", json=body, headers={**AUTH, **(headers or {})}, timeout=60)
 
 
@@ -146,15 +147,15 @@ def test_generation_endpoints_pass_through_with_the_api_key(replicas):
     assert r.json()["usage"]["completion_tokens"] == 4
     with httpx.stream("POST", url + "/v1/chat/completions", headers=AUTH, timeout=60,
                       json={"model": "tiny", "messages": [{"role": "user", "content": "stream me"}],
-                            "max_tokens": 5, "stream": True}) as s:
+                            "max_tokens": 5, "stream": True, "ignore_eos": True}) as s:
         lines = [line for line in s.iter_lines() if line]
     assert s.status_code == 200 and lines[-1] == "data: [DONE]"
     assert '"finish_reason":"length"' in lines[-2] and sum('"content"' in line for line in lines) >= 2
     gen = httpx.post(url + "/generate", headers=AUTH, timeout=60,
-                     json={"text": "native hello", "sampling_params": {"max_new_tokens": 3}})
+                     json={"text": "native hello", "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
     assert gen.status_code == 200 and gen.json()["meta_info"]["completion_tokens"] == 3
     comp = httpx.post(url + "/v1/completions", headers=AUTH, timeout=60,
-                      json={"model": "tiny", "prompt": "once", "max_tokens": 3})
+                      json={"model": "tiny", "prompt": "once", "max_tokens": 3, "ignore_eos": True})
     assert comp.status_code == 200 and comp.json()["usage"]["completion_tokens"] == 3
     models = httpx.get(url + "/v1/models", headers=AUTH, timeout=30).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
