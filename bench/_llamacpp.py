@@ -14,9 +14,9 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from radixserve.bench.peer_serve import free_port
-from radixserve.bench.peer_vllm import alternation
-from radixserve.bench.report_llamacpp import LLAMA, OURS
+from .peer_serve import free_port
+from .peer_vllm import alternation
+from .report_llamacpp import LLAMA, OURS
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def single_llama(binary: str, gguf: str, context: int, new_tokens: int, threads:
 def single_ours(engine: Any, context: int, new_tokens: int, seed: int) -> dict[str, float]:
     """One request of `context` random ids on an empty cache: prefill = context / TTFT; decode = the tokens
     after the first / the time after the first."""
-    from radixserve.scheduler import SamplingParams
+    from ..scheduler import SamplingParams
 
     if not engine.flush_cache():
         raise RuntimeError("flush_cache refused: the engine still has requests")
@@ -115,8 +115,8 @@ def single_ours(engine: Any, context: int, new_tokens: int, seed: int) -> dict[s
 
 
 def measure_single(args: argparse.Namespace, model_path: str, gguf: str, on_run: Callable[[], object]) -> list[dict]:
-    from radixserve.bench.harness import warm_up
-    from radixserve.scheduler import Engine
+    from .harness import warm_up
+    from ..scheduler import Engine
 
     engine = Engine(model_path, dtype=DTYPES[args.dtype], num_threads=args.threads,
                     kv_cache_tokens=args.single_context + args.single_new_tokens + 256)

@@ -14,7 +14,7 @@ The peer bench reports linear GFLOP/s = linear FLOPs / wall time as a fraction o
 
 Everything else (norms, rotary, sampling, host work, KV reads) is taken as free, so the result is an upper
 bound: best time = prefill linears + decode steps + attention, and the ceiling = (linear FLOPs / roofline) / best
-time. Computed positions are those of the §8 optimum (bench/optimal.py), with each round's requests batched
+time. Computed positions are those of the §12 optimum (radix/optimal.py), with each round's requests batched
 max_running at a time.
 
     python -m radixserve.bench.ceiling --model M    # -> roofline_ceiling_M.{json,md}
@@ -27,9 +27,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-from radixserve.bench import roofline
-from radixserve.bench.optimal import Computed, computed_spans
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+from . import roofline
+from ..radix.optimal import Computed, computed_spans
+from .output import BenchOutput, bench_parser, parse_args, progress
 
 # The peer run whose roofline fractions the table shows by default: the one the README quotes.
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -135,11 +135,11 @@ def _peer_report(path: str) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from radixserve.bench.harness import MODEL_HELP, bench_model_path, stand_in_rounds
-    from radixserve.bench.peer_sides import resolve_dtype
-    from radixserve.bench.peer_vllm import PEER_WORKLOADS
-    from radixserve.bench.report_peer import report_name
-    from radixserve.bench.workloads import SIZES, make_workload
+    from .harness import MODEL_HELP, bench_model_path, stand_in_rounds
+    from .peer_sides import resolve_dtype
+    from .peer_vllm import PEER_WORKLOADS
+    from .report_peer import report_name
+    from .workloads import SIZES, make_workload
 
     p = bench_parser("ceiling", __doc__)
     p.add_argument("--model", default="M", help=MODEL_HELP)

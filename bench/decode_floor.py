@@ -20,8 +20,8 @@ import statistics
 import time
 from typing import Any, Sequence
 
-from radixserve.bench import roofline
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+from . import roofline
+from .output import BenchOutput, bench_parser, parse_args, progress
 
 def weight_bytes(config: dict[str, Any], elem: int) -> int:
     """Bytes of the linears and the LM head that one decode step reads (the embedding's few rows are left out)."""
@@ -32,7 +32,7 @@ def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeat
     """Per row count: the layer's linears as the engine runs them (packed) and as torch.matmul, alternating."""
     import torch
 
-    from radixserve.kernels.layers import Linear
+    from ..kernels.layers import Linear
 
     tdtype = getattr(torch, dtype)
     shapes = roofline.layer_shapes(config)
@@ -48,7 +48,7 @@ def head_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats:
     with the embedding (the native kernel at its few rows, F.linear beyond), alternating."""
     import torch
 
-    from radixserve.kernels.layers import Linear
+    from ..kernels.layers import Linear
 
     shape = (config["hidden_size"], config["vocab_size"])
     table = torch.randn(shape[1], shape[0]).to(getattr(torch, dtype))
@@ -84,8 +84,8 @@ def _rates(shapes: list[tuple[int, int]], dtype: str, rows: Sequence[int], repea
 
 def decode_steps(model_path: str, dtype: str, batch: int, context: int, new_tokens: int) -> dict[str, Any]:
     """The engine decoding `batch` requests after a `context`-token prompt each: median step and linear time."""
-    from radixserve.kernels import layers
-    from radixserve.scheduler import Engine, SamplingParams
+    from ..kernels import layers
+    from ..scheduler import Engine, SamplingParams
 
     engine = Engine(model_path, dtype=dtype, kv_cache_tokens=batch * (context + new_tokens) + 256)
     vocab = engine.model_config.vocab_size
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import torch
 
-    from radixserve.bench.harness import bench_model_path
+    from .harness import bench_model_path
 
     torch.set_num_threads(args.threads)
     path = bench_model_path(args.model)

@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.metadata import meta_from_slot_lists
+from .output import BenchOutput, bench_parser, parse_args, progress
+from ..kernels.attention.base import AttentionMetadata
+from ..kernels.attention.metadata import meta_from_slot_lists
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    from radixserve.kernels.attention.triton_store import kernels_interpreted
+    from ..kernels.attention.triton_store import kernels_interpreted
 
     if kernels_interpreted():
         raise ValueError("TRITON_INTERPRET is set: unset it to time compiled kernels on the GPU")
@@ -180,7 +180,7 @@ def compile_check(arch: int = 90) -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from radixserve.kernels.attention import triton_decode, triton_extend, triton_store
+    from ..kernels.attention import triton_decode, triton_extend, triton_store
 
     if triton_store.kernels_interpreted():
         raise ValueError("compile_check needs compiled kernels: unset TRITON_INTERPRET")
@@ -231,7 +231,7 @@ def _arg_type(name: str, dtype: str) -> str:
 
 
 def _run_case(case: Case, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
-    from radixserve.kernels.attention import torch_ref, triton_decode, triton_extend, triton_store
+    from ..kernels.attention import torch_ref, triton_decode, triton_extend, triton_store
 
     is_decode = case.kind == "decode"
     kernel = triton_decode.decode_attention if is_decode else triton_extend.extend_attention

@@ -23,10 +23,10 @@ import sys
 import time
 from typing import Any, Callable
 
-from radixserve.bench.harness import MODEL_HELP
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.peer_vllm import alternation
-from radixserve.bench.workloads import NONALIGNED_WORKLOADS, WORKLOAD_NAMES
+from .harness import MODEL_HELP
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .peer_vllm import alternation
+from .workloads import NONALIGNED_WORKLOADS, WORKLOAD_NAMES
 
 ENGINE = dict(kv_cache_tokens=120000, max_running_requests=64, chunked_prefill_size=4096)
 
@@ -65,10 +65,10 @@ class Child:
 
 def child_main(spec_json: str) -> int:
     """The child: stdout carries only protocol lines (logs go to stderr)."""
-    from radixserve.bench.harness import bench_model_path
-    from radixserve.bench.peer_sides import OursSide
-    from radixserve.bench.peer_vllm import run_rounds, warm_up
-    from radixserve.bench.workloads import make_workload
+    from .harness import bench_model_path
+    from .peer_sides import OursSide
+    from .peer_vllm import run_rounds, warm_up
+    from .workloads import make_workload
 
     spec = json.loads(spec_json)
     side = OursSide(bench_model_path(spec["model"]), spec["threads"], **spec["config"])

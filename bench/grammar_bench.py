@@ -29,9 +29,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from radixserve.bench.harness import MODEL_HELP, bench_model_path
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.workloads import TOKEN_HI, TOKEN_LO
+from .harness import MODEL_HELP, bench_model_path
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .workloads import TOKEN_HI, TOKEN_LO
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     import torch
 
-    from radixserve.scheduler import Engine
+    from ..scheduler import Engine
 
     torch.set_num_threads(args.threads)
     size = SIZES[args.size]

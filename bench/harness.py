@@ -1,4 +1,4 @@
-"""Drive a workload through `radixserve.scheduler.Engine` step by step and measure it (§8).
+"""Drive a workload through `radixserve.scheduler.Engine` step by step and measure it (§12).
 
 Deterministic: requests go in through `add_request`, time advances only through `engine.step()`,
 decoding is greedy with `ignore_eos` so every request generates exactly its `max_new_tokens`.
@@ -14,12 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from radixserve.bench.optimal import distinct_tokens, optimal_counts
-from radixserve.bench.workloads import Workload
+from ..radix.optimal import distinct_tokens, optimal_counts
+from .output import percentile
+from .workloads import Workload
 
 logger = logging.getLogger(__name__)
 
-# Bench models (§8), seeded random weights: cached_checkpoint's arguments. S, M and "tiny": Llama, fp32, vocab 4096
+# Bench models (§12), seeded random weights: cached_checkpoint's arguments. S, M and "tiny": Llama, fp32, vocab 4096
 # ("tiny" is for CI: hit rates and scheduling decisions do not depend on the model's size). L: the Qwen2.5-0.5B
 # shape in bf16 with its real vocabulary, where weight streaming and the LM head dominate as in real serving.
 _SMALL = dict(arch="llama", vocab_size=4096, max_position_embeddings=4096, dtype="float32")
@@ -38,7 +39,7 @@ MODEL_HELP = ("bench model: S, M, L or tiny (random weights, built once into the
 def bench_model_path(name: str) -> str:
     """Directory of bench model `name`: one of BENCH_MODELS (built once into the radixserve cache), a Hugging Face
     checkpoint directory (used as it is) or a config.json "shape file" (random weights in its shape)."""
-    from radixserve.bench.checkpoints import cached_checkpoint, checkpoint_for
+    from .checkpoints import cached_checkpoint, checkpoint_for
 
     if name in BENCH_MODELS:
         spec = dict(BENCH_MODELS[name])
@@ -129,10 +130,10 @@ class RunResult:
             "wall_s": self.wall_s,
             "req_per_s": len(self.records) / self.wall_s if self.wall_s > 0 else None,
             "tok_per_s": (self.prompt_tokens + self.output_tokens) / self.wall_s if self.wall_s > 0 else None,
-            "ttft_steps_p50": _percentile(ttft_steps, 50),
-            "ttft_steps_p99": _percentile(ttft_steps, 99),
-            "ttft_s_p50": _percentile(ttft_s, 50),
-            "ttft_s_p99": _percentile(ttft_s, 99),
+            "ttft_steps_p50": percentile(ttft_steps, 50),
+            "ttft_steps_p99": percentile(ttft_steps, 99),
+            "ttft_s_p50": percentile(ttft_s, 50),
+            "ttft_s_p99": percentile(ttft_s, 99),
         }
 
 
@@ -143,7 +144,7 @@ def run_workload(engine: Any, workload: Workload, config: dict[str, Any] | None 
     Rounds arrive at `workload.arrival_step(r)` or, when that is None, once every earlier request
     has finished. The engine's cache is not flushed here: callers decide (a fresh engine per run).
     """
-    from radixserve.scheduler import SamplingParams
+    from ..scheduler import SamplingParams
 
     records: dict[str, RequestRecord] = {}
     by_rid: dict[str, RequestRecord] = {}
@@ -209,7 +210,7 @@ def estimate_distinct_tokens(make: Callable[[], Workload], seed: int = 12345) ->
 
 def budget_tokens(make: Callable[[], Workload], fraction: float, max_running_requests: int,
                   page_size: int = 1) -> int:
-    """kv_cache_tokens for a §8 budget: `fraction` of the workload's distinct tokens plus the
+    """kv_cache_tokens for a §12 budget: `fraction` of the workload's distinct tokens plus the
     decode room of the requests that may run at once."""
     rounds = stand_in_rounds(make)
     return kv_budget(distinct_tokens(rounds), fraction, decode_room(rounds, max_running_requests), page_size)
@@ -226,7 +227,7 @@ def decode_room(rounds: list[list[tuple]], max_running_requests: int) -> int:
 
 
 def kv_budget(num_distinct: int, fraction: float, room: int, page_size: int = 1) -> int:
-    """§8: a fraction of the workload's distinct tokens plus the running requests' decode room."""
+    """§12: a fraction of the workload's distinct tokens plus the running requests' decode room."""
     if not 0 < fraction:
         raise ValueError(f"budget fraction must be positive, got {fraction}")
     tokens = int(round(fraction * num_distinct)) + room
@@ -271,15 +272,6 @@ def _record_delta(rec: RequestRecord, delta: Any, step: int, outputs: dict[str, 
         outputs[rec.key] = list(rec.output_ids)
 
 
-def _percentile(values: list[float], pct: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    # Nearest-rank percentile: p99 of a few dozen requests is their maximum.
-    rank = max(1, -(-len(ordered) * pct // 100))
-    return ordered[int(rank) - 1]
-
-
 def repeated_runs(engine: Any, make: Callable[[], Workload], config: dict[str, Any], num_runs: int = 3,
                   on_run: Callable[[], object] = lambda: None) -> tuple[dict[str, Any], list[RunResult]]:
     """Warm up, then `num_runs` runs of a fresh workload on an emptied cache; the median summary.
@@ -304,7 +296,7 @@ def repeated_runs(engine: Any, make: Callable[[], Workload], config: dict[str, A
 
 def warm_up(engine: Any) -> None:
     """One short request so that first-call costs (allocation, kernel set-up) stay out of timings."""
-    from radixserve.scheduler import SamplingParams
+    from ..scheduler import SamplingParams
 
     engine.generate([list(range(100, 164))], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     engine.flush_cache()

@@ -44,10 +44,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from radixserve.bench.http_client import HTTPConnection
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.report_http import SIDES, build_report, write_report
-from radixserve.bench.workloads import SharedSystemPrompt, WorkRequest
+from .http_client import HTTPConnection
+from .output import BenchOutput, bench_parser, parse_args, percentile, progress
+from .report_http import SIDES, build_report, write_report
+from .workloads import SharedSystemPrompt, WorkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -81,17 +81,6 @@ class Timing:
             self.output_tokens += count
             self.ttft_s = now if self.ttft_s is None else self.ttft_s
             self.last_s = now
-
-
-def percentile(values: Sequence[float], pct: float) -> float | None:
-    """Linear interpolation between the closest ranks (numpy's default, as vLLM's bench reports)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * pct / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize_run(timings: Sequence[Timing], wall_s: float) -> dict[str, Any]:
@@ -170,7 +159,7 @@ async def run_http(url: str, requests: Sequence[WorkRequest], concurrency: int) 
 def run_offline(engine: Any, requests: Sequence[WorkRequest], concurrency: int) -> tuple[list[Timing], float]:
     """The same closed loop in this thread: add_request while fewer than `concurrency` are in
     flight, then one step; a request's times count from its add_request."""
-    from radixserve.scheduler import SamplingParams
+    from ..scheduler import SamplingParams
 
     queue: deque[WorkRequest] = deque(requests)
     active: dict[str, tuple[float, Timing]] = {}
@@ -202,9 +191,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch
-    from radixserve.bench.harness import bench_model_path, warm_up
-    from radixserve.frontend.spawn import ServerProcess
-    from radixserve.scheduler import Engine
+    from .harness import bench_model_path, warm_up
+    from ..frontend.spawn import ServerProcess
+    from ..scheduler import Engine
 
     started = time.perf_counter()
     workload = SharedSystemPrompt(**args.workload, seed=args.seed)

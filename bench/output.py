@@ -145,3 +145,14 @@ class BenchOutput:
         for note in self.notes:
             print(f"  {note}", file=out)
         out.flush()
+
+
+def percentile(values: Sequence[float], pct: float) -> float | None:
+    """Linear interpolation between the closest ranks (numpy's default, as vLLM's bench reports)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * pct / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

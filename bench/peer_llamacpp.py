@@ -55,15 +55,15 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import orjson
-from radixserve.bench._llamacpp import DTYPES, LlamaServer, measure_single, parse_slots, resolve_gguf
-from radixserve.bench.harness import MODEL_HELP, stand_in_rounds
-from radixserve.bench.http_bench import Timing, summarize_run
-from radixserve.bench.http_client import HTTPConnection
-from radixserve.bench.optimal import optimal_counts
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.peer_vllm import alternation
-from radixserve.bench.report_llamacpp import LLAMA, OURS, build_report, write_report
-from radixserve.bench.workloads import SIZES, ReAct, SharedSystemPrompt, WorkRequest, Workload, make_workload
+from ._llamacpp import DTYPES, LlamaServer, measure_single, parse_slots, resolve_gguf
+from .harness import MODEL_HELP, stand_in_rounds
+from .http_bench import Timing, summarize_run
+from .http_client import HTTPConnection
+from ..radix.optimal import optimal_counts
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .peer_vllm import alternation
+from .report_llamacpp import LLAMA, OURS, build_report, write_report
+from .workloads import SIZES, ReAct, SharedSystemPrompt, WorkRequest, Workload, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class OursServer:
 
     def __init__(self, model_path: str, dtype: str, threads: int, max_running: int, kv_tokens: int,
                  extra: list[str]) -> None:
-        from radixserve.frontend.spawn import ServerProcess
+        from ..frontend.spawn import ServerProcess
 
         self.args = ["--model", model_path, "--dtype", DTYPES[dtype], "--num-threads", str(threads),
                      "--max-running-requests", str(max_running), "--kv-cache-tokens", str(kv_tokens), *extra]
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from radixserve.bench.harness import bench_model_path
+    from .harness import bench_model_path
 
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     model_path = bench_model_path(args.model)

@@ -45,12 +45,12 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, Protocol
 
-from radixserve.bench.harness import MODEL_HELP
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.peer_sides import vllm_kv_gib, worker_env
-from radixserve.bench.peer_vllm import alternation
-from radixserve.bench.report_peer import OURS
-from radixserve.bench.report_serve import build_report, write_report
+from .harness import MODEL_HELP
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .peer_sides import vllm_kv_gib, worker_env
+from .peer_vllm import alternation
+from .report_peer import OURS
+from .report_serve import build_report, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +82,10 @@ class OursServer:
 
     def __init__(self, model_path: str, served_name: str, threads: int, max_running: int, kv_tokens: int,
                  extra_args: Sequence[str] = ()) -> None:
-        from radixserve.frontend.spawn import ServerProcess
+        from ..frontend.spawn import ServerProcess
 
         self.name = OURS
-        from radixserve.bench.peer_sides import VLLM_CPU_BATCHED_TOKENS
+        from .peer_sides import VLLM_CPU_BATCHED_TOKENS
 
         # The same per-step token budget as vLLM-CPU's default max_num_batched_tokens (an
         # --radixserve-arg given later overrides it).
@@ -284,7 +284,7 @@ def warm_up(server: Server, served_name: str, num: int = 4) -> None:
     from urllib.parse import urlsplit
 
     import orjson
-    from radixserve.bench.http_client import HTTPConnection
+    from .http_client import HTTPConnection
 
     parts = urlsplit(server.url)
     body = orjson.dumps({"model": served_name, "prompt": "hello world " * 96, "max_tokens": 8, "temperature": 0.0,
@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from radixserve.bench.harness import bench_model_path
-    from radixserve.bench.roofline import load_config
+    from .harness import bench_model_path
+    from .roofline import load_config
 
     started = time.perf_counter()
     model_path = bench_model_path(args.model)

@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-from radixserve.bench import roofline
-from radixserve.bench._vllm_worker import PREFIX
-from radixserve.bench.report_peer import OURS
+from . import roofline
+from ._vllm_worker import PREFIX
+from .report_peer import OURS
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ class OursSide:
     """radixserve's Engine in this process, greedy, ignore_eos; reset = flush_cache."""
 
     def __init__(self, model_path: str, threads: int, **config: Any) -> None:
-        from radixserve.scheduler import Engine
-        from radixserve.scheduler.config import EngineConfig
+        from ..scheduler import Engine
+        from ..scheduler.config import EngineConfig
 
         if "num_threads" in {f.name for f in fields(EngineConfig)}:
             config["num_threads"] = threads
@@ -61,7 +61,7 @@ class OursSide:
         self.engine = Engine(model_path, **config)
 
     def run_round(self, prompts: list[list[int]], max_tokens: list[int]) -> RoundReply:
-        from radixserve.scheduler import SamplingParams
+        from ..scheduler import SamplingParams
 
         params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         before = self.engine.stats()

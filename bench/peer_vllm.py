@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from radixserve.bench import report_peer, roofline
-from radixserve.bench.harness import MODEL_HELP
-from radixserve.bench.peer_sides import (VLLM_CPU_BATCHED_TOKENS, OursSide, Side, VllmSide, resolve_dtype,
+from . import report_peer, roofline
+from .harness import MODEL_HELP
+from .peer_sides import (VLLM_CPU_BATCHED_TOKENS, OursSide, Side, VllmSide, resolve_dtype,
                                         vllm_kv_gib, worker_env)
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.report_peer import OURS
-from radixserve.bench.workloads import LONG_PREFIX_WORKLOADS, NONALIGNED_WORKLOADS, SIZES, Workload, make_workload
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .report_peer import OURS
+from .workloads import LONG_PREFIX_WORKLOADS, NONALIGNED_WORKLOADS, SIZES, Workload, make_workload
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Measure:
         return None if any(c is None for c in self.cached) else sum(self.cached)  # type: ignore[misc]
 
     def rounds(self) -> list[list[tuple]]:
-        """(prompt, output, salt) grouped by round: the input of bench.optimal."""
+        """(prompt, output, salt) grouped by round: the input of radix.optimal."""
         out: list[list[tuple]] = [[] for _ in range(max(self.round_of, default=-1) + 1)]
         for r, p, o in zip(self.round_of, self.prompts, self.outputs):
             out[r].append((p, o, None))
@@ -132,7 +132,7 @@ def measure_workload(sides: dict[str, Side], name: str, size: str, reps: int, se
 def pool_tokens(names: list[str], size: str, seed: int = 0) -> tuple[int, int]:
     """(tokens, longest sequence): every request's prompt + output without sharing, for the
     largest workload, so that no engine evicts; the longest prompt + output of any request."""
-    from radixserve.bench.harness import stand_in_rounds
+    from .harness import stand_in_rounds
 
     total, longest = len(_WARMUP_PROMPT) + 4, 0
     for name in names:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     import torch
 
-    from radixserve.bench.harness import bench_model_path
+    from .harness import bench_model_path
 
     torch.set_num_threads(args.threads)
     model_path = bench_model_path(args.model)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _step_bytes(args: argparse.Namespace, model_config: dict[str, Any]) -> dict[str, dict[str, float]]:
-    from radixserve.bench.harness import stand_in_rounds
+    from .harness import stand_in_rounds
 
     elem = roofline.DTYPE_BYTES[args.dtype]
     return {name: roofline.decode_step_bytes(model_config, stand_in_rounds(

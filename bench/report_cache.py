@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.bench.output import BenchOutput
-from radixserve.bench.plot import plot_hit_rates
+from .output import BenchOutput
+from .plot import plot_hit_rates
 
 DEFAULT_POLICY = "cache-aware"
 
@@ -42,7 +42,7 @@ def markdown(r: dict[str, Any]) -> str:
            f"Command: `{r['command'].strip()}` ({r['elapsed_s'] / 60:.0f} min). Machine {r['machine']}, "
            f"{cfg['threads']} torch thread(s).", "",
            "Hit rate = cached / prompt tokens over all requests (each counted at its first admission); optimal = "
-           "ARCHITECTURE §8 (page size 1, infinite cache, best order within each round) computed on the prompts "
+           "ARCHITECTURE §12 (page size 1, infinite cache, best order within each round) computed on the prompts "
            "actually sent. Budgets = fraction of the workload's distinct tokens (prompts + outputs) plus the decode "
            f"room of the requests that may run at once (max_running_requests {64}). Greedy, ignore_eos.", ""]
     out += _grid_section(r)

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.bench.output import BenchOutput
+from .output import BenchOutput
 
 SIDES = ("http", "offline")
 TARGETS = {"S": 0.8, "M": 0.9}  # HTTP / offline req/s, to show (not asserted)

@@ -6,8 +6,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.bench.output import BenchOutput
-from radixserve.bench.report_peer import OURS
+from .output import BenchOutput
+from .report_peer import OURS
 
 LLAMA = "llama.cpp"
 ENGINES = (OURS, LLAMA)
@@ -131,7 +131,7 @@ def _method(r: dict[str, Any]) -> list[str]:
              "the client's latency - the server's first-to-last-token time (timings.predicted_ms), TPOT = that / "
              "(tokens - 1). req/s over the summed time of the workload's rounds. Prompt tokens computed: "
              "radixserve = prompt - meta_info.cached_tokens; llama.cpp = timings.prompt_n; hit rate = 1 - "
-             "computed / prompt tokens; optimal = bench/optimal.py (page size 1, infinite cache). Absolute "
+             "computed / prompt tokens; optimal = radix/optimal.py (page size 1, infinite cache). Absolute "
              "times on a shared machine are noise; compare the ratios.")]
 
 

@@ -5,9 +5,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.bench.optimal import optimal_counts
-from radixserve.bench.output import BenchOutput
-from radixserve.bench.roofline import FORMULA, linear_flops
+from ..radix.optimal import optimal_counts
+from .output import BenchOutput
+from .roofline import FORMULA, linear_flops
 
 OURS = "radixserve"  # the reference engine's name in rows
 
@@ -176,7 +176,7 @@ def _method(r: dict[str, Any]) -> list[str]:
              "generate call at a time; round r+1 is built from the same engine's round-r outputs. "
              "tok/s = all prompt tokens (cached included) + outputs, over the summed generate time. "
              "Hit rate = Σ cached / Σ prompt tokens (ours: GenerateResult.cached_tokens, page size 1; vLLM: "
-             "RequestOutput.num_cached_tokens, whole blocks only); optimal = §8 (page size 1, infinite cache). "
+             "RequestOutput.num_cached_tokens, whole blocks only); optimal = §12 (page size 1, infinite cache). "
              "vs best vLLM = median req/s / that of the faster vLLM block size. "
              "'outputs = ours': greedy outputs equal radixserve's, request by request (n differ otherwise). "
              "Absolute times on a shared machine are noise; compare the ratios.")]

@@ -7,8 +7,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from radixserve.bench.output import BenchOutput
-from radixserve.bench.report_peer import OURS
+from .output import BenchOutput
+from .report_peer import OURS
 
 # Medians over the runs of these (plus the hit rate) make a row.
 ROW_KEYS = ("request_throughput", "output_throughput", "total_token_throughput", "duration", "p50_ttft_ms",

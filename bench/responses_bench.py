@@ -21,9 +21,8 @@ import statistics
 import time
 from typing import Any, Callable
 
-from radixserve.bench.harness import MODEL_HELP
-from radixserve.bench.http_bench import percentile
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+from .harness import MODEL_HELP
+from .output import BenchOutput, bench_parser, parse_args, percentile, progress
 
 logger = logging.getLogger(__name__)
 MODES = ("responses", "chat")
@@ -129,9 +128,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from radixserve.bench.harness import bench_model_path
-    from radixserve.bench.http_bench import _flush_server
-    from radixserve.frontend.spawn import ServerProcess
+    from .harness import bench_model_path
+    from .http_bench import _flush_server
+    from ..frontend.spawn import ServerProcess
 
     system = instructions(args.instruction_words, args.seed)
     convs = [conversation(a, args.turns, args.words_per_turn, args.seed) for a in range(args.agents)]

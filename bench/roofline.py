@@ -79,7 +79,7 @@ def measure_roofline(config: dict[str, Any], threads: int, num_tokens: int | tup
     (the peer benches' prefill chunks hold 4096 tokens), so that no engine's linears should exceed it."""
     import torch
 
-    from radixserve.kernels.layers import Linear
+    from ..kernels.layers import Linear
 
     shapes = layer_shapes(config)
     runs = []

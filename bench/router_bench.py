@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from radixserve.bench.http_bench import add_gsp_flags, percentile
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
+from .http_bench import add_gsp_flags
+from .output import BenchOutput, bench_parser, parse_args, percentile, progress
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +196,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-    from radixserve.bench.harness import bench_model_path
-    from radixserve.frontend.router_proc import RouterProcess, free_port
-    from radixserve.frontend.spawn import ServerProcess
+    from .harness import bench_model_path
+    from ..frontend.router_proc import RouterProcess, free_port
+    from ..frontend.spawn import ServerProcess
 
     started = time.perf_counter()
     requests = text_gsp(**args.workload, seed=args.seed)
@@ -245,7 +245,7 @@ def _stats(url: str) -> dict:
 
 
 def _flush(url: str, timeout_s: float = 60.0) -> None:
-    from radixserve.bench.http_bench import _flush_server
+    from .http_bench import _flush_server
 
     _flush_server(url, timeout_s)
 

@@ -27,14 +27,14 @@ from typing import Any, Callable
 
 import torch
 
-from radixserve.bench.harness import MODEL_HELP, bench_model_path, budget_tokens, repeated_runs, run_workload
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.report_cache import write_report
-from radixserve.bench.workloads import EVICTION_WORKLOADS, WORKLOAD_NAMES, MissStream, make_workload
+from ..scheduler.config import SCHEDULE_POLICIES
+from .harness import MODEL_HELP, bench_model_path, budget_tokens, repeated_runs, run_workload
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .report_cache import write_report
+from .workloads import EVICTION_WORKLOADS, WORKLOAD_NAMES, MissStream, make_workload
 
 logger = logging.getLogger(__name__)
 
-POLICY_NAMES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
 BUDGETS = (0.25, 0.5, 1.0)
 MAX_RUNNING = 64
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["eviction"] = eviction(hit_model, args.size)
     if "starve" not in args.skip:
         report["starve"] = starvation(hit_model)
-    from radixserve.bench.sched_overhead import ordering_cost, step_overhead
+    from .sched_overhead import ordering_cost, step_overhead
 
     if "overhead" not in args.skip:
         report["ordering_cost"] = ordering_cost(list(args.policies), [100, 1000, 5000])
@@ -83,7 +83,7 @@ def grid(model_path: str, workloads: list[str], policies: list[str], budgets: li
 
 
 def _grid_cell(model_path: str, workload: str, budget: float, policy: str, size: str) -> dict[str, Any]:
-    from radixserve.scheduler import Engine
+    from ..scheduler import Engine
 
     make = _maker(workload, size)
     kv_tokens = budget_tokens(make, budget, MAX_RUNNING)
@@ -103,7 +103,7 @@ def _grid_cell(model_path: str, workload: str, budget: float, policy: str, size:
 
 
 def speed(model_path: str, workloads: list[str], size: str, num_runs: int) -> list[dict[str, Any]]:
-    from radixserve.scheduler import Engine
+    from ..scheduler import Engine
 
     rows = []
     with progress(2 * num_runs * len(workloads), "speed") as bar:
@@ -125,10 +125,10 @@ def speed(model_path: str, workloads: list[str], size: str, num_runs: int) -> li
 
 
 def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
-    """lru vs lru-reuse under the default policy. Grid workloads use the §8 budgets; the hot-prefix
+    """lru vs lru-reuse under the default policy. Grid workloads use the §12 budgets; the hot-prefix
     stream uses pools of the hot prefix plus m one-off prompts (its distinct tokens are mostly
     one-offs, so fractions of them say little)."""
-    from radixserve.scheduler import Engine
+    from ..scheduler import Engine
 
     cells = []
     for workload in EVICTION_WORKLOADS:
@@ -158,8 +158,8 @@ def eviction(model_path: str, size: str) -> list[dict[str, Any]]:
 
 def starvation(model_path: str) -> dict[str, Any]:
     """First-token step of every cache miss in a saturated hot stream, per policy, vs fcfs."""
-    from radixserve.scheduler import Engine
-    from radixserve.scheduler.policy import PolicyConfig
+    from ..scheduler import Engine
+    from ..scheduler.policy import PolicyConfig
 
     variants = [("fcfs", "fcfs", {}), ("lpm", "lpm", {}), ("cache-aware", "cache-aware", {}),
                 ("cache-aware, no starvation rule", "cache-aware", {"starvation_rule": "none"}),
@@ -212,7 +212,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speed-model", default="M", help="model of the speed and step-overhead sections")
     p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOAD_NAMES),
                    help="comma-separated workloads")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICY_NAMES),
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(SCHEDULE_POLICIES),
                    help="comma-separated scheduling policies")
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=list(BUDGETS),
                    help="comma-separated KV budgets, as fractions of each workload's distinct tokens")

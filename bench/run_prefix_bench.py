@@ -4,7 +4,7 @@
     python -m radixserve.bench.run_prefix_bench --size full
 
 Writes prefix_bench.{json,md} (bench/output.py says where): computed prompt tokens, hit rate against the optimal
-hit rate (ARCHITECTURE §8), requests/s and tokens/s (median of --runs after a warm-up) and the on/off ratio.
+hit rate (ARCHITECTURE §12), requests/s and tokens/s (median of --runs after a warm-up) and the on/off ratio.
 "Cache off" is `disable_radix_cache=True` and nothing else: same pool, same limits, same batches.
 The pool holds every request's prompt and output without sharing, so neither side is short of KV
 and the ratio measures the compute the cache saves.
@@ -17,9 +17,9 @@ import os
 import platform
 from typing import Any
 
-from radixserve.bench.harness import MODEL_HELP, bench_model_path, repeated_runs, stand_in_rounds
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.bench.workloads import SharedSystemPrompt
+from .harness import MODEL_HELP, bench_model_path, repeated_runs, stand_in_rounds
+from .output import BenchOutput, bench_parser, parse_args, progress
+from .workloads import SharedSystemPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = bench_model_path(args.model)
     engine_config = dict(kv_cache_tokens=kv_tokens, max_running_requests=args.max_running_requests,
                          chunked_prefill_size=args.chunked_prefill_size, num_threads=args.threads)
-    from radixserve.scheduler import Engine
+    from ..scheduler import Engine
 
     modes = {}
     with progress(2 * args.runs, "prefix bench") as bar:

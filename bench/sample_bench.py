@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args, progress
-from radixserve.kernels.forward_io import SeqInput
-from radixserve.scheduler.sampling_params import SamplingParams
+from .output import BenchOutput, bench_parser, parse_args, progress
+from ..kernels.forward_io import SeqInput
+from ..scheduler.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {
@@ -79,8 +79,8 @@ class Case:
     def seqs(self, impl: str, new_row: bool) -> list[SeqInput]:
         outputs = self.outputs.setdefault(impl, [[] for _ in range(self.batch)])
         return [SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
-                         new_row=new_row, sampling=self.params, sampling_seed=1000 + i,
-                         prompt_ids=self.prompts[i], output_ids=outputs[i], eos_ids=(0,),
+                         new_row=new_row, sampling=self.params.row_sampling(), sampling_seed=1000 + i,
+                         prompt_ids=self.prompts[i], output_ids=outputs[i],
                          num_top_logprobs=5 if self.mode == "logprobs" else 0,
                          token_bitmask=None if self.masks is None else self.masks[i])
                 for i in range(self.batch)]
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--no-native", action="store_true", help="torch's argmax instead of the native one")
     args = parse_args(parser, argv)
     torch.set_num_threads(args.threads)
-    from radixserve.kernels import sampling
+    from ..kernels import sampling
     impls = {"before": load_baseline(args.baseline)} if args.baseline else {}
     impls["after"] = sampling
     modes, batches = args.modes.split(","), [int(b) for b in args.batches.split(",")]

@@ -7,7 +7,7 @@ import statistics
 import time
 from typing import Any
 
-from radixserve.bench.workloads import TOKEN_HI, TOKEN_LO
+from .workloads import TOKEN_HI, TOKEN_LO
 
 
 def ordering_cost(policies: list[str], queue_sizes: list[int], num_groups: int = 8, system_len: int = 1024,
@@ -15,10 +15,10 @@ def ordering_cost(policies: list[str], queue_sizes: list[int], num_groups: int =
     """Time of one SchedulePolicy.order() call with N gsp-shaped requests waiting (half the groups'
     system prompts cached). `first_call_ms` includes hashing each prompt once; `steady_ms` is the
     median of the following calls (the queue as the planner sees it step after step)."""
-    from radixserve.scheduler.kv_ops import PrefixKV
-    from radixserve.scheduler.policy import SchedulePolicy
-    from radixserve.scheduler.req import Req
-    from radixserve.scheduler.sampling_params import SamplingParams
+    from ..scheduler.kv_ops import PrefixKV
+    from ..scheduler.policy import SchedulePolicy
+    from ..scheduler.req import Req
+    from ..scheduler.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     systems = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(system_len)] for _ in range(num_groups)]
@@ -51,7 +51,7 @@ def step_overhead(model_path: str, batch: int = 32, num_groups: int = 4, system_
     the model's forward (inputs, detokenization and stop checks included)."""
     import torch
 
-    from radixserve.scheduler import Engine, SamplingParams
+    from ..scheduler import Engine, SamplingParams
 
     rng = random.Random(seed)
     systems = [[rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(system_len)] for _ in range(num_groups)]

@@ -1,11 +1,4 @@
-"""`radixserve serve ...`: one flag per field of ServerConfig, EngineConfig and PolicyConfig.
-
-Flags, help texts, choices and defaults are read from the dataclass fields (`option(...)` in
-scheduler/config.py), so a new engine setting is a flag without touching this file:
-
-    ServerConfig.port                       --port
-    ServerConfig.engine.page_size           --page-size          (engine fields are top-level flags)
-    ServerConfig.engine.policy.window       --policy-window      (other nested configs: prefixed)
+"""`radixserve serve ...`: one flag per field of ServerConfig, EngineConfig and PolicyConfig (frontend/flags.py).
 
 A bad value exits with status 2 and one line, `radixserve: error: ...`, on stderr.
 `radixserve deploy kubernetes ...` (frontend/deploy/) is the one subcommand with hand-written flags.
@@ -13,29 +6,13 @@ A bad value exits with status 2 and one line, `radixserve: error: ...`, on stder
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import sys
-import types
-import typing
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
-from radixserve.frontend import deploy
-from radixserve.frontend.config import ServerConfig
+from . import deploy
+from .flags import add_config_flags, config_from_args, with_flag_names
 
 PROG = "radixserve"
-_UNPREFIXED = ("engine",)  # nested configs whose fields are flags without a prefix
-_DERIVED = ("engine.model_path",)  # set from another field (ServerConfig.model), never a flag
-
-
-@dataclasses.dataclass(frozen=True)
-class _Flag:
-    path: tuple[str, ...]  # field names from ServerConfig down, e.g. ("engine", "policy", "window")
-    dest: str  # argparse dest, e.g. "policy_window"
-    field: dataclasses.Field
-    hint: Any
-
-
 SERVE_EXAMPLES = """examples:
   radixserve serve                                  # the built-in demo model on http://127.0.0.1:30000
   radixserve serve --model ./my-checkpoint --port 8000 --api-key secret
@@ -60,52 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible and SGLang-native HTTP server",
                            description="Serve a checkpoint directory (or the built-in demo model) over HTTP.",
                            epilog=SERVE_EXAMPLES, formatter_class=_HelpFormatter)
-    groups: dict[tuple[str, ...], Any] = {}
-    for flag in config_flags():
-        owner = flag.path[:-1]
-        if owner not in groups:
-            title = (".".join(owner) or "server") + " settings"
-            groups[owner] = serve.add_argument_group(title, _field(owner).metadata.get("help") if owner else None)
-        _add_flag(groups[owner], flag)
+    add_config_flags(serve)
     deploy.add_parser(sub)
     return parser
-
-
-def config_flags() -> list[_Flag]:
-    """Every flag of `serve`, in field order; fails loudly on a missing help text or a clash."""
-    flags = list(_walk(ServerConfig, (), ""))
-    dests = [f.dest for f in flags]
-    clashes = sorted({d for d in dests if dests.count(d) > 1})
-    if clashes:
-        raise AssertionError(f"config fields give the same flag twice: {', '.join(clashes)}")
-    missing = [".".join(f.path) for f in flags if not f.field.metadata.get("help")]
-    if missing:
-        raise AssertionError(f"config fields without help text (use option(...)): {', '.join(missing)}")
-    return flags
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The nested config from parsed flags (each dataclass validates its own fields)."""
-    dests = {flag.path: flag.dest for flag in config_flags()}
-    return _build(ServerConfig, (), {path: getattr(args, dest) for path, dest in dests.items()})
-
-
-def config_argv(config: ServerConfig) -> list[str]:
-    """The `serve` flags that rebuild `config` (fields left at their defaults are not named); the
-    inverse of config_from_args, used to start replica workers (frontend/replicas.py)."""
-    argv: list[str] = []
-    for flag in config_flags():
-        value: Any = config
-        for name in flag.path:
-            value = getattr(value, name)
-        if value == flag.field.default or value is None:
-            continue
-        name = _flag_name(flag)
-        if _base_type(flag.hint) is bool:
-            argv.append(name if value else "--no-" + name[2:])
-        else:
-            argv += [name, str(value)]
-    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -118,11 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "deploy":
             return deploy.run(args)
         config = config_from_args(args)
-        from radixserve.frontend.launch import run_server  # the engine starts only to serve
+        from .launch import run_server  # the engine starts only to serve
 
         return run_server(config)
     except ValueError as exc:  # a bad setting, a busy port, no CUDA, a bad model directory: no traceback
-        print(f"{PROG}: error: {_with_flag_name(one_line(exc))}", file=sys.stderr)
+        print(f"{PROG}: error: {with_flag_names(one_line(exc))}", file=sys.stderr)
         return 2
 
 
@@ -135,81 +69,6 @@ def one_line(exc: BaseException) -> str:
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults after each flag's help, and the examples epilog as written."""
-
-
-def _walk(cls: type, path: tuple[str, ...], prefix: str) -> Iterator[_Flag]:
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        sub_path = path + (f.name,)
-        if ".".join(sub_path) in _DERIVED:
-            continue
-        if dataclasses.is_dataclass(hints[f.name]):
-            sub_prefix = prefix if f.name in _UNPREFIXED else f"{prefix}{f.name}_"
-            yield from _walk(hints[f.name], sub_path, sub_prefix)
-        else:
-            yield _Flag(sub_path, prefix + f.name, f, hints[f.name])
-
-
-def _with_flag_name(message: str) -> str:
-    """'page_size must be >= 1, ...' -> '--page-size must be >= 1, ...': the settings a message names, as the flags
-    the user typed (its first word, and any snake_case setting further on: "raise kv_cache_tokens to ...")."""
-    flags: dict[str, str] = {}
-    for flag in config_flags():
-        for name in (flag.dest, ".".join(flag.path), ".".join(flag.path[1:]) if flag.path[0] in _UNPREFIXED else ""):
-            flags[name] = _flag_name(flag)
-    flags.pop("", None)
-    head, sep, rest = message.partition(" ")
-    rest = _SNAKE_CASE.sub(lambda m: flags.get(m.group(0), m.group(0)), rest)
-    return flags.get(head, head) + sep + rest
-
-
-_SNAKE_CASE = re.compile(r"(?<![\w/.-])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w/.-])")
-
-
-def _field(path: tuple[str, ...]) -> dataclasses.Field:
-    cls: Any = ServerConfig
-    for name in path:
-        f = next(f for f in dataclasses.fields(cls) if f.name == name)
-        cls = typing.get_type_hints(cls)[name]
-    return f
-
-
-def _build(cls: type, path: tuple[str, ...], values: dict[tuple[str, ...], Any]) -> Any:
-    """cls(...) from flag values keyed by field path; nested configs built first, derived fields left out."""
-    hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        sub_path = path + (f.name,)
-        if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], sub_path, values)
-        elif sub_path in values:
-            kwargs[f.name] = values[sub_path]
-    return cls(**kwargs)
-
-
-def _add_flag(group: Any, flag: _Flag) -> None:
-    meta = flag.field.metadata
-    name = _flag_name(flag)
-    default = None if flag.field.default is dataclasses.MISSING else flag.field.default
-    base = _base_type(flag.hint)
-    if base is bool:
-        group.add_argument(name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=default,
-                           help=meta["help"])
-        return
-    choices = meta.get("choices")
-    group.add_argument(name, *meta.get("aliases", ()), dest=flag.dest, type=base, default=default, choices=choices,
-                       metavar=None if choices else name[2:].replace("-", "_").upper(), help=meta["help"])
-
-
-def _flag_name(flag: _Flag) -> str:
-    return flag.field.metadata.get("flag") or "--" + flag.dest.replace("_", "-")
-
-
-def _base_type(hint: Any) -> type:
-    """int from `int | None`, and so on."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
 
 
 if __name__ == "__main__":

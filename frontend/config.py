@@ -10,8 +10,8 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from radixserve.scheduler.checks import check_choice, check_int, check_number
-from radixserve.scheduler.config import EngineConfig, option
+from ..scheduler.checks import check_choice, check_int, check_number
+from ..scheduler.config import EngineConfig, option
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # sglang-router's routing policies (`--policy`); cache_aware routes by prefix match, manual by the

@@ -16,14 +16,14 @@ from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
 
-from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.engine_proc import EngineDead
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.metrics import ServerMetrics
-from radixserve.frontend.sse import run_watching_disconnect
-from radixserve.scheduler.errors import RequestError
-from radixserve.scheduler.req import GenerateResult, StreamDelta
-from radixserve.scheduler.sampling_params import SamplingParams
+from .config import ServerConfig
+from .engine_proc import EngineDead
+from .errors import APIError, bad_request
+from .metrics import ServerMetrics
+from .sse import run_watching_disconnect
+from ..scheduler.errors import RequestError
+from ..scheduler.req import GenerateResult, StreamDelta
+from ..scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -219,3 +219,15 @@ class Lease:
         if self._num_held > 0:
             self._client._release(self._num_held)
             self._num_held = 0
+
+
+async def collect(request: Request, sub: Submission) -> list[GenerateResult] | None:
+    """Results of all jobs; None if the client disconnected first (the jobs are aborted then)."""
+    try:
+        disconnected, results = await run_watching_disconnect(request, sub.results())
+    finally:
+        sub.close()
+    if disconnected:
+        logger.info("client disconnected; aborted %d request(s)", len(sub.jobs))
+        return None
+    return results

@@ -24,12 +24,12 @@ from typing import Any, Callable
 
 import zmq
 
-from radixserve.frontend.structured import warn_if_off
-from radixserve.scheduler import messages as msg
-from radixserve.scheduler.engine_process import engine_main, socket_paths
-from radixserve.scheduler.errors import RequestError
-from radixserve.scheduler.sampling_params import SamplingParams
-from radixserve.scheduler.tokenizer import Tokenizer
+from .structured import warn_if_off
+from ..scheduler import messages as msg
+from ..scheduler.engine_process import engine_main, socket_paths
+from ..scheduler.errors import RequestError
+from ..scheduler.sampling_params import SamplingParams
+from ..scheduler.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

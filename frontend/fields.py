@@ -4,9 +4,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from radixserve.frontend.errors import bad_request, param_from_message
-from radixserve.scheduler.checks import in_range, range_message
-from radixserve.scheduler.sampling_params import SamplingParams
+from .errors import bad_request, param_from_message
+from ..scheduler.checks import in_range, range_message
+from ..scheduler.sampling_params import SamplingParams
 
 _MISSING = object()
 # Every stop string is searched for after each token, so the list is bounded (OpenAI allows 4).

@@ -26,12 +26,12 @@ from typing import Any, Callable, Iterator
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from radixserve.frontend import preflight
-from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.engine_proc import EngineProcess
-from radixserve.frontend.errors import APIError
-from radixserve.frontend.server import build_app, build_state
-from radixserve.frontend.state import ServerState
+from . import preflight
+from .config import ServerConfig
+from .engine_proc import EngineProcess
+from .errors import APIError
+from .server import build_app, build_state
+from .state import ServerState
 
 logger = logging.getLogger("radixserve.frontend")
 
@@ -154,7 +154,7 @@ def run_server(config: ServerConfig) -> int:
     loads. With config.replicas > 1, frontend/replicas.py runs that many of these behind sglang-router."""
     _configure_logging(config.log_level)
     if config.replicas > 1:
-        from radixserve.frontend.replicas import run_replicas
+        from .replicas import run_replicas
 
         return run_replicas(config)
     preflight.check_before_load(config)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from radixserve.kernels.forward_io import TokenLogprob
-from radixserve.scheduler.detokenizer import IncrementalDetokenizer
+from ..kernels.forward_io import TokenLogprob
+from ..scheduler.detokenizer import IncrementalDetokenizer
 
 
 class TokenTexts:

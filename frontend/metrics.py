@@ -9,7 +9,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from radixserve.scheduler.metrics import Histogram
+from ..scheduler.metrics import Histogram
 
 PREFIX = "radixserve_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -38,9 +38,9 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.ttft = Histogram(LATENCY_BUCKETS, max_samples=0)
-        self.tpot = Histogram(TPOT_BUCKETS, max_samples=0)
-        self.e2e = Histogram(LATENCY_BUCKETS, max_samples=0)
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+        self.e2e = Histogram(LATENCY_BUCKETS)
         self.finish_reasons: Counter[str] = Counter()
         self.http_responses: Counter[int] = Counter()
 

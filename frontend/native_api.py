@@ -9,15 +9,15 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_error, note_first_token, note_usage
-from radixserve.frontend.engine_client import Job, Submission
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.logprobs import TokenTexts, native_logprobs, prompt_entries
-from radixserve.frontend.native_protocol import NativeItem, NativeRequest, parse_generate_request
-from radixserve.frontend.sse import DONE, SSEResponse, collect, sse_event
-from radixserve.frontend.state import ServerState
-from radixserve.scheduler.req import GenerateResult
-from radixserve.scheduler.sampling_params import SamplingParams
+from .access_log import note_error, note_first_token, note_usage
+from .engine_client import Job, Submission, collect
+from .errors import APIError, bad_request
+from .logprobs import TokenTexts, native_logprobs, prompt_entries
+from .native_protocol import NativeItem, NativeRequest, parse_generate_request
+from .sse import DONE, SSEResponse, sse_event
+from .state import ServerState
+from ..scheduler.req import GenerateResult
+from ..scheduler.sampling_params import SamplingParams
 
 
 async def generate(state: ServerState, request: Request, body: Any) -> Any:

@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.frontend.errors import bad_request
-from radixserve.frontend.fields import MAX_STOP_STRINGS, FieldReader, check_list_len, make_sampling_params
-from radixserve.frontend.structured import require as require_structured
-from radixserve.scheduler.sampling_params import SamplingParams
+from .errors import bad_request
+from .fields import MAX_STOP_STRINGS, FieldReader, check_list_len, make_sampling_params
+from .structured import require as require_structured
+from ..scheduler.sampling_params import SamplingParams
 
 # SGLang clients (RuntimeEndpoint) send these; they are accepted and have no effect here.
 _IGNORED_KEYS = frozenset({"stream_interval", "custom_params", "dtype"})

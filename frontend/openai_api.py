@@ -13,22 +13,21 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_error, note_first_token, note_openai_usage
-from radixserve.frontend.engine_client import Job, Submission
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
-from radixserve.frontend.protocol import (
+from .access_log import note_error, note_first_token, note_openai_usage
+from .engine_client import Job, Submission, collect
+from .errors import APIError, bad_request
+from .logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
+from .protocol import (
     ChatRequest,
     CommonOptions,
     CompletionRequest,
-    check_logit_bias,
     parse_chat_request,
     parse_completion_request,
 )
-from radixserve.frontend.sse import DONE, SSEResponse, collect, sse_event
-from radixserve.frontend.state import ServerState
-from radixserve.frontend.tool_parser import StreamingToolParser, parse_tool_calls
-from radixserve.scheduler.req import GenerateResult, StreamDelta
+from .sse import DONE, SSEResponse, sse_event
+from .state import ServerState
+from .tool_parser import StreamingToolParser, parse_tool_calls
+from ..scheduler.req import GenerateResult, StreamDelta
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,6 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     req = parse_chat_request(body, state.config.max_n, state.structured)
     common = req.common
     state.check_model(common.model)
-    check_logit_bias(common.sampling, state.client.vocab_size)
     prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
     names = dict(_CHAT_NAMES, max_new_tokens=common.max_tokens_param)
     max_new = resolve_max_tokens(state, len(prompt_ids), common, names)
@@ -69,7 +67,6 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
     req = parse_completion_request(body, state.config.max_n)
     common = req.common
     state.check_model(common.model)
-    check_logit_bias(common.sampling, state.client.vocab_size)
     prompts_ids, echo_texts = await asyncio.to_thread(_tokenize_prompts, state, req.prompts, req.echo)
     rid = state.new_id("cmpl")
     echo_logprobs = req.echo and common.logprobs is not None
@@ -173,31 +170,48 @@ def chat_finish_reason(r: GenerateResult, made_calls: bool) -> str:
     return "tool_calls" if made_calls and not r.cut_short else r.finish_reason
 
 
-class _StreamEnd:
-    """How chat and completion streams end: [DONE], after an error event on failure."""
+class _Stream:
+    """What chat and completion streams share: the chunk's envelope, the usage chunk before [DONE], and an error
+    event before [DONE] on failure. Subclasses add prologue(), on_delta() and usage()."""
+
+    def __init__(self, head: dict[str, Any], obj: str, include_usage: bool) -> None:
+        self.base = dict(head, object=obj)
+        self.include_usage = include_usage
+        if include_usage:
+            self.base["usage"] = None
+
+    def event(self, index: int, fields: dict[str, Any], finish: str | None, logprobs: Any,
+              token_ids: list[int] | None) -> bytes:
+        choice = {"index": index, **fields, "logprobs": logprobs, "finish_reason": finish}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return sse_event(dict(self.base, choices=[choice]))
+
+    def usage(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def epilogue(self) -> list[bytes]:
+        if not self.include_usage:
+            return [DONE]
+        return [sse_event(dict(self.base, choices=[], usage=self.usage())), DONE]
 
     def on_error(self, exc: APIError) -> list[bytes]:
         return [sse_event(exc.body()), DONE]
 
 
-class _ChatStream(_StreamEnd):
+class _ChatStream(_Stream):
     """Turns engine deltas into chat.completion.chunk events (tool calls parsed on the fly)."""
 
     def __init__(self, state: ServerState, req: ChatRequest, head: dict[str, Any], num_choices: int,
                  prompt_len: int) -> None:
+        super().__init__(head, "chat.completion.chunk", req.common.include_usage)
         self.state, self.req, self.prompt_len = state, req, prompt_len
-        self.base = dict(head, object="chat.completion.chunk")
-        if req.common.include_usage:
-            self.base["usage"] = None
         self.parsers = [StreamingToolParser() if req.tools else None for _ in range(num_choices)]
         self.results: list[GenerateResult] = []
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
               token_ids: list[int] | None = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return sse_event(dict(self.base, choices=[choice]))
+        return self.event(index, {"delta": delta}, finish, logprobs, token_ids)
 
     def prologue(self) -> list[bytes]:
         return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
@@ -228,11 +242,6 @@ class _ChatStream(_StreamEnd):
 
     def usage(self) -> dict[str, Any]:
         return openai_usage([self.prompt_len], self.results, len(self.parsers))
-
-    def epilogue(self) -> list[bytes]:
-        if not self.req.common.include_usage:
-            return [DONE]
-        return [sse_event(dict(self.base, choices=[], usage=self.usage())), DONE]
 
 
 async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:
@@ -301,16 +310,14 @@ def _completion_choice(state: ServerState, req: CompletionRequest, index: int, j
             "matched_stop": r.matched_stop}
 
 
-class _CompletionStream(_StreamEnd):
+class _CompletionStream(_Stream):
     """Turns engine deltas into text_completion chunks (echo and logprobs included)."""
 
     def __init__(self, state: ServerState, req: CompletionRequest, head: dict[str, Any], jobs: list[Job],
                  echo_texts: list[str] | None, prompt_lens: list[int]) -> None:
+        super().__init__(head, "text_completion", req.common.include_usage)
         self.state, self.req, self.jobs = state, req, jobs
         self.echo_texts, self.prompt_lens = echo_texts, prompt_lens
-        self.base = dict(head, object="text_completion")
-        if req.common.include_usage:
-            self.base["usage"] = None
         self.want_logprobs = req.common.logprobs is not None
         # Prompt logprobs arrive with the final result, so echo + logprobs holds a choice's events.
         self.hold_echo = echo_texts is not None and self.want_logprobs
@@ -324,10 +331,7 @@ class _CompletionStream(_StreamEnd):
 
     def chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None,
               token_ids: list[int] | None = None) -> bytes:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return sse_event(dict(self.base, choices=[choice]))
+        return self.event(index, {"text": text}, finish, logprobs, token_ids)
 
     def prologue(self) -> list[bytes]:
         if self.echo_texts is None or self.hold_echo:
@@ -355,11 +359,6 @@ class _CompletionStream(_StreamEnd):
 
     def usage(self) -> dict[str, Any]:
         return openai_usage(self.prompt_lens, [r for r in self.results if r is not None], self.req.common.n)
-
-    def epilogue(self) -> list[bytes]:
-        if not self.req.common.include_usage:
-            return [DONE]
-        return [sse_event(dict(self.base, choices=[], usage=self.usage())), DONE]
 
 
 def _echo_chunk(state: ServerState, chunk: Any, index: int, job: Job, echo: str, r: GenerateResult) -> bytes:

@@ -22,13 +22,9 @@ import socket
 import subprocess
 import sys
 
-from radixserve.frontend.config import ServerConfig
-from radixserve.scheduler.config import (
-    DEFAULT_CPU_KV_TOKENS,
-    EngineConfig,
-    fit_context_to_pool,
-    kv_pool_slots,
-)
+from .config import ServerConfig
+from ..kernels.kv_budget import DEFAULT_CPU_KV_TOKENS, kv_pool_slots
+from ..scheduler.config import EngineConfig, fit_context_to_pool
 
 LISTEN_BACKLOG = 2048  # uvicorn's default
 CUDA_PROBE_TIMEOUT_S = 60.0
@@ -88,8 +84,8 @@ def check_context_fits_pool(config: ServerConfig) -> None:
 def _model_positions(model: str | None) -> int | None:
     """The checkpoint's max_position_embeddings (the engine's context is at most that); None if unreadable
     (the engine then reports what is wrong with the checkpoint)."""
-    from radixserve.kernels.demo import DEMO_CHECKPOINT_DIR
-    from radixserve.kernels.model_config import load_model_config
+    from ..kernels.demo import DEMO_CHECKPOINT_DIR
+    from ..kernels.model_config import load_model_config
 
     try:
         return load_model_config(model or DEMO_CHECKPOINT_DIR).max_position_embeddings

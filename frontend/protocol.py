@@ -13,15 +13,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.frontend.errors import bad_request
-from radixserve.frontend.fields import (
+from .errors import bad_request
+from .fields import (
     OPENAI_SAMPLING_NAMES,
     FieldReader,
     make_sampling_params,
     read_openai_sampling,
 )
-from radixserve.frontend.structured import require as require_structured
-from radixserve.frontend.tool_grammar import forced_calls_tag, strict_calls_tag
+from .structured import require as require_structured
+from .tool_grammar import forced_calls_tag, strict_calls_tag
+from ..scheduler.sampling_params import JSON_OBJECT
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LOGPROBS = 20
@@ -153,8 +154,8 @@ def _refuse_unsupported(reader: FieldReader) -> None:
 
 
 def _parse_logit_bias(reader: FieldReader) -> dict[int, float] | None:
-    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Ids are checked against the vocabulary
-    by the handler (check_logit_bias), which knows it."""
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}. Ids are checked against the vocabulary by the
+    engine, which knows it (its refusal is a 400 naming logit_bias)."""
     raw = reader.raw("logit_bias")
     if raw is None:
         return None
@@ -174,15 +175,6 @@ def _parse_logit_bias(reader: FieldReader) -> dict[int, float] | None:
     return out or None
 
 
-def check_logit_bias(sampling: dict[str, Any], vocab_size: int) -> None:
-    bias = sampling.get("logit_bias")
-    bad = next((t for t in bias or () if t >= vocab_size), None)
-    if bad is not None:
-        raise bad_request(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})", "logit_bias")
-
-
-# response_format {"type": "json_object"}: any JSON (xgrammar's builtin JSON grammar).
-JSON_OBJECT_SCHEMA = "$$ANY$$"  # = scheduler.grammar.JSON_OBJECT (that module is engine-side)
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
@@ -206,7 +198,7 @@ def _parse_response_format(reader: FieldReader, structured: bool) -> dict[str, A
         return {}
     require_structured(structured, "response_format", f"response_format {kind}")
     if kind == "json_object":
-        return {"json_schema": JSON_OBJECT_SCHEMA}
+        return {"json_schema": JSON_OBJECT}
     spec = fmt.raw("json_schema")
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema must be an object with name and schema",
@@ -216,7 +208,7 @@ def _parse_response_format(reader: FieldReader, structured: bool) -> dict[str, A
     inner.bool("strict", False)  # xgrammar's schema grammars are always strict
     schema = spec.get("schema")
     if schema is None:
-        return {"json_schema": JSON_OBJECT_SCHEMA}
+        return {"json_schema": JSON_OBJECT}
     if not isinstance(schema, dict):
         raise bad_request("response_format.json_schema.schema must be an object", "response_format")
     return {"json_schema": schema}

@@ -6,7 +6,7 @@
                  '-> worker N-1
 
 Each worker is a plain single-engine `radixserve serve` started from the same ServerConfig
-(cli.config_argv), so every setting means the same thing with and without replicas. On GPUs each
+(flags.config_argv), so every setting means the same thing with and without replicas. On GPUs each
 worker sees one device (CUDA_VISIBLE_DEVICES; no tensor parallelism); on the CPU each gets
 max(1, cores // N) torch threads unless --num-threads says otherwise. All workers share one
 response store file (--response-store, or one in a temporary directory removed at exit), so a
@@ -37,10 +37,10 @@ import threading
 import time
 from typing import Any
 
-from radixserve.frontend import preflight
-from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.router_proc import RouterError, RouterProcess, check_installed, free_port
-from radixserve.frontend.spawn import READY
+from . import preflight
+from .config import ServerConfig
+from .router_proc import RouterError, RouterProcess, check_installed, free_port
+from .spawn import READY
 
 logger = logging.getLogger("radixserve.replicas")
 
@@ -236,7 +236,7 @@ def run_replicas(config: ServerConfig) -> int:
 
 def worker_argv(config: ServerConfig, gpus: int) -> list[str]:
     """The single-engine `serve` flags of every worker: loopback, any free port, no replicas."""
-    from radixserve.frontend.cli import config_argv
+    from .flags import config_argv
 
     one = dataclasses.replace(config, replicas=1, host="127.0.0.1", port=0)
     argv = config_argv(one)

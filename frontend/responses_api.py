@@ -18,29 +18,29 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.frontend.access_log import note_openai_usage
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.fields import FieldReader
-from radixserve.frontend.logprobs import chat_logprobs
-from radixserve.frontend.openai_api import (
+from .access_log import note_openai_usage
+from .engine_client import collect
+from .errors import APIError, bad_request
+from .fields import FieldReader
+from .logprobs import chat_logprobs
+from .openai_api import (
     json_response,
     openai_usage,
     raise_if_failed,
     resolve_max_tokens,
     sse_events,
 )
-from radixserve.frontend.protocol import check_logit_bias
-from radixserve.frontend.response_store import StoredResponse
-from radixserve.frontend.responses_output import ResponseBuilder, sse
-from radixserve.frontend.responses_protocol import (
+from .response_store import StoredResponse
+from .responses_output import ResponseBuilder, sse
+from .responses_protocol import (
     ResponsesRequest,
     items_to_messages,
     parse_responses_request,
     rename_param,
 )
-from radixserve.frontend.sse import SSEResponse, collect
-from radixserve.frontend.state import ServerState
-from radixserve.scheduler.req import GenerateResult, StreamDelta
+from .sse import SSEResponse
+from .state import ServerState
+from ..scheduler.req import GenerateResult, StreamDelta
 
 # incomplete_details.reason of a response whose generation ended for this finish_reason (an abort asked for
 # with /abort_request keeps the engine's name, as chat and completions' finish_reason do).
@@ -54,7 +54,6 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     req = parse_responses_request(body, state.structured)
     common = req.chat.common
     state.check_model(common.model)
-    check_logit_bias(common.sampling, state.client.vocab_size)
     prev = await _previous(state, req.previous_response_id)
     if not req.input_items and prev is None:
         raise bad_request("input must not be empty", "input")

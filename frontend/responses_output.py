@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from radixserve.frontend.responses_protocol import new_item_id
-from radixserve.frontend.tool_parser import StreamingToolParser, ToolCall
+from .responses_protocol import new_item_id
+from .tool_parser import StreamingToolParser, ToolCall
 
 
 def sse(event: dict[str, Any]) -> bytes:

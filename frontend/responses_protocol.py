@@ -19,9 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.fields import FieldReader
-from radixserve.frontend.protocol import ChatRequest, parse_chat_request
+from .errors import APIError, bad_request
+from .fields import FieldReader
+from .protocol import ChatRequest, parse_chat_request
 
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")

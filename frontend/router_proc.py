@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from radixserve.frontend.spawn import stop_process
+from .spawn import stop_process
 
 logger = logging.getLogger("radixserve.router")
 

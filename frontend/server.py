@@ -14,17 +14,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from radixserve.frontend import native_api, openai_api, responses_api, tokenize_api
-from radixserve.frontend.access_log import AccessLog, note_probe
-from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.engine_client import EngineClient, Job, engine_unavailable
-from radixserve.frontend.engine_proc import EngineDead
-from radixserve.frontend.errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
-from radixserve.frontend.logprobs import TokenTexts, token_bytes_fn
-from radixserve.frontend.metrics import ServerMetrics
-from radixserve.frontend.response_store import ResponseStore
-from radixserve.frontend.state import ServerState
-from radixserve.scheduler.sampling_params import SamplingParams
+from . import native_api, openai_api, responses_api, tokenize_api
+from .access_log import AccessLog, note_probe
+from .config import ServerConfig
+from .engine_client import EngineClient, Job, engine_unavailable
+from .engine_proc import EngineDead
+from .errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
+from .logprobs import TokenTexts, token_bytes_fn
+from .metrics import ServerMetrics
+from .response_store import ResponseStore
+from .state import ServerState
+from ..scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-if TYPE_CHECKING:
-    from radixserve.frontend.engine_client import Submission
-    from radixserve.scheduler.req import GenerateResult
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +62,6 @@ class SSEResponse:
         async for chunk in self.events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def collect(request: Request, sub: "Submission") -> list["GenerateResult"] | None:
-    """Results of all jobs; None if the client disconnected first (the jobs are aborted then)."""
-    try:
-        disconnected, results = await run_watching_disconnect(request, sub.results())
-    finally:
-        sub.close()
-    if disconnected:
-        logger.info("client disconnected; aborted %d request(s)", len(sub.jobs))
-        return None
-    return results
 
 
 async def run_watching_disconnect(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:

@@ -7,13 +7,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.frontend.config import ServerConfig
-from radixserve.frontend.engine_client import EngineClient, Job
-from radixserve.frontend.errors import APIError, bad_request
-from radixserve.frontend.logprobs import TokenTexts
-from radixserve.frontend.metrics import ServerMetrics
-from radixserve.frontend.response_store import ResponseStore
-from radixserve.scheduler.sampling_params import SamplingParams
+from .config import ServerConfig
+from .engine_client import EngineClient, Job
+from .errors import APIError, bad_request
+from .logprobs import TokenTexts
+from .metrics import ServerMetrics
+from .response_store import ResponseStore
+from ..scheduler.sampling_params import SamplingParams
 
 _SEED_MAX = 2**63 - 1
 # sglang-router 0.3.2 re-serializes a request that names no model with this one: absent, as on a single server.

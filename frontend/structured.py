@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from radixserve.frontend.errors import bad_request
+from .errors import bad_request
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Any
 
 from starlette.requests import Request
 
-from radixserve.frontend.errors import bad_request
-from radixserve.frontend.fields import FieldReader
-from radixserve.frontend.protocol import parse_chat_request
-from radixserve.frontend.state import ServerState
+from .errors import bad_request
+from .fields import FieldReader
+from .protocol import parse_chat_request
+from .state import ServerState
 
 
 async def tokenize(state: ServerState, request: Request, body: Any) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.frontend.tool_parser import TOOL_CALL_SYNTAX, ToolCallSyntax
+from .tool_parser import TOOL_CALL_SYNTAX, ToolCallSyntax
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 

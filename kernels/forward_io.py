@@ -7,7 +7,30 @@ over the paged KV pool, samples, and returns one ``SeqOutput`` per sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """A request's sampling settings as the sampler reads them: built once per request by the scheduler
+    (`SamplingParams.row_sampling`), so a renamed setting is an error, never a silent default."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = -1  # -1 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None  # token id -> bias added to its logit
+    logprobs: bool = False  # return the sampled token's logprob
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+GREEDY = RowSampling()
 
 
 @dataclass
@@ -24,12 +47,12 @@ class SeqInput:
     slot_offset: int
     sample: bool  # sample a next token after the last input token
     new_row: bool = False  # first step of this request on this row (per-row state starts afresh)
-    sampling: Any = None  # SamplingParams-like object (duck-typed; see scheduler/sampling_params.py)
+    sampling: RowSampling = GREEDY
     sampling_seed: int = 0  # effective seed; token randomness = f(sampling_seed, len(output_ids))
     # References to the request's lists (never copied): penalties, the seed position, prompt logprobs.
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    eos_ids: tuple[int, ...] = ()  # masked (with stop_token_ids) while min_new_tokens is unmet
+    banned_ids: tuple[int, ...] = ()  # never sampled this step (the scheduler's stop rules: EOS before min_new_tokens)
     # Prompt logprobs: logprob of each input token at absolute position >= this, given the
     # tokens before it (needs the logits of the previous position). None = not requested.
     prompt_logprob_start: int | None = None

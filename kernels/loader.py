@@ -12,7 +12,7 @@ from typing import Any, BinaryIO, Iterator
 import torch
 from tqdm import tqdm
 
-from radixserve.kernels.model_config import ModelConfig, normalize_dtype_name
+from .model_config import ModelConfig, normalize_dtype_name
 
 logger = logging.getLogger(__name__)
 

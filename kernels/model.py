@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata
-from radixserve.kernels.layers import (Linear, RotaryEmbedding, apply_rotary, interleave_rotary_pairs, rms_norm,
+from .attention.base import AttentionBackend, AttentionMetadata
+from .layers import (Linear, RotaryEmbedding, apply_rotary, interleave_rotary_pairs, rms_norm,
                                       silu_and_mul)
-from radixserve.kernels.loader import take, take_optional
-from radixserve.kernels.model_config import ModelConfig
+from .loader import take, take_optional
+from .model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

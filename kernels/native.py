@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from radixserve.kernels.cache_dir import private_cache_dir, refusal
-from radixserve.kernels.loader import cpu_flags as this_cpu_flags
+from .cache_dir import private_cache_dir, refusal
+from .loader import cpu_flags as this_cpu_flags
 
 logger = logging.getLogger(__name__)
 

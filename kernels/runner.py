@@ -11,7 +11,7 @@ How a step's ``SeqInput`` list is read (the contract with the scheduler):
   O(context): ``counters`` (``HostCounters``) records it.
 - ``shared`` (optional, from the scheduler): key ranges that several sequences of the step
   hold in the same slots (radix nodes they all locked); attention reads each once
-  (ARCHITECTURE §3b).
+  (ARCHITECTURE §7).
 - ``sample``: a next token is drawn from the logits of the last input token (see sampling.py;
   its randomness depends only on ``sampling_seed`` and ``len(output_ids)``). Output logprobs
   are returned when ``sampling.logprobs`` is not None or ``num_top_logprobs > 0``.
@@ -42,20 +42,20 @@ from typing import Callable, Sequence
 
 import torch
 
-from radixserve.kernels import native as native_lib
-from radixserve.kernels.attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
-from radixserve.kernels.attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
-from radixserve.kernels.forward_io import SeqInput, SeqOutput, TokenLogprob
-from radixserve.kernels.host_memory import retain_freed_memory
-from radixserve.kernels.loader import checkpoint_dtype, load_state_dict, resolve_dtype
-from radixserve.kernels.model import CausalLM
-from radixserve.kernels.model_config import ModelConfig, load_model_config
-from radixserve.kernels.sampling import PenaltyState, sample_next_tokens, token_logprobs
-from radixserve.scheduler.config import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
+from . import native as native_lib
+from .attention import ATTENTION_BACKENDS
+from .attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
+from .attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
+from .forward_io import SeqInput, SeqOutput, TokenLogprob
+from .host_memory import retain_freed_memory
+from .kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
+from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
+from .model import CausalLM
+from .model_config import ModelConfig, load_model_config
+from .sampling import PenaltyState, sample_next_tokens, token_logprobs
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -290,10 +290,10 @@ def _make_backend(name: str, device: torch.device, native: bool) -> AttentionBac
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from radixserve.kernels.attention.torch_backend import TorchAttentionBackend
+        from .attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(native=native)
     try:
-        from radixserve.kernels.attention.triton_backend import TritonAttentionBackend
+        from .attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:
         raise ValueError(f"attention_backend='triton' is unavailable ({exc}); install triton or use "
                          "attention_backend='torch'") from exc

@@ -3,8 +3,8 @@
 Order of operations (per row): raw logits -> logprobs (returned, if requested)
 -> repetition penalty (prompt + output tokens) -> frequency / presence penalties (output
 token counts) -> logit_bias (OpenAI's: its (row, id, bias) entries added in one index_put, ids past
-the logits ignored) -> EOS / stop-token mask while min_new_tokens is unmet (not on constrained rows:
-there the grammar decides when the stop token may come) -> the grammar's token bitmask
+the logits ignored) -> the row's banned ids (`SeqInput.banned_ids`: the scheduler bans EOS and stop tokens
+while min_new_tokens is unmet) -> the grammar's token bitmask
 (structured generation; disallowed ids and ids past the mask's width -> -inf) -> greedy argmax, or
 temperature -> top-k -> top-p (over the top-k mass) -> min-p -> draw (kernels/sampling_filter.py
 defines the filters exactly and applies them without sorting the vocabulary).
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixserve.kernels.forward_io import SeqInput, TokenLogprob
-from radixserve.kernels.native import argmax_rows
-from radixserve.kernels.sampling_filter import candidate_counts, draw_filtered, top_candidates
-from radixserve.kernels.sampling_noise import gumbel_argmax, row_keys, seed_words
-from radixserve.kernels.sampling_penalties import PenaltyState, penalty_entries
-from radixserve.kernels.step_upload import StepUpload
+from .forward_io import SeqInput, TokenLogprob
+from .native import argmax_rows
+from .sampling_filter import candidate_counts, draw_filtered, top_candidates
+from .sampling_noise import gumbel_argmax, row_keys, seed_words
+from .sampling_penalties import PenaltyState, penalty_entries
+from .step_upload import StepUpload
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class _RowParams:
     repetition: list[float]
     frequency: list[float]
     presence: list[float]
-    masked_ids: list[list[int]]  # ids banned this step (min_new_tokens unmet)
+    masked_ids: list[list[int]]  # ids banned this step (SeqInput.banned_ids)
     grammar_rows: list[int] = field(default_factory=list)  # rows with a token bitmask (structured generation)
     bitmasks: list[torch.Tensor] = field(default_factory=list)  # their [ceil(vocab / 32)] int32 rows
     # logit_bias as flat (row, token id, bias) triples; a few entries per biased row, never the vocabulary.
@@ -159,7 +159,7 @@ def token_logprobs(
 
 def adjust_logits(logits: torch.Tensor, seqs: list[SeqInput], p: _RowParams | None = None,
                   penalties: PenaltyState | None = None) -> torch.Tensor:
-    """Penalties and the min_new_tokens mask; returns `logits` itself (float32) when nothing applies."""
+    """Penalties, logit_bias and banned ids; returns `logits` itself (float32) when nothing applies."""
     logits = logits.float()
     p = _read_params(seqs) if p is None else p
     up = StepUpload()
@@ -282,34 +282,29 @@ def _read_params(seqs: list[SeqInput]) -> _RowParams:
     p = _RowParams([], [], [], [], [], [], [], [], [])
     for seq in seqs:
         s = seq.sampling
-        temperature = float(getattr(s, "temperature", 0.0)) if s is not None else 0.0
-        top_k = int(getattr(s, "top_k", -1)) if s is not None else -1
-        p.greedy.append(temperature == 0.0 or top_k == 1)
-        p.temperature.append(temperature if temperature > 0 else 1.0)
-        p.top_k.append(top_k)
-        p.top_p.append(float(getattr(s, "top_p", 1.0)))
-        p.min_p.append(float(getattr(s, "min_p", 0.0)))
-        p.repetition.append(float(getattr(s, "repetition_penalty", 1.0)))
-        p.frequency.append(float(getattr(s, "frequency_penalty", 0.0)))
-        p.presence.append(float(getattr(s, "presence_penalty", 0.0)))
-        bias = getattr(s, "logit_bias", None)
+        p.greedy.append(s.greedy)
+        p.temperature.append(s.temperature if s.temperature > 0 else 1.0)
+        p.top_k.append(s.top_k)
+        p.top_p.append(s.top_p)
+        p.min_p.append(s.min_p)
+        p.repetition.append(s.repetition_penalty)
+        p.frequency.append(s.frequency_penalty)
+        p.presence.append(s.presence_penalty)
+        bias = s.logit_bias
         if bias:
             row = len(p.greedy) - 1
             p.bias_rows += [row] * len(bias)
             p.bias_toks += bias.keys()
             p.bias_vals += bias.values()
-        banned: list[int] = []
         if seq.token_bitmask is not None:
             p.grammar_rows.append(len(p.greedy) - 1)
             p.bitmasks.append(seq.token_bitmask)
-        elif len(seq.output_ids) < int(getattr(s, "min_new_tokens", 0)):
-            banned = list(seq.eos_ids) + list(getattr(s, "stop_token_ids", None) or [])
-        p.masked_ids.append(banned)
+        p.masked_ids.append(list(seq.banned_ids))
     return p
 
 
 def _wants_logprobs(seq: SeqInput) -> bool:
-    return getattr(seq.sampling, "logprobs", None) is not None or seq.num_top_logprobs > 0
+    return seq.sampling.logprobs or seq.num_top_logprobs > 0
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels.sampling_noise import gumbel_argmax, gumbel_at
+from .sampling_noise import gumbel_argmax, gumbel_at
 
 CANDIDATES = (256, 4096)  # candidate counts tried before the full sort, for rows without top_k
 _MIN_CANDIDATES = 64  # rows with top_k start at max(top_k + 1, this)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels.forward_io import SeqInput
-from radixserve.kernels.step_upload import StepUpload
+from .forward_io import SeqInput
+from .step_upload import StepUpload
 
 
 class PenaltyState:

@@ -1,6 +1,6 @@
 """radixserve.lang: structured generation programs (gen / select / roles / fork) over a backend.
 
-    from radixserve.lang import function, gen, select, user, assistant, Runtime
+    from . import function, gen, select, user, assistant, Runtime
 
     @function
     def qa(s, question):
@@ -13,12 +13,12 @@
 Constrained gens: gen("n", regex=r"[0-9]{1,3}"), gen("obj", json_schema={...}), and typed gens
 gen("age", dtype=int) / gen_int / gen_string, whose value is state.get_typed("age").
 """
-from radixserve.lang.backend import Backend, BackendError, GenOutput, RequestRecord
-from radixserve.lang.endpoint import Endpoint
-from radixserve.lang.ir import assistant, gen, gen_int, gen_string, select, system, user
-from radixserve.lang.program import SglFunction, function, get_default_backend, set_default_backend
-from radixserve.lang.runtime import Runtime
-from radixserve.lang.state import ProgramState, ProgramStateGroup
+from .backend import Backend, BackendError, GenOutput, RequestRecord
+from .endpoint import Endpoint
+from .ir import assistant, gen, gen_int, gen_string, select, system, user
+from .program import SglFunction, function, get_default_backend, set_default_backend
+from .runtime import Runtime
+from .state import ProgramState, ProgramStateGroup
 
 __all__ = [
     "Backend", "BackendError", "Endpoint", "GenOutput", "ProgramState", "ProgramStateGroup", "RequestRecord",

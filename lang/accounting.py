@@ -1,13 +1,13 @@
-"""Cache accounting of programs that ran: achieved hit rate vs the optimal one (ARCHITECTURE §8)."""
+"""Cache accounting of programs that ran: achieved hit rate vs the optimal one (ARCHITECTURE §12)."""
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from radixserve.bench.optimal import optimal_hit_rate
-from radixserve.lang.backend import Backend, RequestRecord
-from radixserve.lang.state import ProgramState
+from ..radix.optimal import optimal_hit_rate
+from .backend import Backend, RequestRecord
+from .state import ProgramState
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,7 @@ class CacheReport:
     prompt_tokens: int
     cached_tokens: int
     hit_rate: float  # Σ cached_tokens / Σ prompt_tokens, from the backend's results
-    optimal_hit_rate: float  # §8 optimum of the same prompts, one round per call position
+    optimal_hit_rate: float  # §12 optimum of the same prompts, one round per call position
 
     @property
     def ratio(self) -> float:

@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from radixserve.lang.roles import ChatTemplate
+from .roles import ChatTemplate
 
 logger = logging.getLogger(__name__)
 

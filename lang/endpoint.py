@@ -1,4 +1,4 @@
-"""Endpoint: the DSL over HTTP, speaking SGLang's native `/generate` (ARCHITECTURE §5).
+"""Endpoint: the DSL over HTTP, speaking SGLang's native `/generate` (ARCHITECTURE §9).
 
 The chat template and the tokenizer (for `select`'s token positions) are loaded on the client
 from the server's `/get_model_info` tokenizer_path, or from `tokenizer_path=` when the server's
@@ -18,8 +18,8 @@ import urllib.parse
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from radixserve.lang.backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
-from radixserve.lang.roles import ChatTemplate
+from .backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
+from .roles import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +191,8 @@ def _load_tokenizer(path: str) -> LocalTokenizer:
     """A checkpoint directory loads with radixserve's Tokenizer (no transformers, no torch); a Hub id with
     transformers."""
     if path and os.path.isdir(path):
-        from radixserve.lang.runtime import local_tokenizer
-        from radixserve.scheduler.tokenizer import Tokenizer
+        from .runtime import local_tokenizer
+        from ..scheduler.tokenizer import Tokenizer
 
         return local_tokenizer(Tokenizer(path), path)
     return LocalTokenizer.load(path)

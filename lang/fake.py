@@ -20,9 +20,9 @@ import time
 import zlib
 from typing import Any, Callable
 
-from radixserve.lang.backend import Backend, GenOutput, TextCallback
-from radixserve.lang.ir import TYPE_REGEXES
-from radixserve.lang.roles import ChatTemplate
+from .backend import Backend, GenOutput, TextCallback
+from .ir import TYPE_REGEXES
+from .roles import ChatTemplate
 
 WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta")
 _DTYPE_OF_REGEX = {regex: dtype for dtype, regex in TYPE_REGEXES.items()}

@@ -7,8 +7,8 @@ import logging
 import threading
 from typing import Any, Callable
 
-from radixserve.lang.backend import Backend
-from radixserve.lang.state import ProgramState
+from .backend import Backend
+from .state import ProgramState
 
 logger = logging.getLogger(__name__)
 

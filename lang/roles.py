@@ -1,4 +1,4 @@
-"""Role turns rendered through the model's chat template (ARCHITECTURE §6).
+"""Role turns rendered through the model's chat template (ARCHITECTURE §11).
 
 Invariant: after every closed turn, the conversation part of a program's text equals
 `tokenizer.apply_chat_template(messages, tokenize=False)` for the messages so far.

@@ -9,8 +9,8 @@ import logging
 import threading
 from typing import Any
 
-from radixserve.lang.backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
-from radixserve.lang.roles import ChatTemplate
+from .backend import Backend, BackendError, GenOutput, LocalTokenizer, TextCallback
+from .roles import ChatTemplate
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class Runtime(Backend):
             raise ValueError("pass either engine= or model_path/engine config, not both")
         self._owns_engine = engine is None
         if engine is None:
-            from radixserve.scheduler import Engine
+            from ..scheduler import Engine
 
             engine = Engine(model_path, **engine_config)
         self.engine = engine

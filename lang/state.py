@@ -13,9 +13,9 @@ import logging
 import threading
 from typing import Any, Iterator
 
-from radixserve.lang.backend import Backend, BackendError, RequestRecord
-from radixserve.lang.ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, convert_typed, flatten
-from radixserve.lang.roles import Conversation
+from .backend import Backend, BackendError, RequestRecord
+from .ir import Expr, Gen, RoleBegin, RoleEnd, Select, Text, as_expr, convert_typed, flatten
+from .roles import Conversation
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Token radix tree (prefix cache) and KV slot allocator. Pure Python: holds only integers."""
 
-from radixserve.radix.allocator import KVAllocator
-from radixserve.radix.radix_cache import EVICTION_POLICIES, RadixCache, TreeNode
+from .allocator import KVAllocator
+from .radix_cache import EVICTION_POLICIES, RadixCache, TreeNode
 
 __all__ = ["EVICTION_POLICIES", "KVAllocator", "RadixCache", "TreeNode"]

@@ -6,7 +6,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from radixserve.radix.radix_cache import RadixCache, TreeNode
+    from .radix_cache import RadixCache, TreeNode
 
 
 def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[int] = 0) -> None:

@@ -8,7 +8,7 @@ Free pages are kept as maximal runs of consecutive pages, and an allocation take
 lowest-addressed run that holds it whole (first fit), so one request's chunk of new tokens
 gets consecutive slots whenever any run is long enough: a cached prefix is then a plain range
 of the KV pool, which attention reads as a view instead of gathering it
-(ARCHITECTURE §3b). Only when no run is long enough is the allocation split across runs.
+(ARCHITECTURE §7). Only when no run is long enough is the allocation split across runs.
 """
 
 from __future__ import annotations

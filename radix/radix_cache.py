@@ -24,8 +24,8 @@ from collections.abc import Collection, Sequence
 
 from sortedcontainers import SortedDict
 
-from radixserve.radix._integrity import check_cache_integrity
-from radixserve.radix.allocator import KVAllocator
+from ._integrity import check_cache_integrity
+from .allocator import KVAllocator
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class TreeNode:
 
 
 class RadixCache:
-    """Prefix cache over a KVAllocator; see ARCHITECTURE.md §3 for the contract."""
+    """Prefix cache over a KVAllocator; see ARCHITECTURE.md §4 for the contract."""
 
     def __init__(self, allocator: KVAllocator, page_size: int = 1, disable: bool = False,
                  eviction_policy: str = "lru-reuse",

@@ -11,10 +11,11 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
-from radixserve.radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
-from radixserve.scheduler.checks import check_choice, check_int, check_number
+from ..kernels.attention import ATTENTION_BACKENDS
+from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS
+from ..radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
+from .checks import check_choice, check_int, check_number
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
 STARVATION_RULES = ("overtake", "aging", "none")
@@ -68,11 +69,6 @@ class PolicyConfig:
         check_choice("policy.starvation_rule", self.starvation_rule, STARVATION_RULES)
 
 
-# The KV pool when kv_cache_tokens is None (kernels/runner.py default_kv_slots applies them).
-DEFAULT_CPU_KV_TOKENS = 16384  # small on the CPU: several test servers share one machine
-CUDA_KV_MEMORY_FRACTION = 1 / 3  # of the free memory before loading; weights and activations need the rest
-
-
 def fit_context_to_pool(context_length: int, pool_slots: int, page_size: int, context_set: bool) -> int:
     """The longest request (prompt + output) the engine accepts. `context_length` is the model's, or the smaller
     context_length the user set (`context_set`); `pool_slots` the KV pool's slots (whole pages). A pool that
@@ -86,11 +82,6 @@ def fit_context_to_pool(context_length: int, pool_slots: int, page_size: int, co
                          f"that long, and it has {pool_slots}: raise kv_cache_tokens to {need} or more, or lower "
                          f"context_length to {pool_slots}")
     return pool_slots
-
-
-def kv_pool_slots(kv_cache_tokens: int, page_size: int) -> int:
-    """The KV pool's slots for a kv_cache_tokens setting: whole pages only (the allocator hands out pages)."""
-    return max(kv_cache_tokens // page_size, 1) * page_size
 
 
 @dataclass(frozen=True)

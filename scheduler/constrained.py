@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from radixserve.kernels.forward_io import SeqInput
-from radixserve.scheduler.grammar import GrammarBackend
-from radixserve.scheduler.jump_forward import CONTEXT_IDS, jump_forward_ids
-from radixserve.scheduler.metrics import EngineMetrics
-from radixserve.scheduler.output import OutputProcessor
-from radixserve.scheduler.req import Req
-from radixserve.scheduler.sampling_params import SamplingParams
+from ..kernels.forward_io import SeqInput
+from .grammar import GrammarBackend
+from .jump_forward import CONTEXT_IDS, jump_forward_ids
+from .metrics import EngineMetrics
+from .output import OutputProcessor
+from .req import Req
+from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ class _Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """add(token_id) -> new text (possibly ""); text = everything emitted so far; finish() -> the held-back rest.
+    """add(token_id) -> new text (possibly ""); finish() -> the held-back rest. The text itself is kept by the caller
+    (the request's `Req.text`, which stops cut), not here.
 
     prompt_ids (optional) give the first output tokens their left context, for tokenizers whose decoding of a
     token depends on what precedes it; they are never part of the output text. spaces_between_special_tokens=False
@@ -47,18 +48,10 @@ class IncrementalDetokenizer:
         self.num_prompt_ids = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self._pieces: list[str] = []
 
     @property
     def output_ids(self) -> list[int]:
         return self.ids[self.num_prompt_ids :]
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far (without what is held back)."""
-        if len(self._pieces) > 1:
-            self._pieces = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
 
     def add(self, token_id: int) -> str:
         """Append one token id; return the text it completes (may be "" while a character is incomplete)."""
@@ -84,7 +77,6 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self._pieces.append(delta)
         return delta
 
     def _decode(self, ids: list[int]) -> str:

@@ -3,30 +3,28 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 import uuid
-from collections import deque
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from radixserve.kernels.forward_io import SeqInput
-from radixserve.kernels.attention.base import SharedPrefix
-from radixserve.scheduler.checks import token_id_list
-from radixserve.scheduler.config import EngineConfig, fit_context_to_pool
-from radixserve.scheduler.constrained import ConstrainedDecoding
-from radixserve.scheduler.detokenizer import IncrementalDetokenizer
-from radixserve.scheduler.errors import RequestError
-from radixserve.scheduler.grammar import GrammarBackend
-from radixserve.scheduler.kv_ops import PrefixKV
-from radixserve.scheduler.metrics import EngineMetrics
-from radixserve.scheduler.output import OutputProcessor
-from radixserve.scheduler.planner import Batch, BatchItem, Planner
-from radixserve.scheduler.policy import SchedulePolicy
-from radixserve.scheduler.req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
-from radixserve.scheduler.sampling_params import SamplingParams
-from radixserve.scheduler.serving import EngineLoop
-from radixserve.scheduler.shared_prefix import order_and_share
-from radixserve.scheduler.tokenizer import Tokenizer
+from ..kernels.forward_io import SeqInput
+from ..kernels.attention.base import SharedPrefix
+from .checks import token_id_list
+from .config import EngineConfig, fit_context_to_pool
+from .constrained import ConstrainedDecoding
+from .detokenizer import IncrementalDetokenizer
+from .errors import RequestError
+from .grammar import GrammarBackend
+from .kv_ops import PrefixKV
+from .metrics import EngineMetrics
+from .output import OutputProcessor
+from .planner import Batch, BatchItem, Planner
+from .policy import SchedulePolicy
+from .req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
+from .sampling_params import SamplingParams
+from .serving import EngineLoop
+from .shared_prefix import order_and_share
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +33,18 @@ ParamsLike = SamplingParams | dict[str, Any] | None
 
 
 class Engine:
-    """Offline and serving entry point. ``step()`` is single-threaded; ``generate_stream``,
-    ``abort`` and ``start`` run the same step loop in a background thread."""
+    """Offline and serving entry point, and the driver API its two transports use (the background thread of
+    scheduler/serving.py and the engine process of scheduler/engine_process.py): ``add_request``, ``abort``,
+    ``step``, ``has_unfinished``, ``abort_all`` and ``step_index``, all called from the one thread that steps.
+    While the background loop runs (``start``, ``generate_stream``), ``add_request``, ``abort``, ``generate``,
+    ``stats`` and ``flush_cache`` are safe from any thread: the loop queues them for its own."""
 
     def __init__(self, model_path: str | None = None, **config: Any):
-        from radixserve.kernels.runner import ModelRunner  # torch import kept off the radix path
+        from ..kernels.runner import ModelRunner  # torch import kept off the radix path
 
         self.config = EngineConfig.from_kwargs(model_path, **config)
         if model_path is None:
-            from radixserve.kernels.demo import demo_model_path
+            from ..kernels.demo import demo_model_path
             model_path = demo_model_path()
         self.model_path = model_path
         self.tokenizer = Tokenizer(model_path)
@@ -75,9 +76,8 @@ class Engine:
                                                cfg.disable_jump_forward)
         self._rng = random.Random(self.config.seed)
         self._reqs: dict[str, Req] = {}
-        self._inbox: deque[tuple[str, Any]] = deque()
-        self._cv = threading.Condition()
-        self._step_idx = 0
+        self._ready: list[StreamDelta] = []  # deltas made between steps (aborts), returned by the next step
+        self.step_index = 0  # steps taken; a request records the one it arrived at
         self._loop = EngineLoop(self)
         logger.info("engine ready: %s, %d KV slots (page size %d), context %d", model_path, num_slots,
                     self.config.page_size, self.context_length)
@@ -86,39 +86,57 @@ class Engine:
 
     def add_request(self, prompt: Prompt, sampling_params: ParamsLike = None, rid: str | None = None,
                     on_delta: Callable[[StreamDelta], None] | None = None) -> str:
-        """Queue one request (thread-safe). Raises ValueError on bad input."""
+        """Queue one request; its deltas go to `on_delta` when the background loop dispatches them. Raises
+        ValueError on bad input or a request id in use."""
         params = SamplingParams.from_any(sampling_params, self.tokenizer.default_max_new_tokens)
         prompt_ids = self._prompt_ids(prompt)
         compiled = self._validate(prompt_ids, params)
-        with self._cv:
-            rid = rid if rid is not None else uuid.uuid4().hex
-            # A finished request's listener lives until its final delta is dispatched; reusing
-            # the rid before then would hand that delta to the new request's listener.
-            if rid in self._reqs or self._loop.is_listening(rid):
-                raise ValueError(f"request id {rid!r} is already in use")
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,
-                      arrival_step=self._step_idx, arrival_time=time.perf_counter())
-            req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
-                                               spaces_between_special_tokens=params.spaces_between_special_tokens)
-            if compiled is not None:
-                self.constrained.attach(req, compiled, params)
-            self._reqs[rid] = req
-            if on_delta is not None:
-                self._loop.listen(rid, on_delta)
-            self._inbox.append(("add", req))
-            self._cv.notify_all()
+        rid = rid if rid is not None else uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,
+                  arrival_step=self.step_index, arrival_time=time.perf_counter())
+        req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                           spaces_between_special_tokens=params.spaces_between_special_tokens)
+        if compiled is not None:
+            self.constrained.attach(req, compiled, params)
+        self._loop.submit(req, on_delta)
         return rid
 
+    def has_request(self, rid: str) -> bool:
+        """Whether `rid` is queued or running (a finished request's id may be used again)."""
+        return rid in self._reqs
+
+    def admit(self, req: Req) -> None:
+        """Queue a built request (the stepping thread; the loop calls it for requests submitted elsewhere)."""
+        if req.rid in self._reqs:
+            raise ValueError(f"request id {req.rid!r} is already in use")
+        self._reqs[req.rid] = req
+        self.planner.waiting.append(req)
+
     def abort(self, rid: str) -> None:
-        """Finish a request with finish_reason "abort" and free its KV (thread-safe)."""
-        with self._cv:
-            self._inbox.append(("abort", rid))
-            self._cv.notify_all()
+        """Finish a request with finish_reason "abort" and free its KV; its final delta comes with the next step."""
+        if self._loop.queue_abort(rid):
+            return
+        self._ready.extend(self._abort_now(rid))
 
     def has_unfinished(self) -> bool:
-        with self._cv:
-            return bool(self._inbox) or bool(self.planner.waiting) or bool(self.planner.running)
+        """Whether step() has anything to do: requests queued or running, or deltas to hand out."""
+        return bool(self._ready) or bool(self.planner.waiting) or bool(self.planner.running)
+
+    def abort_all(self, reason: str) -> list[StreamDelta]:
+        """End every queued and running request with `reason` (the transports call it as they stop); returns the
+        deltas still owed, these final ones included."""
+        deltas, self._ready = self._ready, []
+        # Requests a failed step already finished still owe their final delta.
+        stranded = [r for r in self._reqs.values() if r.status is ReqStatus.FINISHED]
+        for req in list(self.planner.running) + list(self.planner.waiting) + stranded:
+            self.outputs.finish(req, "abort", error=reason)
+            self._finish(req)
+            delta = self.outputs.take_delta(req)
+            if delta is not None:
+                deltas.append(delta)
+            self._reqs.pop(req.rid, None)
+        return deltas
 
     # -- offline API --------------------------------------------------------------------
 
@@ -163,21 +181,21 @@ class Engine:
         t0 = time.perf_counter()
         self._parts = dict.fromkeys(self.metrics.step_parts_s, 0.0)
         self._mark = t0
-        deltas = self._drain_inbox()
+        deltas, self._ready = self._ready, []
         try:
             deltas.extend(self._plan_and_run(t0))
-        except Exception:  # a failed step must not strand a stream: its requests end as aborted
+        except Exception:  # the one place a step's failure is caught: its requests end as aborted, the loop goes on
             logger.exception("engine step failed; aborting in-flight requests")
-            deltas.extend(self._abort_all("internal error in the engine step"))
+            deltas.extend(self.abort_all("internal error in the engine step"))
         for d in deltas:
             if d.finished:
                 self._reqs.pop(d.rid, None)
-        self._step_idx += 1
+        self.step_index += 1
         self._record_profile(t0)
         return deltas
 
     def _plan_and_run(self, t0: float) -> list[StreamDelta]:
-        batch, admitted = self.planner.schedule(self._step_idx)
+        batch, admitted = self.planner.schedule(self.step_index)
         for req in admitted:
             self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
                                          prefix_only=req.params.max_new_tokens == 0)
@@ -245,7 +263,7 @@ class Engine:
 
     def _order_and_share(self, batch: Batch) -> list[SharedPrefix]:
         """Orders the batch so requests below one radix node sit together, and returns the key
-        ranges they share (ARCHITECTURE §3b)."""
+        ranges they share (ARCHITECTURE §7)."""
         if self.config.disable_shared_prefix_attention or self.kv.tree.disable or len(batch.items) < 2:
             return []
         order, shared = order_and_share([it.req.last_node for it in batch.items],
@@ -270,8 +288,9 @@ class Engine:
         return SeqInput(
             input_ids=_token_slice(req, start, end), prefix_len=start, row=req.row, new_slots=new_slots,
             slot_offset=offset, new_row=new_row,
-            sample=item.sample, sampling=p, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids, eos_ids=self.eos_token_ids, prompt_logprob_start=p.logprob_start_len,
+            sample=item.sample, sampling=req.sampling, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids, banned_ids=req.banned_ids(self.eos_token_ids) if item.sample else (),
+            prompt_logprob_start=p.logprob_start_len,
             num_top_logprobs=p.logprobs or 0)
 
     def _finish(self, req: Req) -> None:
@@ -286,20 +305,6 @@ class Engine:
         m.num_requests_aborted += int(req.finish_reason == "abort")
         m.num_generated_tokens += len(req.output_ids)
 
-    def _drain_inbox(self) -> list[StreamDelta]:
-        deltas: list[StreamDelta] = []
-        with self._cv:
-            commands = list(self._inbox)
-            self._inbox.clear()
-        for kind, arg in commands:
-            if kind == "add":
-                self.planner.waiting.append(arg)
-            elif kind == "abort":
-                deltas.extend(self._abort_now(arg))
-            elif kind == "call":
-                arg()
-        return deltas
-
     def _abort_now(self, rid: str) -> list[StreamDelta]:
         req = self._reqs.get(rid)
         if req is None or req.status is ReqStatus.FINISHED:
@@ -310,19 +315,6 @@ class Engine:
         delta = self.outputs.take_delta(req)
         return [delta] if delta is not None else []
 
-    def _abort_all(self, reason: str) -> list[StreamDelta]:
-        deltas: list[StreamDelta] = []
-        # Requests a failed step already finished still owe their final delta.
-        stranded = [r for r in self._reqs.values() if r.status is ReqStatus.FINISHED]
-        for req in list(self.planner.running) + list(self.planner.waiting) + stranded:
-            self.outputs.finish(req, "abort", error=reason)
-            self._finish(req)
-            delta = self.outputs.take_delta(req)
-            if delta is not None:
-                deltas.append(delta)
-            self._reqs.pop(req.rid, None)
-        return deltas
-
     # -- cache and stats ----------------------------------------------------------------
 
     def flush_cache(self) -> bool:
@@ -330,7 +322,7 @@ class Engine:
         return self._loop.call(self._flush_now) if self._loop.running else self._flush_now()
 
     def _flush_now(self) -> bool:
-        if self.planner.running or self.planner.waiting or self._inbox:
+        if self.has_unfinished():
             return False
         self.kv.flush()
         return True

@@ -27,10 +27,10 @@ from typing import Any
 
 import zmq
 
-from radixserve.scheduler import messages as msg
-from radixserve.scheduler.errors import RequestError
-from radixserve.scheduler.grammar import xgrammar_installed
-from radixserve.scheduler.grammar_prep import PendingGrammars
+from . import messages as msg
+from .errors import RequestError
+from .grammar import xgrammar_installed
+from .grammar_prep import PendingGrammars
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, 
 
 
 def _load(model: str | None, engine_kwargs: dict[str, Any], outbox: zmq.Socket):
-    from radixserve.scheduler.engine import Engine
+    from .engine import Engine
 
     try:
         engine = Engine(model, **engine_kwargs)
@@ -132,7 +132,7 @@ class EngineServer:
                 break
         gone = [msg.Rejected(m.rid, "the engine shut down") for m in self.pending.drain()]
         self._send(msg.EngineEvents(rejected=gone,
-                                    deltas=engine._drain_inbox() + engine._abort_all("engine shut down")))
+                                    deltas=engine.abort_all("engine shut down")))
 
     def _receive(self, events: msg.EngineEvents, wait_ms: int) -> None:
         if not self.inbox.poll(wait_ms):
@@ -198,7 +198,7 @@ class EngineServer:
         return stats
 
     def _send(self, events: msg.EngineEvents) -> None:
-        events.num_steps = self.engine._step_idx
+        events.num_steps = self.engine.step_index
         self.outbox.send(msg.dumps(events))
         self._last_sent = time.monotonic()
 

@@ -30,12 +30,12 @@ import re
 import threading
 from typing import Any
 
-from radixserve.scheduler.errors import RequestError
+from .errors import RequestError
+from .sampling_params import JSON_OBJECT
 
 logger = logging.getLogger(__name__)
 
 GRAMMAR_KINDS = ("regex", "json_schema", "ebnf", "structural_tag")
-JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[12:47:03] /project/cpp/x.cc:94: " of xgrammar's errors
 _CACHE_LIMIT = 1024  # compiled grammars kept (oldest dropped first)
 

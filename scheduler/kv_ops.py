@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from radixserve.radix.allocator import KVAllocator
-from radixserve.radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache
-from radixserve.scheduler.req import Req
+from ..radix.allocator import KVAllocator
+from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache
+from .req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,6 @@ class PrefixKV:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
-
-    def match_len(self, req: Req) -> int:
-        """Length of the cached prefix admission would reuse now. Read-only: no edge split,
-        no access stamp or hit count, so ordering the queue does not skew eviction."""
-        return len(self.tree.peek_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt))
 
     def match_cap(self, req: Req) -> int:
         # The last token is always computed (its logits are needed); prompt logprobs need

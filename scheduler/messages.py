@@ -12,8 +12,8 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.scheduler.req import StreamDelta
-from radixserve.scheduler.sampling_params import SamplingParams
+from .req import StreamDelta
+from .sampling_params import SamplingParams
 
 
 # -- HTTP process -> engine process -------------------------------------------------------------

@@ -17,8 +17,6 @@ class Histogram:
     counts: list[int] = field(default_factory=list)  # per bucket, last = above every bucket
     total: float = 0.0
     count: int = 0
-    samples: list[float] = field(default_factory=list)  # kept for percentiles in benches
-    max_samples: int = 100_000
 
     def __post_init__(self) -> None:
         if not self.counts:
@@ -28,14 +26,6 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
-        if len(self.samples) < self.max_samples:
-            self.samples.append(value)
-
-    def percentile(self, q: float) -> float | None:
-        if not self.samples:
-            return None
-        ordered = sorted(self.samples)
-        return ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))]
 
 
 STEP_PARTS = ("plan", "build", "forward", "sample", "outputs")
@@ -43,7 +33,7 @@ STEP_PARTS = ("plan", "build", "forward", "sample", "outputs")
 
 @dataclass
 class EngineMetrics:
-    num_prompt_tokens: int = 0  # first admissions only (§8)
+    num_prompt_tokens: int = 0  # first admissions only (§12)
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
     num_requests_finished: int = 0
@@ -66,14 +56,9 @@ class EngineMetrics:
     num_shared_prefix_tokens: int = 0  # KV tokens of those prefixes (each counted once per step)
     num_shared_prefix_reads_saved: int = 0  # per-request reads of them that were not needed
 
-    num_prefix_only_tokens: int = 0  # prompts of max_new_tokens=0 requests, reported apart (§8)
-    num_prefix_only_cached: int = 0
-
     def count_admission(self, prompt_tokens: int, cached_tokens: int, prefix_only: bool) -> None:
-        if prefix_only:
-            self.num_prefix_only_tokens += prompt_tokens
-            self.num_prefix_only_cached += cached_tokens
-        else:
+        """A prefix-only request (max_new_tokens=0, a cache warm-up) is left out of the hit rate (§12)."""
+        if not prefix_only:
             self.num_prompt_tokens += prompt_tokens
             self.num_cached_tokens += cached_tokens
 

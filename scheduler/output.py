@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 
-from radixserve.kernels.forward_io import SeqOutput, TokenLogprob
-from radixserve.scheduler.req import Req, StreamDelta
-from radixserve.scheduler.sampling_params import stop_regex_pattern
+from ..kernels.forward_io import SeqOutput, TokenLogprob
+from .req import Req, StreamDelta
+from .sampling_params import stop_regex_pattern
 
 # One stop_regex search may take this long; a pattern that takes longer (catastrophic backtracking)
 # aborts its request instead of stalling the engine.

@@ -1,6 +1,6 @@
 """The planner: turns the waiting and running queues into one mixed Batch per step.
 
-Order of work in a step (ARCHITECTURE §4):
+Order of work in a step (ARCHITECTURE §5):
   1. room for every decode (one token each), retracting the least-progressed requests if
      the pool runs short;
   2. continue chunked prefills, then admit waiting requests in policy order, while the
@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from radixserve.scheduler.config import EngineConfig
-from radixserve.scheduler.kv_ops import PrefixKV
-from radixserve.scheduler.policy import SchedulePolicy
-from radixserve.scheduler.req import Req, ReqStatus
+from .config import EngineConfig
+from .kv_ops import PrefixKV
+from .policy import SchedulePolicy
+from .req import Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,6 @@ class Batch:
     @property
     def num_decodes(self) -> int:
         return sum(1 for it in self.items if it.is_decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(it.num_tokens for it in self.items if not it.is_decode)
 
     @property
     def is_mixed(self) -> bool:
@@ -139,8 +135,8 @@ class Planner:
     def _shield_prefixes(self, order: list[Req], decode_room: int) -> list:
         """Lock the cached prefixes of the leading candidates that fit together, before any of
         them allocates: the evictor picks leaves by priority, not by who waits, so admitting one
-        candidate could otherwise evict the prefix the next one was ordered to reuse. Measured
-        in bench/results/cache_bench.md (multiturn at 50% KV: 0.536 -> 0.660 of optimal)."""
+        candidate could otherwise evict the prefix the next one was ordered to reuse (its effect on the hit
+        rate under a small cache: bench/results/cache_bench.md)."""
         tree = self.kv.tree
         if tree.disable:
             return []

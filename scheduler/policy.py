@@ -1,4 +1,4 @@
-"""Ordering of the waiting queue (ARCHITECTURE §4). The planner admits requests in the returned
+"""Ordering of the waiting queue (ARCHITECTURE §5). The planner admits requests in the returned
 order and stops at the first one that does not fit, so the order is the whole decision.
 
 Policies:
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 
-from radixserve.scheduler.checks import check_choice
+from .checks import check_choice
 # PolicyConfig lives with EngineConfig (which carries it); imported from here as well.
-from radixserve.scheduler.config import SCHEDULE_POLICIES, PolicyConfig
-from radixserve.scheduler.kv_ops import PrefixKV
-from radixserve.scheduler.prefix_groups import PrefixGroups, block_key
-from radixserve.scheduler.req import Req, ReqStatus
+from .config import SCHEDULE_POLICIES, PolicyConfig
+from .kv_ops import PrefixKV
+from .prefix_groups import PrefixGroups, block_key
+from .req import Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.kernels.forward_io import TokenLogprob
-from radixserve.scheduler.sampling_params import SamplingParams
+from ..kernels.forward_io import RowSampling, TokenLogprob
+from .sampling_params import SamplingParams
 
 # GenerateResult.error of a request its caller aborted (Engine.abort): a normal end, not a failure.
 ABORTED = "aborted"
@@ -87,7 +87,7 @@ class Req:
     row_is_new: bool = False  # no step has used the row since it was assigned
 
     # Reporting.
-    cached_tokens: int | None = None  # from the first admission only (§8)
+    cached_tokens: int | None = None  # from the first admission only (§12)
     num_retractions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -107,6 +107,17 @@ class Req:
     text: str = ""  # full decoded output text (trimmed at a matched stop string)
     emitted_len: int = 0  # chars of `text` already handed out in deltas
     emitted_tokens: int = 0  # output ids already handed out in deltas
+
+    def __post_init__(self) -> None:
+        self.sampling: RowSampling = self.params.row_sampling()  # what the sampler reads, built once
+
+    def banned_ids(self, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Ids the next token may not be: EOS and the stop ids until min_new_tokens are out (a grammar decides
+        that itself, so a constrained request bans none)."""
+        p = self.params
+        if self.grammar is not None or len(self.output_ids) >= p.min_new_tokens:
+            return ()
+        return eos_ids + tuple(p.stop_token_ids or ())
 
     @property
     def all_ids(self) -> list[int]:

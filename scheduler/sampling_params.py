@@ -8,9 +8,11 @@ from typing import Any
 
 import regex as _regex
 
-from radixserve.scheduler.checks import check_int, check_number
+from ..kernels.forward_io import RowSampling
+from .checks import check_int, check_number
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
 
 
@@ -82,9 +84,12 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+    def row_sampling(self) -> RowSampling:
+        """What the sampler reads of these settings (built once per request)."""
+        return RowSampling(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                           repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                           presence_penalty=self.presence_penalty, logit_bias=self.logit_bias,
+                           logprobs=self.logprobs is not None)
 
     def validate(self) -> None:
         _check_int(self, "max_new_tokens", lo=0)

@@ -1,8 +1,9 @@
-"""The background step loop: thread-safe submission, delta fan-out, blocking and async waits.
+"""The background step loop: one thread steps the engine; other threads submit, abort and call through its inbox
+and receive deltas through listeners, so an HTTP event loop never waits on a model step.
 
-The loop thread is the only caller of ``Engine.step()`` while it runs. Other threads talk to
-it through the engine's inbox (add / abort / call) and receive deltas through listeners, so
-an HTTP event loop never waits on a model step.
+The loop is a transport over the engine's driver API (add / abort / step / abort_all, scheduler/engine.py); it owns
+the only lock and inbox the threaded mode needs. The engine process (scheduler/engine_process.py) is the other
+transport and steps the engine on its own single thread, with neither.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from radixserve.scheduler.req import GenerateResult, StreamDelta
+from .req import GenerateResult, Req, StreamDelta
 
 if TYPE_CHECKING:
-    from radixserve.scheduler.engine import Engine
+    from .engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,9 @@ logger = logging.getLogger(__name__)
 class EngineLoop:
     def __init__(self, engine: "Engine"):
         self.engine = engine
-        self._listeners: dict[str, Callable[[StreamDelta], None]] = {}
+        self._listeners: dict[str, Callable[[StreamDelta], None] | None] = {}
+        self._inbox: list[tuple[str, Any]] = []
+        self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -33,15 +36,33 @@ class EngineLoop:
     def on_loop_thread(self) -> bool:
         return self._thread is threading.current_thread()
 
-    def listen(self, rid: str, callback: Callable[[StreamDelta], None]) -> None:
-        """Register before the request is queued (called under the engine's lock)."""
-        self._listeners[rid] = callback
+    def submit(self, req: Req, on_delta: Callable[[StreamDelta], None] | None) -> None:
+        """Queue a built request: for the loop's thread while it runs, else into the engine at once (the caller
+        then steps). Raises ValueError on a request id in use (a finished request's listener lives until its final
+        delta is dispatched; reusing the id before then would hand that delta to the new request's listener)."""
+        with self._cv:
+            if req.rid in self._listeners or self.engine.has_request(req.rid):
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            if self.running and not self.on_loop_thread():
+                self._inbox.append(("add", req))
+                self._cv.notify_all()
+            else:
+                self.engine.admit(req)
+            if on_delta is not None or self.running:
+                self._listeners[req.rid] = on_delta
 
-    def is_listening(self, rid: str) -> bool:
-        return rid in self._listeners
+    def queue_abort(self, rid: str) -> bool:
+        """Queue an abort for the loop's thread; False when the caller should abort directly (no loop running, or
+        the caller is the loop's thread)."""
+        with self._cv:
+            if not self.running or self.on_loop_thread():
+                return False
+            self._inbox.append(("abort", rid))
+            self._cv.notify_all()
+            return True
 
     def start(self) -> None:
-        with self.engine._cv:
+        with self._cv:
             if self.running:
                 return
             self._stopping = False
@@ -49,9 +70,9 @@ class EngineLoop:
             self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        with self.engine._cv:
+        with self._cv:
             self._stopping = True
-            self.engine._cv.notify_all()
+            self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -69,9 +90,9 @@ class EngineLoop:
             finally:
                 done.set()
 
-        with self.engine._cv:
-            self.engine._inbox.append(("call", wrapped))
-            self.engine._cv.notify_all()
+        with self._cv:
+            self._inbox.append(("call", wrapped))
+            self._cv.notify_all()
         done.wait()
         if "error" in box:
             raise box["error"]
@@ -114,23 +135,29 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            with engine._cv:
-                while not self._stopping and not engine._inbox and not engine.planner.waiting \
-                        and not engine.planner.running:
-                    engine._cv.wait()
+            with self._cv:
+                while not self._stopping and not self._inbox and not engine.has_unfinished():
+                    self._cv.wait()
                 if self._stopping:
                     break
-            try:
-                deltas = engine.step()
-            except Exception:  # keep serving: fail what was in flight, not the process
-                logger.exception("engine step failed; aborting in-flight requests")
-                deltas = engine._abort_all("internal error in the engine step")
-            self._dispatch(deltas)
+                commands, self._inbox = self._inbox, []
+            self._apply(commands)
+            self._dispatch(engine.step())  # a step's failure is caught inside it: its requests end aborted
         # Requests still queued or running when the loop stops end as aborted, never silently.
         # Under the lock, so no request slips in between the drain and the thread's exit.
-        with engine._cv:
-            deltas = engine._drain_inbox() + engine._abort_all("engine shut down")
-        self._dispatch(deltas)
+        with self._cv:
+            commands, self._inbox = self._inbox, []
+            self._apply(commands)
+            self._dispatch(engine.abort_all("engine shut down"))
+
+    def _apply(self, commands: list[tuple[str, Any]]) -> None:
+        for kind, arg in commands:
+            if kind == "add":
+                self.engine.admit(arg)
+            elif kind == "abort":
+                self.engine.abort(arg)
+            else:
+                arg()
 
     def _dispatch(self, deltas: list[StreamDelta]) -> None:
         for delta in deltas:

@@ -1,4 +1,4 @@
-"""The forest of radix nodes that several requests of one batch share (ARCHITECTURE §3b).
+"""The forest of radix nodes that several requests of one batch share (ARCHITECTURE §7).
 
 Every request of a batch holds a lock on the last radix node of its cached prefix, and its
 KV slots for the positions on that node's path *are* the tree's slots. So requests below one
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from radixserve.kernels.attention.base import SharedPrefix
+from ..kernels.attention.base import SharedPrefix
 
 
 def order_and_share(nodes: Sequence[Any], min_tokens: int) -> tuple[list[int], list[SharedPrefix]]:

@@ -31,8 +31,8 @@ import os
 import threading
 from typing import Any, Mapping, Sequence
 
-from radixserve.scheduler.chat_template import ChatRenderer, load_chat_templates, select_template
-from radixserve.scheduler.tokenizer_files import declared_class, load_tokenizer_json, pipeline_kind, read_json
+from .chat_template import ChatRenderer, load_chat_templates, select_template
+from .tokenizer_files import declared_class, load_tokenizer_json, pipeline_kind, read_json
 
 logger = logging.getLogger(__name__)
 

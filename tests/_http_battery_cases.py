@@ -314,6 +314,9 @@ MESSAGES = [
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}), param="response_format"),
     _case("chat-response-format-string", CHAT, chat(response_format="json"), param="response_format"),
     _case("chat-logit-bias-out-of-range", CHAT, chat(logit_bias={"1": 500}), param="logit_bias"),
+    _case("chat-logit-bias-outside-the-vocabulary", CHAT, chat(logit_bias={"99999999": 5}), param="logit_bias"),
+    _case("chat-n2-logit-bias-outside-the-vocabulary", CHAT, chat(n=2, logit_bias={"99999999": 5}),
+          param="logit_bias"),
     _case("chat-stream-options-without-stream", CHAT, chat(stream_options={"include_usage": True}),
           param="stream_options"),
 ]

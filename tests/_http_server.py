@@ -10,7 +10,7 @@ import atexit
 import threading
 
 from radixserve.frontend.spawn import ServerProcess as _SpawnedServer
-from radixserve.kernels.demo_tokenizer import TOOL_RESULT_OPEN as TOOL_RESULT_TRIGGER
+from radixserve.bench.demo_kit.tokenizer import TOOL_RESULT_OPEN as TOOL_RESULT_TRIGGER
 
 SCRIPT_PRIORITY = (TOOL_RESULT_TRIGGER,)
 
@@ -73,7 +73,7 @@ def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
     from tokenizers import Tokenizer
 
     from radixserve.frontend.logprobs import bytes_to_unicode
-    from radixserve.kernels.demo_tokenizer import tokenizer_json
+    from radixserve.bench.demo_kit.tokenizer import tokenizer_json
 
     tok = Tokenizer.from_str(tokenizer_json(vocab_size))
     alphabet = bytes_to_unicode()

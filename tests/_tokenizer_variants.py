@@ -10,8 +10,8 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from radixserve.kernels.demo_corpus import corpus
-from radixserve.kernels.demo_tokenizer import CHAT_TEMPLATE, build_tokenizer, tokenizer_json
+from radixserve.bench.demo_kit.corpus import corpus
+from radixserve.bench.demo_kit.tokenizer import CHAT_TEMPLATE, build_tokenizer, tokenizer_json
 
 # Llama-2 style, written with plain {% %} blocks over indented lines so that trim_blocks/lstrip_blocks matter, and
 # with namespace, loop controls, tojson options, dict(), raise_exception and strftime_now.

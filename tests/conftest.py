@@ -8,7 +8,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402  (torch does not import triton; triton reads the flag at its import)
+import torch  # noqa: E402
+
+from radixserve.frontend import drop_checkout_root  # noqa: E402
+
+drop_checkout_root()  # before any test module imports transformers (it imports `kernels` when installed)  (torch does not import triton; triton reads the flag at its import)
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:

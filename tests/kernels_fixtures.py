@@ -226,9 +226,9 @@ def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds, c
     return SeqInput(
         input_ids=req.tokens[req.computed:end], prefix_len=req.computed, row=idx, new_slots=new_slots,
         slot_offset=offset, new_row=offset == 0 and bool(new_slots),
-        sample=not forced and end >= len(req.tokens), sampling=params,
+        sample=not forced and end >= len(req.tokens), sampling=params.row_sampling(),
         sampling_seed=seeds[idx] if seeds else 0, prompt_ids=req.tokens[:req.prompt_len],
-        output_ids=list(req.output), eos_ids=(2, 3))
+        output_ids=list(req.output))
 
 
 # -- mutations for the parity checks (installed as runner.forward_input_hook) ----------------

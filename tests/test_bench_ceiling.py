@@ -6,7 +6,7 @@ import pytest
 
 from radixserve.bench import ceiling as ce
 from radixserve.bench.harness import stand_in_rounds
-from radixserve.bench.optimal import Computed, computed_spans
+from radixserve.radix.optimal import Computed, computed_spans
 from radixserve.bench.peer_vllm import PEER_WORKLOADS
 from radixserve.bench.workloads import make_workload
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 from radixserve.bench import http_bench, peer_serve, report_http, report_serve
-from radixserve.bench.http_bench import Timing, percentile, summarize_run
+from radixserve.bench.http_bench import Timing, summarize_run
+from radixserve.bench.output import percentile
 from radixserve.bench.http_client import HTTPConnection
 from radixserve.bench.output import BenchOutput
 from radixserve.bench.report_peer import OURS

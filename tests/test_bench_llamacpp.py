@@ -9,7 +9,7 @@ import pytest
 from radixserve.bench import peer_llamacpp
 from radixserve.bench._llamacpp import parse_slots, pre_tokenizer_fallback
 from radixserve.bench.http_bench import Timing
-from radixserve.bench.optimal import optimal_counts
+from radixserve.radix.optimal import optimal_counts
 from radixserve.bench.output import BenchOutput
 from radixserve.bench.report_llamacpp import LLAMA, OURS, build_report, markdown
 from radixserve.bench.workloads import WORKLOAD_NAMES, WorkRequest, make_workload

@@ -1,7 +1,7 @@
-"""Hand-worked examples of the §8 optimal hit rate."""
+"""Hand-worked examples of the §12 optimal hit rate."""
 import pytest
 
-from radixserve.bench.optimal import distinct_tokens, optimal_counts, optimal_hit_rate
+from radixserve.radix.optimal import distinct_tokens, optimal_counts, optimal_hit_rate
 
 
 def test_single_prompt_computes_everything():

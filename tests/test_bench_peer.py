@@ -10,7 +10,7 @@ import pytest
 from radixserve.bench import _vllm_worker, peer_sides, peer_vllm, report_peer, roofline
 from radixserve.bench.harness import bench_model_path
 from radixserve.bench.output import BenchOutput
-from radixserve.bench.optimal import optimal_counts
+from radixserve.radix.optimal import optimal_counts
 from radixserve.bench.peer_sides import OursSide, VllmSide, parse_reply
 from radixserve.bench.peer_vllm import Measure, alternation, run_rounds
 from radixserve.bench.report_peer import summarize

@@ -2,7 +2,7 @@
 import pytest
 
 from radixserve.bench.harness import decode_room, estimate_distinct_tokens, kv_budget
-from radixserve.bench.optimal import optimal_counts
+from radixserve.radix.optimal import optimal_counts
 from radixserve.bench.workloads import SIZES, TOKEN_HI, TOKEN_LO, WORKLOAD_NAMES, make_workload
 
 

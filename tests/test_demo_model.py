@@ -1,5 +1,5 @@
-"""The built-in demo model (kernels/demo_checkpoint/, trained by kernels/demo_train.py) on the real engine:
-greedy replies to facts, including phrasings held out of its corpus (kernels/demo_eval.py), every reply ending with
+"""The built-in demo model (kernels/demo_checkpoint/, trained by bench/demo_kit/train.py) on the real engine:
+greedy replies to facts, including phrasings held out of its corpus (bench/demo_kit/eval_cases.py), every reply ending with
 EOS well before 64 tokens; and the files it ships with. Each held-out set is asserted at a floor a little under
 what was measured at training time (eval.json, MODEL_CARD.md).
 """
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from radixserve.kernels import demo_data, demo_eval
+from radixserve.bench.demo_kit import data as demo_data, eval_cases as demo_eval
 from radixserve.kernels.demo import DEMO_CHECKPOINT_DIR, demo_model_path
 
 MAX_NEW = 64

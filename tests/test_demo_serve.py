@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from _http_server import shared_server
-from radixserve.kernels.demo_eval import WEATHER_TOOL
+from radixserve.bench.demo_kit.eval_cases import WEATHER_TOOL
 
 MODEL = "radixserve-demo"
 

@@ -1,4 +1,4 @@
-"""The demo model's training script (kernels/demo_train.py) is deterministic; generation_config.json's
+"""The demo model's training script (bench/demo_kit/train.py) is deterministic; generation_config.json's
 max_new_tokens is the default reply length; the CLI's first-run polish; CI runs the README's test command."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import re
 import subprocess
 import sys
 
-from radixserve.kernels.demo_data import Generator
-from radixserve.kernels.demo_train import Encoder, TrainConfig, batches, train
+from radixserve.bench.demo_kit.data import Generator
+from radixserve.bench.demo_kit.train import Encoder, TrainConfig, batches, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A few steps of a tiny model over the real corpus: seconds, not the shipped run's minutes. Plain fp32 eager with
@@ -63,7 +63,7 @@ def test_the_shipped_runs_speed_options_stay_deterministic(tmp_path):
 
 
 def test_micro_batches_bucket_by_length_round_shapes_and_keep_every_sample(tmp_path):
-    from radixserve.kernels.demo_tokenizer import build_tokenizer
+    from radixserve.bench.demo_kit.tokenizer import build_tokenizer
 
     build_tokenizer(str(tmp_path), 2048)
     encoder = Encoder(str(tmp_path))
@@ -85,7 +85,7 @@ def test_micro_batches_bucket_by_length_round_shapes_and_keep_every_sample(tmp_p
 
 
 def test_loss_sees_assistant_turns_only(tmp_path):
-    from radixserve.kernels.demo_tokenizer import build_tokenizer
+    from radixserve.bench.demo_kit.tokenizer import build_tokenizer
 
     build_tokenizer(str(tmp_path), 2048)
     encoder = Encoder(str(tmp_path))

@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from _engine_helpers import make_checkpoint
 from radixserve.kernels.model import CausalLM
-from radixserve.kernels.runner import DEFAULT_CPU_KV_TOKENS, default_kv_slots
+from radixserve.kernels.kv_budget import DEFAULT_CPU_KV_TOKENS
+from radixserve.kernels.runner import default_kv_slots
 from radixserve.scheduler import Engine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

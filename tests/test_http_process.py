@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from radixserve.frontend.spawn import ServerProcess
-from tests._http_server import START_TIMEOUT_S, main_server, tiny_model_path
+from _http_server import START_TIMEOUT_S, main_server, tiny_model_path
 
 
 def _server(*args: str, fault: str | None = None) -> ServerProcess:

@@ -1,4 +1,4 @@
-"""The real server on a scripted checkpoint (ARCHITECTURE §9): tool calls, stop strings, EOS, split multi-byte
+"""The real server on a scripted checkpoint (ARCHITECTURE §13): tool calls, stop strings, EOS, split multi-byte
 characters, and 64 concurrent streaming clients of whom a quarter disconnect (must-show 3 and 4)."""
 import asyncio
 import json

@@ -4,7 +4,8 @@ import json
 import orjson
 import pytest
 
-from radixserve.frontend.cli import build_parser, config_from_args
+from radixserve.frontend.cli import build_parser
+from radixserve.frontend.flags import config_from_args
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.errors import APIError
 from radixserve.frontend.logprobs import CompletionLogprobs, TokenTexts, native_logprobs, prompt_entries

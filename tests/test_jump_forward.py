@@ -211,7 +211,8 @@ def test_small_pool_retracts_and_stays_valid(engines):
 
 
 def test_cli_flag():
-    from radixserve.frontend.cli import build_parser, config_from_args
+    from radixserve.frontend.cli import build_parser
+    from radixserve.frontend.flags import config_from_args
 
     assert not config_from_args(build_parser().parse_args(["serve"])).engine.disable_jump_forward
     cfg = config_from_args(build_parser().parse_args(["serve", "--disable-jump-forward"]))

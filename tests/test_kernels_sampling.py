@@ -9,18 +9,21 @@ import torch
 from kernels_fixtures import drive, make_checkpoint, make_prompts
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import ModelRunner, SeqInput
+from radixserve.kernels.forward_io import GREEDY, RowSampling
 from radixserve.kernels.sampling import adjust_logits, sample_next_tokens
 from radixserve.kernels.sampling_noise import gumbel_noise
+from radixserve.scheduler.req import Req
 from radixserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB = 50
 
 
-def _seq(params: SamplingParams | None, seed: int = 0, output_ids=(), prompt_ids=(), eos_ids=(), top=0):
-    return SeqInput(input_ids=[1], prefix_len=0, row=0, new_slots=[0], slot_offset=0, new_row=True, sample=True, sampling=params,
-                    sampling_seed=seed, prompt_ids=list(prompt_ids), output_ids=list(output_ids),
-                    eos_ids=tuple(eos_ids), num_top_logprobs=top)
+def _seq(params: SamplingParams | RowSampling | None, seed: int = 0, output_ids=(), prompt_ids=(), banned=(), top=0):
+    sampling = params.row_sampling() if isinstance(params, SamplingParams) else params or GREEDY
+    return SeqInput(input_ids=[1], prefix_len=0, row=0, new_slots=[0], slot_offset=0, new_row=True, sample=True,
+                    sampling=sampling, sampling_seed=seed, prompt_ids=list(prompt_ids), output_ids=list(output_ids),
+                    banned_ids=tuple(banned), num_top_logprobs=top)
 
 
 def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
@@ -111,11 +114,19 @@ def test_frequency_and_presence_penalties_use_output_counts():
 
 
 def test_min_new_tokens_masks_eos_and_stop_tokens():
+    """The scheduler's rule (Req.banned_ids) and the sampler's mask together."""
     logits = torch.zeros(1, VOCAB)
     logits[0, 2], logits[0, 7], logits[0, 8] = 9.0, 8.0, 1.0  # EOS, stop token, plain
     params = SamplingParams(temperature=0.0, min_new_tokens=3, stop_token_ids=[7], ignore_eos=True)
-    early = _seq(params, output_ids=[1, 1], eos_ids=(2,))
-    done = _seq(params, output_ids=[1, 1, 1], eos_ids=(2,))
+    early_req = Req(rid="a", prompt_ids=[1], params=params, seed=0, arrival_step=0, arrival_time=0.0,
+                    output_ids=[1, 1])
+    done_req = Req(rid="b", prompt_ids=[1], params=params, seed=0, arrival_step=0, arrival_time=0.0,
+                   output_ids=[1, 1, 1])
+    early = _seq(params, output_ids=[1, 1], banned=early_req.banned_ids((2,)))
+    done = _seq(params, output_ids=[1, 1, 1], banned=done_req.banned_ids((2,)))
+    assert early.banned_ids == (2, 7) and done.banned_ids == ()
+    early_req.grammar = object()  # a grammar decides when its stop token may come
+    assert early_req.banned_ids((2,)) == ()
     tokens, _ = sample_next_tokens(logits.expand(2, -1).clone(), [early, done])
     assert tokens == [8, 2]
     masked = adjust_logits(logits, [early])
@@ -172,7 +183,7 @@ def test_runner_prompt_logprobs_cover_chunks_without_gaps(llama_path):
     for prefix, ids in chunks:
         seq = SeqInput(input_ids=ids, prefix_len=prefix, row=0, new_slots=slots[prefix:prefix + len(ids)],
                        slot_offset=prefix, new_row=prefix == 0,
-                       sample=prefix + len(ids) == len(prompt), sampling=SamplingParams(temperature=0.0),
+                       sample=prefix + len(ids) == len(prompt), sampling=GREEDY,
                        prompt_ids=prompt, prompt_logprob_start=start, num_top_logprobs=2)
         got.extend(runner.forward([seq])[0].prompt_logprobs)
     ref = torch.log_softmax(hf_logits(load_hf(llama_path), prompt), dim=-1)

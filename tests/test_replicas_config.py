@@ -1,5 +1,5 @@
 """`serve --replicas N` settings without starting anything: the flag and its alias, the workers'
-flags rebuilt from the config (cli.config_argv), threads per worker, GPUs per worker, bad values."""
+flags rebuilt from the config (flags.config_argv), threads per worker, GPUs per worker, bad values."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from radixserve.frontend import preflight, replicas
-from radixserve.frontend.cli import build_parser, config_argv, config_from_args
+from radixserve.frontend.cli import build_parser
+from radixserve.frontend.flags import config_argv, config_from_args
 from radixserve.frontend.config import ServerConfig
 
 

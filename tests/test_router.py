@@ -25,7 +25,7 @@ pytest.importorskip("sglang_router")
 from radixserve.bench.router_bench import computed_tokens, text_gsp  # noqa: E402
 from radixserve.frontend.router_proc import RouterProcess, free_port  # noqa: E402
 from radixserve.kernels import native  # noqa: E402
-from tests._http_server import ServerProcess, tiny_model_path  # noqa: E402
+from _http_server import ServerProcess, tiny_model_path  # noqa: E402
 
 KEY = "sk-router-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}

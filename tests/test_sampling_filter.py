@@ -143,7 +143,7 @@ def _real_batch() -> tuple[torch.Tensor, list[SeqInput]]:
     for i in range(64):
         params = dict(temperature=1.0, top_p=0.95) if i >= 48 else kinds[i % 4]
         seqs.append(SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
-                             new_row=True, sampling=SamplingParams(**params), sampling_seed=100 + i,
+                             new_row=True, sampling=SamplingParams(**params).row_sampling(), sampling_seed=100 + i,
                              prompt_ids=torch.randint(0, VOCAB, (300,), generator=gen).tolist(),
                              output_ids=[5, 6], num_top_logprobs=params.get("logprobs", 0)))
     return logits, seqs
@@ -187,7 +187,7 @@ def test_a_flat_nucleus_is_sorted_and_the_recorder_sees_it(monkeypatch):
     """The check above can fail: a top_p row whose nucleus is most of the vocabulary sorts it."""
     logits = torch.zeros(1, VOCAB)
     seq = SeqInput(input_ids=[1], prefix_len=0, row=0, new_slots=[], slot_offset=0, sample=True, new_row=True,
-                   sampling=SamplingParams(temperature=1.0, top_p=0.9), sampling_seed=1)
+                   sampling=SamplingParams(temperature=1.0, top_p=0.9).row_sampling(), sampling_seed=1)
     sorts = _Sorts(monkeypatch)
     sampling.sample_next_tokens(logits, [seq])
     assert max(sorts.widths) == VOCAB

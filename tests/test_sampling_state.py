@@ -25,8 +25,8 @@ class _Req:
 
 def _seq(req: _Req, row: int, new_row: bool) -> SeqInput:
     return SeqInput(input_ids=[1], prefix_len=0, row=row, new_slots=[], slot_offset=0, sample=True,
-                    new_row=new_row, sampling=req.params, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
-                    output_ids=req.output_ids, eos_ids=(2,))
+                    new_row=new_row, sampling=req.params.row_sampling(), sampling_seed=req.seed,
+                    prompt_ids=req.prompt_ids, output_ids=req.output_ids)
 
 
 def _step(state: PenaltyState, batch: list[tuple[_Req, int, bool]], seed: int) -> None:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from _http_server import tiny_model_path
-from radixserve.frontend.cli import build_parser, config_flags, config_from_args
+from radixserve.frontend.cli import build_parser
+from radixserve.frontend.flags import config_flags, config_from_args
 from radixserve.frontend.config import ServerConfig
 from radixserve.frontend.preflight import ConfigError, bind_listen_socket, check_before_load
 from radixserve.scheduler.checks import describe_range

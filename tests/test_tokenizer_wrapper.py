@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, write_generation_config
-from radixserve.kernels.demo_tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, TOOL_TOKENS
+from radixserve.bench.demo_kit.tokenizer import build_tokenizer, special_token_ids, write_generation_config
+from radixserve.bench.demo_kit.tokenizer import MIN_VOCAB_SIZE, SPECIAL_TOKENS, TOOL_TOKENS
 from radixserve.scheduler.tokenizer import Tokenizer
 
 TOOLS = [

@@ -270,7 +270,7 @@ def test_sampler_adds_logit_bias_before_the_masks():
 
     def seq(bias, row, bitmask=None, temperature=0.0):
         return SeqInput(input_ids=[1], prefix_len=0, row=row, new_slots=[0], slot_offset=0, sample=True,
-                        new_row=True, sampling=SamplingParams(temperature=temperature, logit_bias=bias),
+                        new_row=True, sampling=SamplingParams(temperature=temperature, logit_bias=bias).row_sampling(),
                         sampling_seed=row, token_bitmask=bitmask)
 
     logits = torch.zeros(4, 64)

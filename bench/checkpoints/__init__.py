@@ -1,7 +1,7 @@
 """Checkpoints that tests and benchmarks build locally (no download): seeded random Llama-family models
 (random_weights.py) and scripted ones whose hand-set weights emit fixed texts (scripted.py). The demo model that
-ships with the package is not here: kernels/demo.py names it, kernels/demo_train.py trains it."""
-from radixserve.bench.checkpoints.random_weights import (
+ships with the package is not here: kernels/demo.py names it, bench/demo_kit/train.py trains it."""
+from .random_weights import (
     ARCHITECTURES,
     DEMO_CONFIG,
     SCRIPT_PRIORITY,
@@ -17,8 +17,8 @@ from radixserve.bench.checkpoints.random_weights import (
     scripted_model_path,
     shape_of,
 )
-from radixserve.bench.checkpoints.scripted import build_scripted_checkpoint
-from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, write_generation_config
+from .scripted import build_scripted_checkpoint
+from ..demo_kit.tokenizer import build_tokenizer, special_token_ids, write_generation_config
 
 __all__ = [
     "ARCHITECTURES", "DEMO_CONFIG", "SCRIPT_PRIORITY", "SCRIPTS", "TOOL_RESULT_TRIGGER", "build_checkpoint",

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from radixserve.bench.checkpoints.scripted import build_scripted_checkpoint
-from radixserve.kernels import demo_corpus
-from radixserve.kernels.cache_dir import cache_root
-from radixserve.kernels.demo_tokenizer import (
+from .scripted import build_scripted_checkpoint
+from ..demo_kit import corpus as demo_corpus
+from ...kernels.cache_dir import cache_root
+from ..demo_kit.tokenizer import (
     CHAT_TEMPLATE,
     MIN_VOCAB_SIZE,
     TOOL_RESULT_OPEN,
@@ -29,7 +29,7 @@ from radixserve.kernels.demo_tokenizer import (
     special_token_ids,
     write_generation_config,
 )
-from radixserve.kernels.model_config import normalize_dtype_name
+from ...kernels.model_config import normalize_dtype_name
 
 __all__ = [
     "build_checkpoint",
@@ -155,7 +155,7 @@ def random_demo_model_path() -> str:
 
 def cached_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
     """build_checkpoint(dir, arch, **kwargs) into the cache, keyed by the arguments; reused across processes."""
-    from radixserve.kernels import demo_tokenizer
+    from ..demo_kit import tokenizer as demo_tokenizer
 
     # Keyed by this module's and the tokenizer module's source too: editing a builder invalidates old entries.
     key = _fingerprint(dict(arch=arch, **kwargs), inspect.getsource(sys.modules[__name__]),
@@ -214,7 +214,7 @@ def checkpoint_for(path: str, seed: int = 0) -> str:
 
 def cached_scripted_checkpoint(chains: dict[str, Any], **kwargs: Any) -> str:
     """build_scripted_checkpoint(dir, chains, **kwargs) into the cache, keyed by the arguments."""
-    from radixserve.bench.checkpoints import scripted
+    from . import scripted
 
     key = _fingerprint(dict(chains=chains, **kwargs), inspect.getsource(scripted), demo_corpus.corpus())
     return _cached_dir(f"scripted-{key}", lambda d: build_scripted_checkpoint(d, chains, **kwargs))

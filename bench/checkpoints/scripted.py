@@ -1,4 +1,4 @@
-"""Scripted checkpoints (ARCHITECTURE §9): a real 2-layer HF Llama whose hand-set weights make it emit fixed texts.
+"""Scripted checkpoints (ARCHITECTURE §13): a real 2-layer HF Llama whose hand-set weights make it emit fixed texts.
 
 build_scripted_checkpoint(dir, {"weather": '<tool_call>{"name": ...}</tool_call>', "poem": "世界🚀 STOP more"})
 gives a model that, greedily, answers any prompt containing the trigger token "weather" (or " weather") with
@@ -30,8 +30,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from radixserve.kernels.demo_corpus import TRIGGER_WORDS
-from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, tokenizer_json, write_generation_config
+from ..demo_kit.corpus import TRIGGER_WORDS
+from ..demo_kit.tokenizer import build_tokenizer, special_token_ids, tokenizer_json, write_generation_config
 
 HEAD_DIM = 64
 ROPE_THETA = 10000.0

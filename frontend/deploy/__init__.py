@@ -10,12 +10,12 @@ import argparse
 import sys
 from typing import Any
 
-from radixserve.frontend.config import ROUTER_POLICIES
+from ..config import ROUTER_POLICIES
 
 
 def add_parser(sub: Any) -> None:
     """The `deploy` subcommand on cli.py's subparsers."""
-    from radixserve.frontend.deploy.kubernetes import CPU_IMAGE, CUDA_IMAGE, Deployment
+    from .kubernetes import CPU_IMAGE, CUDA_IMAGE, Deployment
 
     deploy = sub.add_parser("deploy", help="print deployment manifests (kubectl apply -f -)")
     targets = deploy.add_subparsers(dest="target", required=True)
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from radixserve.frontend.deploy.kubernetes import Deployment, render
+    from .kubernetes import Deployment, render
 
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "target")}
     sys.stdout.write(render(Deployment(**fields)))

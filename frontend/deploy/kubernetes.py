@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from importlib import resources
 from string import Template
 
-from radixserve.frontend.config import ROUTER_POLICIES
+from ..config import ROUTER_POLICIES
 
 TEMPLATES = ("router-rbac.yaml", "router.yaml", "router-service.yaml", "worker.yaml", "worker-service.yaml",
              "worker-pdb.yaml")

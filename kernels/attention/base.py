@@ -14,7 +14,7 @@ Query j of sequence i sits at absolute position ``kv_lens[i] - q_lens[i] + j`` a
 kv positions ``[max(0, pos - sliding_window + 1), pos]`` (no window: ``[0, pos]``).
 Slot indices are token-level, so page size does not change the kernels' contract.
 
-Shared prefixes (cascade attention, ARCHITECTURE §3b). Sequences below one radix node hold the
+Shared prefixes (cascade attention, ARCHITECTURE §7). Sequences below one radix node hold the
 same slots for that node's positions. ``shared`` lists key ranges read once for all queries of
 the sequences below them; each sequence's remaining keys ``[own_start, kv_len)`` are its own:
 

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefix, SharedPrefixPlan
+from .base import AttentionMetadata, SharedPrefix, SharedPrefixPlan
 
 
 def build_metadata(

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels import native as native_kernel
-from radixserve.kernels.attention import partials
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.torch_plan import step_plan
-from radixserve.kernels.attention.torch_ref import store_kv
+from .. import native as native_kernel
+from . import partials
+from .base import AttentionMetadata
+from .torch_plan import step_plan
+from .torch_ref import store_kv
 
 
 class TorchAttentionBackend:

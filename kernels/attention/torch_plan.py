@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.kernels.attention.base import AttentionMetadata, SharedPrefixPlan
-from radixserve.kernels.attention.metadata import host_tensor
+from .base import AttentionMetadata, SharedPrefixPlan
+from .metadata import host_tensor
 
 # A bucket pads its units to one shape; it may waste at most this many padded (query, key)
 # pairs per unit, about what a separate call's overhead costs (so decodes of different lengths

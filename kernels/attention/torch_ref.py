@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels.attention.base import AttentionMetadata
+from .base import AttentionMetadata
 
 
 def store_kv(

@@ -15,11 +15,11 @@ import logging
 
 import torch
 
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.triton_cascade import cascade_attention
-from radixserve.kernels.attention.triton_decode import decode_attention
-from radixserve.kernels.attention.triton_extend import extend_attention
-from radixserve.kernels.attention.triton_store import kernels_interpreted, store_kv
+from .base import AttentionMetadata
+from .triton_cascade import cascade_attention
+from .triton_decode import decode_attention
+from .triton_extend import extend_attention
+from .triton_store import kernels_interpreted, store_kv
 
 logger = logging.getLogger(__name__)
 

@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM,
+from .base import AttentionMetadata
+from .triton_decode import (MAX_KV_SPLITS, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM,
                                                         _num_sms, decode_attention, default_num_kv_splits)
-from radixserve.kernels.attention.triton_extend import (DOT_PRECISION, LOG2_E, _default_blocks,
+from .triton_extend import (DOT_PRECISION, LOG2_E, _default_blocks,
                                                         check_attention_inputs, extend_attention, natural_lse,
                                                         window_arg)
 

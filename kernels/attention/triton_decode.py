@@ -26,10 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.triton_extend import (DOT_PRECISION, LOG2_E, check_attention_inputs,
+from .base import AttentionMetadata
+from .triton_extend import (DOT_PRECISION, LOG2_E, check_attention_inputs,
                                                          check_partial_outputs, natural_lse, window_arg)
-from radixserve.kernels.attention.triton_store import kernels_interpreted
+from .triton_store import kernels_interpreted
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels.attention.base import AttentionMetadata
-from radixserve.kernels.attention.triton_store import kernels_interpreted
+from .base import AttentionMetadata
+from .triton_store import kernels_interpreted
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import argparse
 import json
 import sys
 
-from radixserve.lang import Backend, assistant, function, select, system, user
-from radixserve.lang.examples.common import add_backend_args, make_backend
+from .. import Backend, assistant, function, select, system, user
+from .common import add_backend_args, make_backend
 
 
 def _tool(name: str, description: str, arg: str) -> dict:

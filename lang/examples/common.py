@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from radixserve.lang import Backend, Endpoint, Runtime
+from .. import Backend, Endpoint, Runtime
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ and each agent's prompt grows step by step, so nearly every prompt token is a ca
     python -m radixserve.lang.examples.react --url http://127.0.0.1:30000   # a running server
 
 It prints each agent's trace summary, the hit rate (Σ cached / Σ prompt tokens over the requests
-it sent) and the optimal hit rate (ARCHITECTURE §8) of those same prompts, one round per step.
+it sent) and the optimal hit rate (ARCHITECTURE §12) of those same prompts, one round per step.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import operator
 import sys
 from typing import Callable
 
-from radixserve.lang import Backend, function, gen, select, system, user
-from radixserve.lang.accounting import CacheReport, cache_report
-from radixserve.lang.examples.common import add_backend_args, make_backend
+from .. import Backend, function, gen, select, system, user
+from ..accounting import CacheReport, cache_report
+from .common import add_backend_args, make_backend
 
 FACTS = {
     "speed of light": "299792458",

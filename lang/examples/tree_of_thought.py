@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from radixserve.lang import function, gen, select, user
-from radixserve.lang.examples.common import add_backend_args, make_backend
+from .. import function, gen, select, user
+from .common import add_backend_args, make_backend
 
 QUESTION = "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left?"
 DEMO_NOTE = ("Note: this runs on the built-in demo model, which was never trained to propose or judge approaches: "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from radixserve.kernels.demo_data import Sample
+from .sample import Sample
 
 Step = tuple[str, str, str]  # thought, tool, input
 
@@ -32,7 +32,7 @@ def _unit_conversion(r: random.Random) -> tuple[str, list[Step]]:
 
 
 def _fact(r: random.Random) -> tuple[str, list[Step]]:
-    from radixserve.lang.examples.react import FACTS
+    from ...lang.examples.react import FACTS
 
     key = r.choice(list(FACTS))
     return f"What is the value of {key}?", [(f"I need to look up {key}.", "lookup", key)]
@@ -84,7 +84,7 @@ _KINDS: tuple[tuple[Callable[[random.Random], tuple[str, list[Step]]], int], ...
 
 
 def react_sample(r: random.Random) -> Sample:
-    from radixserve.lang.examples.react import ANSWERED_THOUGHT, SYSTEM_PROMPT, TOOLS
+    from ...lang.examples.react import ANSWERED_THOUGHT, SYSTEM_PROMPT, TOOLS
 
     makers, weights = zip(*_KINDS)
     question, steps = r.choices(makers, weights)[0](r)

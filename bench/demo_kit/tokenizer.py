@@ -1,7 +1,7 @@
 """The small byte-level BPE tokenizer with a ChatML chat template that the demo and test checkpoints ship.
 
 Layout of the ids (vocab_size V, all of them real ids of the tokenizer, so len(tokenizer) == V):
-    [0, V - 7 - P)       byte-level BPE: the 256 byte tokens, then merges learned from demo_corpus.corpus()
+    [0, V - 7 - P)       byte-level BPE: the 256 byte tokens, then merges learned from corpus.corpus()
     next 3 (special)     <|endoftext|>, <|im_start|>, <|im_end|>
     next 4 (not special) <tool_call>, </tool_call>, <tool_response>, </tool_response>
     last P (special)     <|reserved_special_N|>, only when the corpus cannot fill V with merges (P = 0 up to ~4150)
@@ -17,7 +17,7 @@ import os
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from radixserve.kernels.demo_corpus import corpus
+from .corpus import corpus
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -121,7 +121,7 @@ def tokenizer_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    # min_frequency=2 keeps once-seen byte pairs (the emoji of demo_corpus._ONCE) unmerged.
+    # min_frequency=2 keeps once-seen byte pairs (the emoji of corpus._ONCE) unmerged.
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - num_added,
         min_frequency=2,

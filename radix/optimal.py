@@ -1,4 +1,4 @@
-"""The optimal prefix-cache hit rate of a workload (ARCHITECTURE §8).
+"""The optimal prefix-cache hit rate of a workload (ARCHITECTURE §12).
 
 Model: page size 1, an infinite cache, and the best order within each round of requests that are
 available together. A round's prompts must compute every token they add to the trie of everything
@@ -36,7 +36,7 @@ class OptimalCounts:
 
 @dataclass(frozen=True)
 class Computed:
-    """What one request computes under the §8 optimum: prompt positions [start, prompt_len), then its outputs."""
+    """What one request computes under the §12 optimum: prompt positions [start, prompt_len), then its outputs."""
 
     start: int
     prompt_len: int
@@ -69,21 +69,21 @@ def computed_spans(rounds: Iterable[Sequence[RoundItem]]) -> list[list[Computed]
 
 
 def optimal_counts(rounds: Iterable[Sequence[RoundItem]]) -> OptimalCounts:
-    """Computed and total prompt tokens of `rounds` under the §8 optimum (see computed_spans)."""
+    """Computed and total prompt tokens of `rounds` under the §12 optimum (see computed_spans)."""
     spans = [c for round_spans in computed_spans(rounds) for c in round_spans]
     return OptimalCounts(computed_tokens=sum(c.prompt_len - c.start for c in spans),
                          prompt_tokens=sum(c.prompt_len for c in spans))
 
 
 def optimal_hit_rate(rounds: Iterable[Sequence[RoundItem]]) -> float:
-    """1 − computed / prompt tokens under the §8 optimum (0.0 for an empty workload)."""
+    """1 − computed / prompt tokens under the §12 optimum (0.0 for an empty workload)."""
     return optimal_counts(rounds).hit_rate
 
 
 def distinct_tokens(rounds: Iterable[Sequence[RoundItem]]) -> int:
     """Number of distinct token positions (trie nodes) over all prompts and outputs.
 
-    This is the KV a cache would need to hold the whole workload at once (§8 budgets).
+    This is the KV a cache would need to hold the whole workload at once (§12 budgets).
     """
     tries: dict[object, _Trie] = {}
     for round_items in rounds:

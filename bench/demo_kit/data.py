@@ -1,7 +1,7 @@
-"""The synthetic training corpus of the built-in demo model (kernels/demo_train.py): chat conversations made from
+"""The synthetic training corpus of the built-in demo model (bench/demo_kit/train.py): chat conversations made from
 small fact tables and phrasing templates, with a fixed seed, so the same code always gives the same corpus.
 
-What is in it: greetings and small talk; capitals and calendar facts as short answers; sums (kernels/demo_arith.py:
+What is in it: greetings and small talk; capitals and calendar facts as short answers; sums (bench/demo_kit/arith.py:
 one-digit facts, two-digit sums column by column), small differences and products; a JSON reply; copying; tool use
 in the chat template's tool-call syntax (get_weather(city), calculator(expression), with the tool's result and a
 final answer); and ReAct traces in the format of lang/examples/react.py. Some things are held out on
@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.kernels.demo_arith import SUM_MAX, arithmetic_qa, is_heldout_pair
+from .arith import SUM_MAX, arithmetic_qa, is_heldout_pair
+from .react import react_sample
+from .sample import Sample
 
 CAPITALS = {
     "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Portugal": "Lisbon",
@@ -123,16 +124,6 @@ WEATHER_DESCRIPTIONS = ("Get the current weather in a city", "Get the weather fo
                         "Current weather conditions for a city.", "Look up the weather in a given city")
 CALC_DESCRIPTIONS = ("Evaluate an arithmetic expression", "A calculator for arithmetic expressions",
                      "Compute the value of a math expression.")
-
-
-@dataclass
-class Sample:
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    tools: list[dict[str, Any]] | None = None
-    # Per assistant message (in order): [(text, trainable), ...] pieces whose concatenation is its content,
-    # or None to train on the whole message. Tool-call messages are always trained on whole.
-    pieces: list[list[tuple[str, bool]] | None] = field(default_factory=list)
-    text: str | None = None  # a raw-text sample (no chat template), trained on entirely
 
 
 class Generator:
@@ -382,6 +373,4 @@ class Generator:
     # -- ReAct ---------------------------------------------------------------------------------------------------
 
     def react(self) -> Sample:
-        from radixserve.kernels.demo_react import react_sample
-
         return react_sample(self.rng)

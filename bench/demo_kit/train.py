@@ -1,7 +1,7 @@
-"""Train the built-in demo model (kernels/demo_checkpoint/) on the synthetic corpus of kernels/demo_data.py, on CPU.
+"""Train the built-in demo model (kernels/demo_checkpoint/) on the synthetic corpus of bench/demo_kit/data.py, on CPU.
 
-    python -m radixserve.kernels.demo_train                       # the shipped model: writes kernels/demo_checkpoint/
-    python -m radixserve.kernels.demo_train --out DIR --steps 20  # a short run elsewhere
+    python -m radixserve.bench.demo_kit.train                       # the shipped model: writes kernels/demo_checkpoint/
+    python -m radixserve.bench.demo_kit.train --out DIR --steps 20  # a short run elsewhere
 
 Deterministic for a fixed thread count (--threads, default 2, as the shipped run): a seeded model, a seeded sample
 stream in a fixed order, torch.use_deterministic_algorithms, no data-loader workers. The loss sees assistant turns
@@ -26,10 +26,12 @@ from typing import Iterator
 
 import torch
 
-from radixserve.kernels.demo_data import Generator, Sample
-from radixserve.kernels.demo_tokenizer import build_tokenizer, special_token_ids, tokenizer_json
+from ...kernels.demo import DEMO_CHECKPOINT_DIR
+from .data import Generator
+from .sample import Sample
+from .tokenizer import build_tokenizer, special_token_ids, tokenizer_json
 
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_checkpoint")
+SHIPPED_DIR = DEMO_CHECKPOINT_DIR
 VOCAB_SIZE = 2048
 MAX_NEW_TOKENS = 256  # generation_config.json's default reply length (replies end with EOS long before)
 
@@ -72,7 +74,7 @@ class Encoder:
     def __init__(self, tokenizer_dir: str) -> None:
         from tokenizers import Tokenizer as RustTokenizer
 
-        from radixserve.scheduler.tokenizer import Tokenizer
+        from ...scheduler.tokenizer import Tokenizer
 
         self.chat = Tokenizer(tokenizer_dir)
         self.rust = RustTokenizer.from_str(tokenizer_json(VOCAB_SIZE))
@@ -233,7 +235,7 @@ def _lr(cfg: TrainConfig, step: int) -> float:
 
 def save(model, out_dir: str) -> None:
     """The checkpoint directory as it ships (float32 safetensors, tied embeddings: one copy)."""
-    from radixserve.kernels.demo_tokenizer import write_generation_config
+    from .tokenizer import write_generation_config
 
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                       shape_multiple=args.shape_multiple)
     summary = train(cfg, args.out, args.threads, log=lambda line: print(line, flush=True))
     if not args.no_eval:
-        from radixserve.kernels.demo_eval import evaluate
+        from .eval_cases import evaluate
 
         summary["heldout"] = evaluate(args.out)
     with open(os.path.join(args.out, "eval.json"), "w", encoding="utf-8") as f:

@@ -1,6 +1,6 @@
-"""Held-out prompts of the demo model and their checks: what demo_train.py reports in eval.json and what the tests
+"""Held-out prompts of the demo model and their checks: what train.py reports in eval.json and what the tests
 ask the served model (tests/test_demo_model.py). Each case is (messages, tools, check); check(reply) says whether
-the greedy reply is right. The sets are built from kernels/demo_data.py's held-out lists, so nothing here was
+the greedy reply is right. The sets are built from bench/demo_kit/data.py's held-out lists, so nothing here was
 trained on (except the "trained" sanity sets).
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import re
 from typing import Any, Callable
 
-from radixserve.kernels import demo_arith as arith
-from radixserve.kernels import demo_data as data
+from . import arith
+from . import data
 
 Case = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, Callable[[str], bool]]
 
@@ -85,7 +85,7 @@ def evaluate(model_dir: str, max_new_tokens: int = 64) -> dict[str, Any]:
     import torch
     import transformers
 
-    from radixserve.scheduler.tokenizer import Tokenizer
+    from ...scheduler.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

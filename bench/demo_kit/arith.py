@@ -1,4 +1,4 @@
-"""Arithmetic in the demo model's corpus (kernels/demo_data.py): how a sum is answered, and which sums are held out.
+"""Arithmetic in the demo model's corpus (bench/demo_kit/data.py): how a sum is answered, and which sums are held out.
 
 A sum of two one-digit numbers is a fact ("2 + 3 = 5."). A sum with a two-digit operand is answered the way it is
 done on paper, one column at a time, so that the reply only ever needs the one-digit facts and a carry:
@@ -6,7 +6,7 @@ done on paper, one column at a time, so that the reply only ever needs the one-d
     37 + 48: 7 + 8 = 15, carry 1; 3 + 4 = 7, 7 + 1 = 8. So 37 + 48 = 85.
 
 Every step is a one-digit fact or adding the carry (n + 1); every one-digit fact is trained, alone and as a step;
-held-out two-digit operand pairs (is_heldout_pair) are never asked, so the evaluation (kernels/demo_eval.py)
+held-out two-digit operand pairs (is_heldout_pair) are never asked, so the evaluation (bench/demo_kit/eval_cases.py)
 measures whether the column method generalises.
 Differences (0..DIFF_MAX) and products (0..PRODUCT_MAX) are small tables, all of them trained.
 """
