@@ -34,9 +34,9 @@ from typing import Any, Sequence
 
 import httpx
 
-from radixserve.bench import soak_checks
-from radixserve.bench.output import BenchOutput, bench_parser, parse_args
-from radixserve.bench.soak_traffic import Outcome, Traffic, burst
+from . import soak_checks
+from .output import BenchOutput, bench_parser, parse_args
+from .soak_traffic import Outcome, Traffic, burst
 
 KILL_STREAM_END_S = 2.0  # requests the engine's death cuts end within this
 WORKER_LINE = re.compile(r"worker (\d+) (?:ready on|is back on) (http://\S+) \(pid (\d+)\)")
@@ -77,7 +77,10 @@ class Soak:
     async def run(self, model: str) -> None:
         self.start = time.monotonic()
         end = self.start + self.args.minutes * 60
-        limits = httpx.Limits(max_connections=self.args.concurrency + self.args.burst_size + 8)
+        # An idle pooled connection is dropped after 2 s, before the server's 5 s keep-alive timeout closes it:
+        # with httpx's default (5 s, the same as uvicorn's) a request sent on a connection the server is closing
+        # fails with a ReadError, a race every HTTP client has with every keep-alive server, not a server fault.
+        limits = httpx.Limits(max_connections=self.args.concurrency + self.args.burst_size + 8, keepalive_expiry=2.0)
         async with httpx.AsyncClient(base_url=self.url, timeout=None, limits=limits) as client:
             stop = asyncio.Event()
             tasks = [asyncio.create_task(self._client(client, model, i, end, stop))
@@ -203,6 +206,9 @@ def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any],
             "killed_engine_at_s": None if soak.kill_at is None else soak.kill_at - soak.start,
             "kill_window_s": None if soak.kill_at is None or soak.back_at is None else soak.back_at - soak.kill_at,
             "server_exit_status": exit_code,
+            "violating_requests": [{"kind": o.kind, "status": o.status, "start_s": round(o.start - soak.start, 3),
+                                    "latency_s": round(o.latency_s, 3), "detail": o.detail[:300]}
+                                   for o in soak_checks.violating(soak.outcomes, soak.kill_windows())[:200]],
             "settings": {k: getattr(args, k) for k in ("concurrency", "kv_cache_tokens", "max_queued_requests",
                                                        "burst_size", "burst_every_s", "deadline_s", "seed",
                                                        "warmup_s")}}
@@ -216,6 +222,10 @@ def report(soak: Soak, args: Any, violations: list[str], stats: dict[str, Any],
                  "num_waiting", "num_retractions", "num_evicted_tokens", "num_requests_aborted") if k in stats), "",
              _kill_text(data), "",
              "**Violations**: " + ("none" if not violations else "; ".join(violations)), ""]
+    if data["violating_requests"]:
+        lines += ["First violating requests (kind, outcome, sent at s into the run, latency s, detail): " + "; ".join(
+            f"{v['kind']} {v['status']} at {v['start_s']:.1f} ({v['latency_s']:.2f}) {v['detail'][:80]!r}"
+            for v in data["violating_requests"][:12]), ""]
     return data, "\n".join(lines)
 
 
@@ -236,7 +246,7 @@ def _rss_text(name: str, rss: dict[str, Any], warmup_end: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from radixserve.frontend.spawn import ServerProcess, stop_process
+    from ..frontend.spawn import ServerProcess, stop_process
 
     args = _parse(argv)
     server = None
@@ -246,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.replicas:
             serve += ["--replicas", str(args.replicas)]
         if args.model:
-            from radixserve.bench.harness import bench_model_path
+            from .harness import bench_model_path
 
             serve = ["--model", bench_model_path(args.model), *serve]
         server = ServerProcess(serve)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
-from radixserve.bench.soak_traffic import Outcome
+from .soak_traffic import Outcome
 
 RSS_GROWTH_MB = 50.0  # per process, between the end of the warm-up and the end of the run
 SERVER_ERRORS = ("500", "502", "503", "504")
@@ -19,24 +19,39 @@ ALLOWED = {
 }
 
 
+# sglang-router's answer when every worker refused a request (each answered 429, queue full) after its retries:
+# under --replicas the overload answer, as 429 is for one server.
+ROUTER_OVERLOAD = "no_available_workers"
+
+
+def overload_answer(o: Outcome) -> bool:
+    """The server was full and said so: a 429, or the router's 503 after every worker answered 429."""
+    return o.status == "429" or (o.status == "503" and ROUTER_OVERLOAD in o.detail)
+
+
 def in_window(t: float, windows: Sequence[tuple[float, float]]) -> bool:
     return any(lo <= t <= hi for lo, hi in windows)
 
 
-def outcome_violations(outcomes: Sequence[Outcome], kill_windows: Sequence[tuple[float, float]] = ()) -> list[str]:
-    """Every request got an allowed terminal outcome: no hang, no 5xx (an aborted request included), no transport
-    failure, no stream cut or errored, a 4xx for each malformed request; a 429 (the queue was full: a clear answer
-    under a burst) is allowed for any request; kill windows excuse all but hangs."""
-    bad: collections.Counter[tuple[str, str]] = collections.Counter()
+def violating(outcomes: Sequence[Outcome], kill_windows: Sequence[tuple[float, float]] = ()) -> list[Outcome]:
+    """The requests without an allowed terminal outcome: a hang, a 5xx (an aborted request included), a transport
+    failure, a stream cut or errored, a malformed request not answered 4xx; an overload answer (the queue was full:
+    a clear answer under a burst) is allowed for any request; kill windows excuse all but hangs."""
+    out = []
     for o in outcomes:
-        if o.status == "timeout":
-            bad[(o.kind, "hung past the client deadline")] += 1
-            continue
-        if in_window(o.start, kill_windows) or in_window(o.start + o.latency_s, kill_windows):
+        if o.status != "timeout" and (in_window(o.start, kill_windows)
+                                      or in_window(o.start + o.latency_s, kill_windows)):
             continue
         allowed = ALLOWED.get(o.kind, lambda s: s == "200")
-        if not allowed(o.status) and o.status != "429":
-            bad[(o.kind, f"ended {o.status}")] += 1
+        if o.status == "timeout" or not (allowed(o.status) or overload_answer(o)):
+            out.append(o)
+    return out
+
+
+def outcome_violations(outcomes: Sequence[Outcome], kill_windows: Sequence[tuple[float, float]] = ()) -> list[str]:
+    """violating(), counted by kind and outcome, as sentences."""
+    bad = collections.Counter((o.kind, "hung past the client deadline" if o.status == "timeout" else f"ended {o.status}")
+                              for o in violating(outcomes, kill_windows))
     return [f"{n} {kind} request(s) {what}" for (kind, what), n in sorted(bad.items())]
 
 

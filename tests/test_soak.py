@@ -8,13 +8,14 @@ from radixserve.bench import soak, soak_checks
 from radixserve.bench.soak_traffic import Outcome
 
 
-def _o(kind: str, status: str, start: float = 1.0, latency: float = 0.5) -> Outcome:
-    return Outcome(kind, status, start, latency)
+def _o(kind: str, status: str, start: float = 1.0, latency: float = 0.5, detail: str = "") -> Outcome:
+    return Outcome(kind, status, start, latency, detail)
 
 
 def test_outcomes_that_break_the_rules_are_named():
     clean = [_o("chat", "200"), _o("malformed", "400"), _o("burst", "429"), _o("hangup", "hangup"), _o("n2", "429"),
-             _o("abort", "200"), _o("abort_request", "404"), _o("chat_stream", "200")]
+             _o("abort", "200"), _o("abort_request", "404"), _o("chat_stream", "200"),
+             _o("chat", "503", detail='{"error":{"code":"no_available_workers"}}')]  # the router's overload answer
     assert soak_checks.outcome_violations(clean) == []
     bad = clean + [_o("chat", "timeout"), _o("abort", "500"), _o("malformed", "200"), _o("chat_stream", "cut"),
                    _o("burst", "503"), _o("completion", "transport"), _o("chat_stream", "error-event")]
