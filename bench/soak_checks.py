@@ -19,31 +19,21 @@ ALLOWED = {
 }
 
 
-# sglang-router's answer when every worker refused a request (each answered 429, queue full) after its retries:
-# under --replicas the overload answer, as 429 is for one server.
-ROUTER_OVERLOAD = "no_available_workers"
-
-
-def overload_answer(o: Outcome) -> bool:
-    """The server was full and said so: a 429, or the router's 503 after every worker answered 429."""
-    return o.status == "429" or (o.status == "503" and ROUTER_OVERLOAD in o.detail)
-
-
 def in_window(t: float, windows: Sequence[tuple[float, float]]) -> bool:
     return any(lo <= t <= hi for lo, hi in windows)
 
 
 def violating(outcomes: Sequence[Outcome], kill_windows: Sequence[tuple[float, float]] = ()) -> list[Outcome]:
     """The requests without an allowed terminal outcome: a hang, a 5xx (an aborted request included), a transport
-    failure, a stream cut or errored, a malformed request not answered 4xx; an overload answer (the queue was full:
-    a clear answer under a burst) is allowed for any request; kill windows excuse all but hangs."""
+    failure, a stream cut or errored, a malformed request not answered 4xx; a 429 (the queue was full: a clear
+    answer under a burst) is allowed for any request; kill windows excuse all but hangs."""
     out = []
     for o in outcomes:
         if o.status != "timeout" and (in_window(o.start, kill_windows)
                                       or in_window(o.start + o.latency_s, kill_windows)):
             continue
         allowed = ALLOWED.get(o.kind, lambda s: s == "200")
-        if o.status == "timeout" or not (allowed(o.status) or overload_answer(o)):
+        if o.status == "timeout" or not (allowed(o.status) or o.status == "429"):
             out.append(o)
     return out
 
@@ -87,7 +77,14 @@ def idle_violations(stats: dict[str, Any]) -> list[str]:
 
 
 def log_violations(log: str) -> list[str]:
-    return [f"the server logged {log.count('Traceback')} traceback(s)"] if "Traceback" in log else []
+    """A traceback in the server's log, named by the logger line before it and its exception line."""
+    if "Traceback" not in log:
+        return []
+    at = log.index("Traceback")
+    head = next((line for line in reversed(log[:at].splitlines()) if "ERROR" in line or "WARNING" in line), "")
+    tail = next((line for line in log[at:].splitlines()[1:] if line and not line.startswith(" ")), "")
+    return [f"the server logged {log.count('Traceback')} traceback(s); the first: {head.strip()[:200]!r} ... "
+            f"{tail.strip()[:200]!r}"]
 
 
 def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:

@@ -68,7 +68,11 @@ class RouterProcess:
                "--health-check-interval-secs", "5", "--log-level", _ROUTER_LOG_LEVELS[log_level],
                # Retries (with backoff) span ~3 s, not 0.7: the supervisor's removal of a dead worker
                # lands before a request that first hit it runs out of them.
-               "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100"]
+               "--retry-max-retries", "8", "--retry-initial-backoff-ms", "100",
+               # Its circuit breaker counts a worker's 429 (queue full) as a failure: one burst past the queues
+               # opened every circuit and the router answered 503 "no available workers" to everything for up to
+               # a minute. A dead worker is taken out by the supervisor at once and by the health checks.
+               "--disable-circuit-breaker"]
         if api_key is not None:
             cmd += ["--api-key", api_key]  # the router then asks for it too, and sends it on its probes
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
