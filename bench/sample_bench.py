@@ -49,12 +49,15 @@ _OLD_MODULES = ("step_upload", "sampling_noise", "sampling")
 
 def load_baseline(rev: str) -> types.ModuleType:
     """The sampler as it was at git revision `rev`, importable beside this tree's."""
-    prefix = "_sample_bench_baseline"
+    # Loaded as radixserve.kernels._baseline_<name>, so that their imports of the kernels package (relative, or
+    # absolute in older revisions) read this tree's modules, and those of one another the baseline's.
+    prefix = "radixserve.kernels._baseline"
     for name in _OLD_MODULES:
         source = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:kernels/{name}.py"], check=True,
                                 capture_output=True, text=True).stdout
         for other in _OLD_MODULES:
             source = source.replace(f"radixserve.kernels.{other} ", f"{prefix}_{other} ")
+            source = source.replace(f"from .{other} import", f"from ._baseline_{other} import")
         spec = importlib.util.spec_from_loader(f"{prefix}_{name}", loader=None)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
