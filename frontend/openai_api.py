@@ -172,7 +172,7 @@ def chat_finish_reason(r: GenerateResult, made_calls: bool) -> str:
 
 class _Stream:
     """What chat and completion streams share: the chunk's envelope, the usage chunk before [DONE], and an error
-    event before [DONE] on failure. Subclasses add prologue(), on_delta() and usage()."""
+    event before [DONE] on failure. Subclasses add prologue(), on_delta() and usage() (what epilogue() reports)."""
 
     def __init__(self, head: dict[str, Any], obj: str, include_usage: bool) -> None:
         self.base = dict(head, object=obj)
@@ -186,9 +186,6 @@ class _Stream:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return sse_event(dict(self.base, choices=[choice]))
-
-    def usage(self) -> dict[str, Any]:
-        raise NotImplementedError
 
     def epilogue(self) -> list[bytes]:
         if not self.include_usage:
