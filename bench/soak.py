@@ -283,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     data, markdown = report(soak, args, violations, stats, code)
     out = BenchOutput("soak", args.out)
     out.write_report(f"soak_{data['model']}", data, markdown)
+    if violations and server is not None:  # the evidence for whoever looks into them
+        out.write_text(f"soak_{data['model']}.log", server.log())
     out.finish(markdown)
     return 1 if violations else 0
 

@@ -77,14 +77,17 @@ def idle_violations(stats: dict[str, Any]) -> list[str]:
 
 
 def log_violations(log: str) -> list[str]:
-    """A traceback in the server's log, named by the logger line before it and its exception line."""
+    """A Python traceback in the server's log, named by the logger line before it and its exception line, and a
+    panic of the router (Rust), named by its line."""
+    panics = [line.strip()[:200] for line in log.splitlines() if "panicked at" in line]
+    found = [f"the router panicked {len(panics)} time(s); the first: {panics[0]!r}"] if panics else []
     if "Traceback" not in log:
-        return []
+        return found
     at = log.index("Traceback")
     head = next((line for line in reversed(log[:at].splitlines()) if "ERROR" in line or "WARNING" in line), "")
     tail = next((line for line in log[at:].splitlines()[1:] if line and not line.startswith(" ")), "")
-    return [f"the server logged {log.count('Traceback')} traceback(s); the first: {head.strip()[:200]!r} ... "
-            f"{tail.strip()[:200]!r}"]
+    return found + [f"the server logged {log.count('Traceback')} traceback(s); the first: {head.strip()[:200]!r} ... "
+                    f"{tail.strip()[:200]!r}"]
 
 
 def summary(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:

@@ -152,7 +152,7 @@ class Traffic:
         except TimeoutError:
             return Outcome(kind, "timeout", start, time.monotonic() - start), None
         except httpx.TransportError as exc:
-            return Outcome(kind, "transport", start, time.monotonic() - start, type(exc).__name__), None
+            return Outcome(kind, "transport", start, time.monotonic() - start, _transport_detail(exc, None)), None
         try:
             parsed = response.json()
         except ValueError:
@@ -165,20 +165,23 @@ class Traffic:
     async def _stream(self, kind: str, path: str, body: dict[str, Any], leave_after: int | None = None) -> Outcome:
         """A streamed request: 200 only if the stream ended with [DONE] and no error event."""
         start = time.monotonic()
+        chunks: list[int] = []  # one entry per data event read, so a transport error can say how far it got
         try:
             async with asyncio.timeout(self.deadline_s):
                 async with self.client.stream("POST", path, json=body) as response:
                     if response.status_code != 200:
                         text = (await response.aread()).decode(errors="replace")
                         return Outcome(kind, str(response.status_code), start, time.monotonic() - start, text[:200])
-                    return await self._read_events(kind, response, start, leave_after)
+                    chunks.append(0)  # the headers arrived
+                    return await self._read_events(kind, response, start, leave_after, chunks)
         except TimeoutError:
             return Outcome(kind, "timeout", start, time.monotonic() - start)
         except httpx.TransportError as exc:
-            return Outcome(kind, "transport", start, time.monotonic() - start, type(exc).__name__)
+            return Outcome(kind, "transport", start, time.monotonic() - start,
+                           _transport_detail(exc, len(chunks) - 1 if chunks else None))
 
     async def _read_events(self, kind: str, response: httpx.Response, start: float,
-                           leave_after: int | None) -> Outcome:
+                           leave_after: int | None, seen: list[int]) -> Outcome:
         chunks = 0
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
@@ -189,9 +192,16 @@ class Traffic:
             if '"error"' in data and data.lstrip().startswith('{"error"'):
                 return Outcome(kind, "error-event", start, time.monotonic() - start, data[:200])
             chunks += 1
+            seen.append(chunks)
             if leave_after is not None and chunks >= leave_after:
                 return Outcome(kind, "hangup", start, time.monotonic() - start)
         return Outcome(kind, "cut", start, time.monotonic() - start, "the stream ended without [DONE]")
+
+
+def _transport_detail(exc: httpx.TransportError, events: int | None) -> str:
+    """The exception and how far the response got: before its headers (None) or after `events` data events."""
+    where = "before the response headers" if events is None else f"after the headers and {events} event(s)"
+    return f"{type(exc).__name__} {where}: {str(exc)[:120]}"
 
 
 async def burst(client: httpx.AsyncClient, model: str, size: int, deadline_s: float) -> list[Outcome]:

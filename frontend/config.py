@@ -40,6 +40,9 @@ class ServerConfig:
     max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413")
     graceful_timeout_s: float = option(60.0, "on SIGTERM, seconds running requests may take to finish",
                                        flag="--graceful-timeout")
+    keep_alive_s: float = option(5.0, "seconds an idle HTTP/1.1 connection stays open (behind a proxy: above the "
+                                      "proxy's idle timeout: --replicas workers keep theirs 15 s "
+                                      "above sglang-router's 50)", flag="--timeout-keep-alive")
     watchdog_timeout_s: float = option(300.0, "seconds without engine step progress while work is queued "
                                               "before /health returns 503", flag="--watchdog-timeout")
     response_store: str | None = option(None, "SQLite file of stored /v1/responses (WAL mode: replicas may share "
@@ -61,6 +64,7 @@ class ServerConfig:
         check_int("max_n", self.max_n, lo=1)
         check_int("max_body_bytes", self.max_body_bytes, lo=1)
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
+        check_number("keep_alive_s", self.keep_alive_s, lo=0, lo_open=True)
         check_number("watchdog_timeout_s", self.watchdog_timeout_s, lo=0, lo_open=True)
         check_int("response_store_max_items", self.response_store_max_items, lo=1)
         check_number("response_store_ttl_s", self.response_store_ttl_s, lo=0, lo_open=True)

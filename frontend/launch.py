@@ -181,7 +181,7 @@ def _serve(config: ServerConfig, state: ServerState, sock: Any) -> int:
         build_app(state), host=config.host, port=config.port, lifespan="off", access_log=False,
         log_config=None, log_level="debug" if config.log_level == "debug" else "warning",
         timeout_graceful_shutdown=max(1, int(config.graceful_timeout_s)),
-        timeout_keep_alive=5, http=Http1Only,
+        timeout_keep_alive=config.keep_alive_s, http=Http1Only,
     )
     server = DrainingServer(uv_config, state)
     _route_signals(server.handle_exit)

@@ -39,7 +39,7 @@ from typing import Any
 
 from . import preflight
 from .config import ServerConfig
-from .router_proc import RouterError, RouterProcess, check_installed, free_port
+from .router_proc import POOL_IDLE_S, RouterError, RouterProcess, check_installed, free_port
 from .spawn import READY
 
 logger = logging.getLogger("radixserve.replicas")
@@ -238,7 +238,8 @@ def worker_argv(config: ServerConfig, gpus: int) -> list[str]:
     """The single-engine `serve` flags of every worker: loopback, any free port, no replicas."""
     from .flags import config_argv
 
-    one = dataclasses.replace(config, replicas=1, host="127.0.0.1", port=0)
+    one = dataclasses.replace(config, replicas=1, host="127.0.0.1", port=0,
+                              keep_alive_s=max(config.keep_alive_s, POOL_IDLE_S + 15))
     argv = config_argv(one)
     if config.engine.num_threads is None and gpus == 0:
         cores = config.engine.resolved_num_threads()  # the cores this process may use

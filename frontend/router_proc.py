@@ -33,6 +33,9 @@ logger = logging.getLogger("radixserve.router")
 ROUTER_MODULE = "sglang_router.launch_router"
 START_TIMEOUT_S = 60.0
 CALL_TIMEOUT_S = 5.0
+# How long the router keeps an idle connection to a worker for reuse (its reqwest pool). A worker that closes an
+# idle connection sooner races the router's next request on it (the request meets a closed socket).
+POOL_IDLE_S = 50.0
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the router colours its log even into a pipe
 _ROUTER_LOG_LEVELS = {"debug": "debug", "info": "warn", "warning": "warn", "error": "error", "critical": "error"}
 

@@ -45,6 +45,10 @@ def test_workers_get_the_config_on_loopback_and_a_share_of_the_cores():
         config.engine, num_threads=3)), gpus=0))
     assert pinned.engine.num_threads == 3  # an explicit --num-threads wins
     assert parse(*replicas.worker_argv(config, gpus=2)).engine.num_threads is None  # GPUs: no CPU split
+    # A worker never closes an idle connection the router may still reuse (its pool keeps them 50 s).
+    assert worker.keep_alive_s > 50 and config.keep_alive_s == 5
+    longer = parse(*replicas.worker_argv(dataclasses.replace(config, keep_alive_s=120.0), gpus=0))
+    assert longer.keep_alive_s == 120.0
 
 
 def test_one_gpu_per_worker(monkeypatch):

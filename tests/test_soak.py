@@ -54,6 +54,10 @@ def test_the_idle_state_must_hold_the_kv_identity():
     assert soak_checks.log_violations("ok\n") == []
     assert soak_checks.log_violations(log) == [
         "the server logged 1 traceback(s); the first: '2026 ERROR radixserve.frontend: boom' ... 'ValueError: bad'"]
+    panic = "router | thread 'tokio-runtime-worker' panicked at src/tree.rs:10:5:\nrouter | index out of bounds\n"
+    assert soak_checks.log_violations(panic) == [
+        "the router panicked 1 time(s); the first: \"router | thread 'tokio-runtime-worker' panicked at "
+        "src/tree.rs:10:5:\""]
 
 
 def test_the_short_soak_runs_clean_on_model_s(tmp_path):
