@@ -39,6 +39,9 @@ class Job:
     rid: str
     # The engine's parameter names ("prompt", "max_new_tokens") -> the ones the client sent.
     param_names: dict[str, str] = field(default_factory=dict)
+    # The choices of one prompt (n > 1) are consecutive jobs with the same group, (engine request id, n): the
+    # engine gets them as one request, whose choices it names and seeds as make_jobs did (sampling_params.choice_*).
+    group: tuple[str, int] | None = None
 
     def refusal(self, error: RequestError) -> APIError:
         """The engine's refusal as a 400 in the client's terms: the parameter it sent, named so in the message too
@@ -123,8 +126,8 @@ class EngineClient:
         take seconds to compile) raises ClientDisconnect, and its jobs are aborted: the engine
         drops a held one right after its admission instead of running it."""
         sub = Submission(self, jobs, lease)
-        adds = asyncio.gather(*(self.engine.add(job.rid, job.prompt_ids, job.params, sub.queue, i)
-                                for i, job in enumerate(jobs)), return_exceptions=True)
+        firsts = [i for i, job in enumerate(jobs) if job.group is None or i == 0 or jobs[i - 1].group != job.group]
+        adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i) for i in firsts), return_exceptions=True)
         if request is None:
             outcomes = await adds
         else:
@@ -137,10 +140,15 @@ class EngineClient:
             return sub
         sub.close()
         if isinstance(error, RequestError):
-            raise jobs[outcomes.index(error)].refusal(error) from error
+            raise jobs[firsts[outcomes.index(error)]].refusal(error) from error
         if isinstance(error, EngineDead):
             raise engine_unavailable(error) from error
         raise error
+
+    def _add(self, job: Job, queue: asyncio.Queue, index: int) -> Any:
+        """One engine request: a job, or the n choices of a group (whose first job this is)."""
+        rid, n = job.group if job.group is not None else (job.rid, 1)
+        return self.engine.add(rid, job.prompt_ids, job.params, queue, index, n=n)
 
     async def generate(self, jobs: list[Job], lease: "Lease") -> list[GenerateResult]:
         """Submit and wait for every result (closing the lease in the end)."""

@@ -28,7 +28,7 @@ from .structured import warn_if_off
 from ..scheduler import messages as msg
 from ..scheduler.engine_process import engine_main, socket_paths
 from ..scheduler.errors import RequestError
-from ..scheduler.sampling_params import SamplingParams
+from ..scheduler.sampling_params import SamplingParams, choice_rids
 from ..scheduler.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,24 +123,29 @@ class EngineProcess:
     # -- requests (event loop thread) -------------------------------------------------------
 
     async def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
-                  index: int) -> None:
-        """Queue one request in the engine; its deltas go to `queue` as (index, delta). Raises
+                  index: int, n: int = 1) -> None:
+        """Queue one request in the engine: `n` choices of one prompt (the prompt sent once), named and seeded by
+        sampling_params.choice_rids / choice_seed; choice i's deltas go to `queue` as (index + i, delta). Raises
         RequestError if the engine refuses it, EngineDead if there is no engine."""
         self._check_alive()
         if not self._routes:
             self.last_progress = time.monotonic()  # the watchdog counts from when work arrives
         future = asyncio.get_running_loop().create_future()
         self._admissions[rid] = future
-        self._routes[rid] = (queue, index)
-        self._send(msg.AddRequest(rid, prompt_ids, params))
+        rids = choice_rids(rid, n)
+        for i, choice in enumerate(rids):
+            self._routes[choice] = (queue, index + i)
+        self._send(msg.AddRequest(rid, prompt_ids, params, n))
         try:
             await future
         except BaseException as exc:
-            self._routes.pop(rid, None)
+            for choice in rids:
+                self._routes.pop(choice, None)
             self._admissions.pop(rid, None)
             if isinstance(exc, asyncio.CancelledError) and not self.dead:
                 with contextlib.suppress(EngineDead):  # admitted later (a grammar compiling), it must not run
-                    self._send(msg.AbortRequest(rid))
+                    for choice in rids:
+                        self._send(msg.AbortRequest(choice))
             raise
 
     def abort(self, rid: str) -> None:

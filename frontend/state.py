@@ -13,9 +13,8 @@ from .errors import APIError, bad_request
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .response_store import ResponseStore
-from ..scheduler.sampling_params import SamplingParams
+from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
 
-_SEED_MAX = 2**63 - 1
 # sglang-router 0.3.2 re-serializes a request that names no model with this one: absent, as on a single server.
 ROUTER_NO_MODEL = "unknown"
 
@@ -68,15 +67,10 @@ class ServerState:
 
     def make_jobs(self, prompt_ids: list[int], sampling: dict[str, Any], n: int, rid: str,
                   seed: int | None, param_names: dict[str, str], **overrides: Any) -> list[Job]:
-        """n engine requests for one prompt; choice i uses seed base + i."""
+        """The n choices of one prompt, one Job each; choice i uses seed base + i. The engine gets them as one
+        request (EngineClient.submit), and names and seeds them by the same rule."""
         base = self.base_seed(seed)
-        jobs = []
-        for i in range(n):
-            params = SamplingParams(**dict(sampling, seed=_wrap_seed(base + i), **overrides))
-            jobs.append(Job(prompt_ids=prompt_ids, params=params, rid=f"{rid}-{i}" if n > 1 else rid,
-                            param_names=param_names))
-        return jobs
-
-
-def _wrap_seed(seed: int) -> int:
-    return seed if seed <= _SEED_MAX else seed - 2**64
+        return [Job(prompt_ids=prompt_ids, params=SamplingParams(**dict(sampling, seed=choice_seed(base, i),
+                                                                          **overrides)),
+                    rid=choice_rid, param_names=param_names, group=(rid, n))
+                for i, choice_rid in enumerate(choice_rids(rid, n))]

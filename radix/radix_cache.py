@@ -118,10 +118,16 @@ class RadixCache:
             return [], root
         key = self._whole_pages(tokens)
         slot_ids, node, _ = self._walk(root, key, split=True)
-        if record_hit and not node.is_root:
+        if record_hit:
+            self.record_hit(node)
+        return slot_ids, node
+
+    def record_hit(self, node: TreeNode) -> None:
+        """A request's use of the prefix that ends at `node` (matched earlier with record_hit=False): stamps the
+        path's access time and hit counts, as match_prefix does."""
+        if not node.is_root:
             self._clock += 1
             self._touch(node, hit=True)
-        return slot_ids, node
 
     def peek_prefix(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
         """Like match_prefix but read-only: no split, no access stamp (for scheduling policies)."""
@@ -159,21 +165,28 @@ class RadixCache:
         (not the ones it got from match_prefix). With disable=True nothing is inserted, 0 is
         returned, and the caller keeps (and must free) all of its slots.
         """
+        return self.insert_path(tokens, slot_ids, salt)[0]
+
+    def insert_path(self, tokens: Sequence[int], slot_ids: Sequence[int],
+                    salt: str | None = None) -> tuple[int, list[int], TreeNode]:
+        """`insert`, returning also what a request that goes on using the path needs, from the same walk:
+        (tokens already cached, the tree's slots for them, the node that ends at len(tokens), to lock).
+        The path's slots are the returned ones followed by slot_ids[num_cached:]."""
         if len(tokens) != len(slot_ids):
             raise ValueError(f"insert: {len(tokens)} tokens but {len(slot_ids)} slot ids")
         if len(tokens) % self.page_size != 0:
             raise ValueError(
                 f"insert: {len(tokens)} tokens is not a whole number of pages of {self.page_size}")
         if self.disable or len(tokens) == 0:
-            return 0
+            return 0, [], self._root(salt, create=False)
         self._clock += 1
         key = tuple(tokens)
-        _, node, num_cached = self._walk(self._root(salt, create=True), key, split=True)
+        cached, node, num_cached = self._walk(self._root(salt, create=True), key, split=True)
         if num_cached < len(key):
             node = self._add_leaf(node, key[num_cached:], list(slot_ids[num_cached:]))
             self.epoch += 1
         self._touch(node, hit=False)
-        return num_cached
+        return num_cached, cached, node
 
     def lock(self, node: TreeNode) -> None:
         """Protect node and its path to the root from eviction (counted; pair with unlock)."""

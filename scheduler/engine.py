@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..kernels.forward_io import SeqInput
 from ..kernels.attention.base import SharedPrefix
-from .checks import token_id_list
+from .checks import check_int, token_id_list
 from .config import EngineConfig, fit_context_to_pool
 from .constrained import ConstrainedDecoding
 from .detokenizer import IncrementalDetokenizer
@@ -21,7 +21,7 @@ from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
 from .policy import SchedulePolicy
 from .req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, choice_rids, choice_seed
 from .serving import EngineLoop
 from .shared_prefix import order_and_share
 from .tokenizer import Tokenizer
@@ -88,19 +88,32 @@ class Engine:
                     on_delta: Callable[[StreamDelta], None] | None = None) -> str:
         """Queue one request; its deltas go to `on_delta` when the background loop dispatches them. Raises
         ValueError on bad input or a request id in use."""
+        return self.add_choices(prompt, sampling_params, 1, rid, on_delta)[0]
+
+    def add_choices(self, prompt: Prompt, sampling_params: ParamsLike = None, n: int = 1, rid: str | None = None,
+                    on_delta: Callable[[StreamDelta], None] | None = None) -> list[str]:
+        """Queue `n` choices of one prompt (the `n` of SGLang and OpenAI): validated once, one token list shared.
+        Choice i is `choice_rids(rid, n)[i]` and samples with seed `choice_seed(base, i)` (base: the params' seed,
+        or one drawn). Returns the choices' ids. Raises ValueError on bad input or an id in use."""
+        check_int("n", n, lo=1)
         params = SamplingParams.from_any(sampling_params, self.tokenizer.default_max_new_tokens)
         prompt_ids = self._prompt_ids(prompt)
         compiled = self._validate(prompt_ids, params)
-        rid = rid if rid is not None else uuid.uuid4().hex
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        rids = choice_rids(rid if rid is not None else uuid.uuid4().hex, n)
+        base = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        reqs = [self._new_req(choice, prompt_ids, params, choice_seed(base, i), compiled)
+                for i, choice in enumerate(rids)]
+        self._loop.submit(reqs, on_delta)
+        return rids
+
+    def _new_req(self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int, compiled: Any) -> Req:
         req = Req(rid=rid, prompt_ids=prompt_ids, params=params, seed=seed,
                   arrival_step=self.step_index, arrival_time=time.perf_counter())
         req.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                            spaces_between_special_tokens=params.spaces_between_special_tokens)
         if compiled is not None:
             self.constrained.attach(req, compiled, params)
-        self._loop.submit(req, on_delta)
-        return rid
+        return req
 
     def has_request(self, rid: str) -> bool:
         """Whether `rid` is queued or running (a finished request's id may be used again)."""
@@ -281,10 +294,8 @@ class Engine:
         req = item.req
         start, end = req.kv_len, req.kv_len + item.num_tokens
         p = req.params
-        hi = min(len(req.kv_slots), self.context_length)  # the page tail past the context is never read
-        new_slots, offset = req.kv_slots[req.synced_len:hi], req.synced_len
-        req.synced_len = hi
-        new_row, req.row_is_new = req.row_is_new, False
+        # The page tail past the context is never read.
+        offset, new_slots, new_row = req.slot_row.take_unsynced(self.context_length)
         return SeqInput(
             input_ids=_token_slice(req, start, end), prefix_len=start, row=req.row, new_slots=new_slots,
             slot_offset=offset, new_row=new_row,

@@ -163,7 +163,7 @@ class EngineServer:
         try:
             if error is not None:
                 raise error
-            self.engine.add_request(message.prompt_ids, message.params, rid=message.rid)
+            self.engine.add_choices(message.prompt_ids, message.params, message.n, rid=message.rid)
             events.accepted.append(message.rid)
             return True
         except RequestError as exc:
@@ -175,8 +175,9 @@ class EngineServer:
     def _admit_prepared(self, events: msg.EngineEvents) -> None:
         """Admit (or reject) the requests whose grammar finished compiling on the worker thread."""
         for message, error, aborted in self.pending.ready():
-            if self._admit(message, events, error) and aborted:
-                self.engine.abort(message.rid)
+            if self._admit(message, events, error):
+                for rid in aborted:
+                    self.engine.abort(rid)
 
     def _call(self, call: msg.Call) -> msg.Reply:
         calls = {"stats": self._stats, "flush_cache": self.engine.flush_cache,

@@ -13,13 +13,16 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from .sampling_params import choice_rids
+
 
 class PendingGrammars:
     def __init__(self, grammar: Any) -> None:
         self._grammar = grammar  # a scheduler.grammar.GrammarBackend
         self._pool: ThreadPoolExecutor | None = None
-        self._held: dict[str, tuple[Any, Future]] = {}
-        self._aborted: set[str] = set()
+        self._held: dict[str, tuple[Any, Future]] = {}  # message rid -> (AddRequest, its preparation)
+        self._choices: dict[str, str] = {}  # the rid of each held choice -> its message's rid
+        self._aborted: dict[str, list[str]] = {}  # message rid -> its choices aborted while held
 
     def hold(self, message: Any) -> bool:
         """True when the request waits for its grammar (now compiling on the worker)."""
@@ -28,29 +31,34 @@ class PendingGrammars:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._held[message.rid] = (message, self._pool.submit(self._grammar.prepare, message.params))
+        self._choices.update((rid, message.rid) for rid in choice_rids(message.rid, message.n))
         return True
 
     def abort(self, rid: str) -> bool:
-        """True when rid is held (it is aborted right after its admission)."""
-        if rid not in self._held:
+        """True when rid is a held choice (it is aborted right after its admission)."""
+        owner = self._choices.get(rid)
+        if owner is None:
             return False
-        self._aborted.add(rid)
+        self._aborted.setdefault(owner, []).append(rid)
         return True
 
-    def ready(self) -> list[tuple[Any, BaseException | None, bool]]:
-        """(message, the preparation's error or None, aborted meanwhile) of each request done compiling."""
+    def ready(self) -> list[tuple[Any, BaseException | None, list[str]]]:
+        """(message, the preparation's error or None, its choices aborted meanwhile) of each request done
+        compiling."""
         done = []
         for rid, (message, future) in list(self._held.items()):
             if future.done():
                 del self._held[rid]
-                done.append((message, future.exception(), rid in self._aborted))
-                self._aborted.discard(rid)
+                for choice in choice_rids(rid, message.n):
+                    self._choices.pop(choice, None)
+                done.append((message, future.exception(), self._aborted.pop(rid, [])))
         return done
 
     def drain(self) -> list[Any]:
         """The held messages, given up (the engine is shutting down)."""
         messages = [message for message, _ in self._held.values()]
         self._held.clear()
+        self._choices.clear()
         self._aborted.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)

@@ -7,21 +7,17 @@ Every slot is in exactly one of four states, and the counts always add up:
 
 A request's slots ``kv_slots[:tree_len]`` belong to the tree and are locked through
 ``req.last_node``; ``kv_slots[tree_len:]`` are its own (whole pages, incl. the unused tail
-of its last page).
-
-A request that holds KV also holds a row of the runner's request->slot table (rows are
-numbered 0 .. max_running_requests - 1; the runner owns the tensor). ``req.synced_len`` counts
-the leading ``kv_slots`` the row already holds: appending slots leaves it alone, replacing
-slots (``cache_prefix`` adopting the tree's copies) lowers it to the first changed position,
-so a step sends only the changed or new slots.
+of its last page). This module decides which slots a request holds; its ``SlotRow``
+(scheduler/slot_row.py) records them, together with its row of the runner's request->slot table.
 """
 from __future__ import annotations
 
 import logging
 
 from ..radix.allocator import KVAllocator
-from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache
+from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache, TreeNode
 from .req import Req
+from .slot_row import SlotRows
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +31,7 @@ class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
                  num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS):
         self.page_size = page_size
-        self._free_rows = list(range(num_rows - 1, -1, -1))  # a stack: row 0 is handed out first
+        self.rows = SlotRows(num_rows)
         self.allocator = KVAllocator(num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
                                eviction_policy=eviction_policy, reuse_bonus=reuse_bonus)
@@ -59,17 +55,24 @@ class PrefixKV:
             cap = min(cap, max(req.params.logprob_start_len - 1, 0))
         return cap
 
-    def admit(self, req: Req) -> int:
-        """Match and lock the request's cached prefix; returns its length."""
-        slots, node = self.tree.match_prefix(req.all_ids[:self.match_cap(req)], salt=req.params.cache_salt)
+    def match(self, req: Req, record_hit: bool = True) -> tuple[list[int], TreeNode]:
+        """The request's cached prefix as admission would take it: (its slots, the node to lock)."""
+        cap = self.match_cap(req)
+        tokens = req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]  # no concatenation
+        return self.tree.match_prefix(tokens, salt=req.params.cache_salt, record_hit=record_hit)
+
+    def admit(self, req: Req, matched: tuple[list[int], TreeNode] | None = None) -> int:
+        """Lock the request's cached prefix and give it a table row; returns the prefix's length. `matched`: the
+        planner's match of this step (its node still locked), so the tree is walked once per candidate."""
+        if matched is None:
+            slots, node = self.match(req)
+        else:
+            slots, node = matched
+            self.tree.record_hit(node)
         self.tree.lock(node)
         req.last_node = node
-        req.kv_slots = list(slots)
+        self.rows.assign(req.slot_row, slots)
         req.kv_len = req.tree_len = len(slots)
-        if not self._free_rows:
-            raise RuntimeError("no free row in the request->slot table (more running requests than "
-                               "max_running_requests)")
-        req.row, req.synced_len, req.row_is_new = self._free_rows.pop(), 0, True
         return len(slots)
 
     def slots_needed(self, req: Req, num_new_tokens: int) -> int:
@@ -92,12 +95,12 @@ class PrefixKV:
         if ahead > need and self.allocator.num_free_slots >= 2 * ahead:
             slots = self.allocator.alloc(ahead)
             if slots is not None:
-                req.kv_slots.extend(slots)
+                req.slot_row.extend(slots)
                 return True
         slots = self._alloc(need)
         if slots is None:
             return False
-        req.kv_slots.extend(slots)
+        req.slot_row.extend(slots)
         return True
 
     @staticmethod
@@ -122,15 +125,12 @@ class PrefixKV:
         aligned = (req.kv_len // self.page_size) * self.page_size
         if aligned <= req.tree_len or self.tree.disable:
             return
-        tokens = req.all_ids[:aligned]
-        salt = req.params.cache_salt
-        num_cached = self.tree.insert(tokens, req.kv_slots[:aligned], salt=salt)
+        own = req.kv_slots
+        num_cached, cached, node = self.tree.insert_path(req.all_ids[:aligned], own[:aligned],
+                                                         salt=req.params.cache_salt)
         if num_cached > req.tree_len:
-            self.allocator.free(req.kv_slots[req.tree_len:num_cached])
-            req.synced_len = min(req.synced_len, req.tree_len)  # those positions get the tree's slots
-        slots, node = self.tree.match_prefix(tokens, salt=salt, record_hit=False)  # insert stamped it
-        assert len(slots) == aligned, f"inserted {aligned} tokens but matched {len(slots)}"
-        req.kv_slots[:aligned] = slots
+            self.allocator.free(own[req.tree_len:num_cached])
+            req.slot_row.adopt(req.tree_len, cached[req.tree_len:num_cached])
         self.tree.lock(node)
         self.tree.unlock(req.last_node)
         req.last_node = node
@@ -141,14 +141,12 @@ class PrefixKV:
         if req.last_node is None:
             return
         self.cache_prefix(req)
-        if len(req.kv_slots) > req.tree_len:
-            self.allocator.free(req.kv_slots[req.tree_len:])
+        slots = self.rows.release(req.slot_row)
+        if len(slots) > req.tree_len:
+            self.allocator.free(slots[req.tree_len:])
         self.tree.unlock(req.last_node)
         req.last_node = None
-        req.kv_slots = []
         req.kv_len = req.tree_len = 0
-        self._free_rows.append(req.row)
-        req.row, req.synced_len = None, 0
 
     def flush(self) -> None:
         self.tree.reset()

@@ -20,9 +20,12 @@ from .sampling_params import SamplingParams
 
 @dataclass
 class AddRequest:
+    """`n` choices of one prompt (sampling_params.choice_rids / choice_seed name and seed them)."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    n: int = 1
 
 
 @dataclass

@@ -10,6 +10,7 @@ Order of work in a step (ARCHITECTURE §5):
 from __future__ import annotations
 
 import logging
+from typing import Any
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
@@ -109,53 +110,63 @@ class Planner:
 
     def _admit(self, batch: Batch, budget: int, step: int) -> list[Req]:
         admitted: list[Req] = []
-        if not self.waiting:
+        if not self.waiting or budget <= 0:
             return admitted
         order = self.policy.order(self.waiting, step, running=self.running)
         # The running requests' decode room, kept up to date as requests join them (nothing
         # else changes it within _admit: outputs, the ratio and the others stay as they are).
         decode_room = self._decode_room_estimate()
-        shields = self._shield_prefixes(order, decode_room)
+        shields = self._shield_prefixes(order, decode_room, budget)
         try:
             for req in order:
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
                 first_admission = req.cached_tokens is None
-                if not self._try_admit(req, batch, budget, decode_room):
+                if not self._try_admit(req, batch, budget, decode_room, shields.get(id(req))):
                     break  # head-of-line: smaller requests must not starve a big one
                 decode_room += self._estimate(req)
                 budget -= batch.items[-1].num_tokens
                 if first_admission:
                     admitted.append(req)
         finally:
-            for node in shields:
+            for _, node in shields.values():
                 self.kv.tree.unlock(node)
         return admitted
 
-    def _shield_prefixes(self, order: list[Req], decode_room: int) -> list:
-        """Lock the cached prefixes of the leading candidates that fit together, before any of
+    def _shield_prefixes(self, order: list[Req], decode_room: int,
+                         budget: int) -> dict[int, tuple[list[int], Any]]:
+        """Match and lock the cached prefixes of the leading candidates that fit together, before any of
         them allocates: the evictor picks leaves by priority, not by who waits, so admitting one
         candidate could otherwise evict the prefix the next one was ordered to reuse (its effect on the hit
-        rate under a small cache: bench/results/cache_bench.md)."""
-        tree = self.kv.tree
-        if tree.disable:
-            return []
-        nodes = []
+        rate under a small cache: bench/results/cache_bench.md). Returns id(req) -> its match, which its
+        admission takes as it is: nothing is inserted between the two, and the lock keeps the match valid.
+        Only the candidates this step's token budget reaches are matched."""
+        if self.kv.tree.disable:
+            return {}
+        shields = {}
+        by_prompt: dict[tuple, tuple[list[int], Any]] = {}  # the choices of one prompt share its token list
         need = 0
         limit = max(self.config.max_running_requests - len(self.running), 0)
         for num, req in enumerate(order[:limit]):
-            slots, node = tree.match_prefix(_prefix_ids(req, self.kv.match_cap(req)), salt=req.params.cache_salt,
-                                            record_hit=False)  # admission records the hit
-            tree.lock(node)
+            cap = self.kv.match_cap(req)
+            key = (id(req.prompt_ids), req.params.cache_salt, cap) if cap <= len(req.prompt_ids) else None
+            slots, node = by_prompt.get(key) or self.kv.match(req, record_hit=False)  # admission records the hit
+            if key is not None:
+                by_prompt[key] = (slots, node)
+            self.kv.tree.lock(node)
             need += req.seq_len - len(slots) + self._estimate(req)
             if num > 0 and need > self.kv.available_slots() - decode_room:
-                tree.unlock(node)  # this one and the rest would not fit this step anyway
+                self.kv.tree.unlock(node)  # this one and the rest would not fit this step anyway
                 break
-            nodes.append(node)
-        return nodes
+            shields[id(req)] = (slots, node)
+            budget -= req.seq_len - len(slots)
+            if budget <= 0:
+                break  # admission stops here too
+        return shields
 
-    def _try_admit(self, req: Req, batch: Batch, budget: int, decode_room: int) -> bool:
-        cached = self.kv.admit(req)
+    def _try_admit(self, req: Req, batch: Batch, budget: int, decode_room: int,
+                   matched: tuple[list[int], Any] | None) -> bool:
+        cached = self.kv.admit(req, matched)
         num = min(req.num_pending, budget)
         need = self.kv.slots_needed(req, num)
         room = self.kv.available_slots() - decode_room
@@ -210,11 +221,6 @@ class Planner:
         self.waiting.insert(0, req)
         self.num_retractions += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-
-
-def _prefix_ids(req: Req, num: int) -> list[int]:
-    # req.all_ids[:num] without concatenating prompt and output when the prompt covers it.
-    return req.prompt_ids[:num] if num <= len(req.prompt_ids) else req.all_ids[:num]
 
 
 def _progress(req: Req) -> tuple[int, int]:

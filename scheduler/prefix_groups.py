@@ -97,7 +97,10 @@ class PrefixGroups:
         while stack:
             node = stack.pop()
             if node is not self.root and dedup_min_tokens is not None and cached is not None:
-                uncached = self.shared_tokens(node) - cached.get(id(node), 0)
+                # A prompt's last token is never matched (its logits are needed): identical prompts (the n choices
+                # of one) share all but that, and wait for nobody once the rest is cached.
+                shareable = min(self.shared_tokens(node), node.min_len - 1)
+                uncached = shareable - cached.get(id(node), 0)
                 if node.weight + int(node.has_claim) >= 2 and uncached >= max(dedup_min_tokens, 1):
                     if not node.has_claim:
                         out.append(self._leader(node, cached))

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..kernels.forward_io import RowSampling, TokenLogprob
 from .sampling_params import SamplingParams
+from .slot_row import SlotRow
 
 # GenerateResult.error of a request its caller aborted (Engine.abort): a normal end, not a failure.
 ABORTED = "aborted"
@@ -76,15 +77,11 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
 
     # KV state (see the class docstring).
-    kv_slots: list[int] = field(default_factory=list)
     kv_len: int = 0
     tree_len: int = 0  # leading slots that belong to the radix tree (locked through last_node)
     last_node: Any = None  # locked TreeNode, or None
-    # The runner's request->slot table: this request's row while it holds KV, and how many
-    # leading kv_slots that row already holds (a step sends only kv_slots[synced_len:]).
-    row: int | None = None
-    synced_len: int = 0
-    row_is_new: bool = False  # no step has used the row since it was assigned
+    # Its slot list and its row of the runner's request->slot table (changed only through SlotRow's methods).
+    slot_row: SlotRow = field(default_factory=SlotRow)
 
     # Reporting.
     cached_tokens: int | None = None  # from the first admission only (§12)
@@ -118,6 +115,15 @@ class Req:
         if self.grammar is not None or len(self.output_ids) >= p.min_new_tokens:
             return ()
         return eos_ids + tuple(p.stop_token_ids or ())
+
+    @property
+    def kv_slots(self) -> list[int]:
+        """Read-only view: the slots of positions [0, kv_len) and those taken ahead."""
+        return self.slot_row.slots
+
+    @property
+    def row(self) -> int | None:
+        return self.slot_row.row
 
     @property
     def all_ids(self) -> list[int]:

@@ -14,6 +14,18 @@ from .checks import check_int, check_number
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: each bias in [-100, 100]
+SEED_MAX = 2**63 - 1
+
+
+def choice_rids(rid: str, n: int) -> list[str]:
+    """The request ids of a prompt's `n` choices (SGLang's and OpenAI's `n`): rid itself, or rid-0 .. rid-(n-1)."""
+    return [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
+
+
+def choice_seed(base: int, i: int) -> int:
+    """Choice i samples with seed base + i, wrapped into the signed 64-bit range."""
+    seed = base + i
+    return seed if seed <= SEED_MAX else seed - 2**64
 
 
 @dataclass
@@ -105,7 +117,7 @@ class SamplingParams:
         _check_float(self, "presence_penalty", lo=-2.0, hi=2.0)
         _check_float(self, "repetition_penalty", lo=0.0, hi=10.0, lo_open=True)
         if self.seed is not None:
-            _check_int(self, "seed", lo=-(2**63), hi=2**63 - 1)
+            _check_int(self, "seed", lo=-(2**63), hi=SEED_MAX)
         if self.logprobs is not None:
             _check_int(self, "logprobs", lo=0, hi=20)
         if self.logprob_start_len is not None:

@@ -36,20 +36,23 @@ class EngineLoop:
     def on_loop_thread(self) -> bool:
         return self._thread is threading.current_thread()
 
-    def submit(self, req: Req, on_delta: Callable[[StreamDelta], None] | None) -> None:
-        """Queue a built request: for the loop's thread while it runs, else into the engine at once (the caller
-        then steps). Raises ValueError on a request id in use (a finished request's listener lives until its final
-        delta is dispatched; reusing the id before then would hand that delta to the new request's listener)."""
+    def submit(self, reqs: list[Req], on_delta: Callable[[StreamDelta], None] | None) -> None:
+        """Queue built requests (all or none): for the loop's thread while it runs, else into the engine at once
+        (the caller then steps). Raises ValueError on a request id in use (a finished request's listener lives
+        until its final delta is dispatched; reusing the id before then would hand that delta to the new
+        request's listener)."""
         with self._cv:
-            if req.rid in self._listeners or self.engine.has_request(req.rid):
-                raise ValueError(f"request id {req.rid!r} is already in use")
-            if self.running and not self.on_loop_thread():
-                self._inbox.append(("add", req))
-                self._cv.notify_all()
-            else:
-                self.engine.admit(req)
-            if on_delta is not None or self.running:
-                self._listeners[req.rid] = on_delta
+            for req in reqs:
+                if req.rid in self._listeners or self.engine.has_request(req.rid):
+                    raise ValueError(f"request id {req.rid!r} is already in use")
+            for req in reqs:
+                if self.running and not self.on_loop_thread():
+                    self._inbox.append(("add", req))
+                else:
+                    self.engine.admit(req)
+                if on_delta is not None or self.running:
+                    self._listeners[req.rid] = on_delta
+            self._cv.notify_all()
 
     def queue_abort(self, rid: str) -> bool:
         """Queue an abort for the loop's thread; False when the caller should abort directly (no loop running, or

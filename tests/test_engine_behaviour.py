@@ -236,3 +236,41 @@ def test_rid_stays_taken_until_its_final_delta_is_dispatched(ckpt):
     engine._loop._dispatch(deltas)
     assert got and got[-1].finished
     engine.add_request([5, 6, 7], dict(max_new_tokens=1), rid="r")  # free once dispatched
+
+
+def test_n_choices_are_one_request_sharing_the_prompt(ckpt):
+    """add_choices: one validation and one token list for n choices, named and seeded as separate requests with
+    seed + i would be, the prompt computed once and the tree matched once per step for all of them."""
+    prompt = shared_prefix_prompts(1, prefix_len=40, seed=5)[0]
+    params = dict(max_new_tokens=8, temperature=1.0, seed=77, ignore_eos=True)
+    alone = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
+    expected = [alone.generate([prompt], dict(params, seed=77 + i))[0].output_ids for i in range(3)]
+
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, chunked_prefill_size=4096)
+    matches = []
+    real_match = engine.kv.tree.match_prefix
+    engine.kv.tree.match_prefix = lambda *a, **k: matches.append(engine.step_index) or real_match(*a, **k)
+    rids = engine.add_choices(prompt, params, n=3, rid="x")
+    assert rids == ["x-0", "x-1", "x-2"]
+    reqs = [engine.planner.waiting[i] for i in range(3)]
+    assert all(r.prompt_ids is reqs[0].prompt_ids for r in reqs)  # one list, not three copies
+    results = {}
+    while engine.has_unfinished():
+        for d in engine.step():
+            if d.finished:
+                results[d.rid] = d.result
+    assert [results[r].output_ids for r in rids] == expected
+    prompt_pages = len(prompt) - 1
+    assert sorted(results[r].cached_tokens for r in rids) == [0, prompt_pages, prompt_pages]  # computed once
+    assert matches and len(matches) == len(set(matches))  # never two walks for the choices in one step
+
+    engine.add_request([5, 6, 7], dict(params, max_new_tokens=1), rid="z-1")
+    with pytest.raises(ValueError, match="'z-1' is already in use"):
+        engine.add_choices(prompt, params, n=2, rid="z")  # all or none: z-0 is not queued either
+    assert not engine.has_request("z-0")
+    with pytest.raises(ValueError, match="n must be"):
+        engine.add_choices(prompt, params, n=0)
+    engine.abort("z-1")
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()

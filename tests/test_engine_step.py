@@ -184,7 +184,7 @@ def test_cuda_kv_pool_is_sized_from_the_real_dtype(long_ckpt, monkeypatch):
 class TableFollowsSlots(RuleBasedStateMachine):
     """Random adds, aborts and steps on a small pool (evictions, retractions, shared prefixes,
     cache_prefix swapping in the tree's slots). After each step every running request's row
-    holds its slot list up to synced_len; inside each step, once the table writes are done,
+    holds its slot list up to slot_row.synced; inside each step, once the table writes are done,
     every row of the batch holds exactly the request's slots of the positions it reads."""
 
     ckpt: str = ""
@@ -234,7 +234,7 @@ class TableFollowsSlots(RuleBasedStateMachine):
         assert len(set(rows)) == len(rows) and None not in rows
         ctx = engine.context_length
         for req in running:
-            synced = req.synced_len
+            synced = req.slot_row.synced
             assert synced <= min(len(req.kv_slots), ctx)
             assert engine.runner.slot_table[req.row, :synced].tolist() == req.kv_slots[:synced]
         engine.check_integrity()
@@ -258,3 +258,29 @@ def test_table_follows_slot_lists(tmp_path_factory):
     runner.settings = settings(max_examples=40, stateful_step_count=30, deadline=None, derandomize=True)
     runner().runTest()
     assert TableFollowsSlots.total_checked > 100  # the in-step check really ran
+
+
+def test_one_tree_walk_per_candidate_and_per_prefill_chunk(tmp_path_factory):
+    """Admission takes the planner's match (no second walk), and caching a computed chunk takes the insert's own
+    walk (no match after it): the tree is walked once per admitted request and once per chunk."""
+    engine = Engine(make_checkpoint(tmp_path_factory, "walks"), num_threads=1, kv_cache_tokens=1024,
+                    chunked_prefill_size=16, max_running_requests=4)
+    tree = engine.kv.tree
+    calls = {"match_prefix": 0, "insert_path": 0, "_walk": 0}
+    for name in calls:
+        def counted(*args, _name=name, _real=getattr(tree, name), **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        setattr(tree, name, counted)
+    shared = [7] * 20
+    for i in range(3):
+        engine.add_request(shared + [30 + i] * (10 + 5 * i), dict(GREEDY, max_new_tokens=3))
+    chunks = 0
+    while engine.has_unfinished():
+        chunks += sum(1 for r in engine.planner.running if r.kv_len < len(r.prompt_ids))
+        engine.step()
+        chunks += sum(1 for r in engine.planner.running if not r.output_ids)  # admitted and prefilling
+    assert calls["match_prefix"] == 3  # one per request: the planner's, which admission reused
+    assert 0 < calls["insert_path"] <= chunks + 3 + 3  # a chunk's pages, and each request's last pages at release
+    assert calls["_walk"] == calls["match_prefix"] + calls["insert_path"]
+    engine.check_integrity()

@@ -33,8 +33,8 @@ class _FakeGrammar:
         self.cached.add(params.regex)
 
 
-def _add(rid: str, regex: str | None):
-    return SimpleNamespace(rid=rid, params=SimpleNamespace(regex=regex, has_grammar=regex is not None))
+def _add(rid: str, regex: str | None, n: int = 1):
+    return SimpleNamespace(rid=rid, params=SimpleNamespace(regex=regex, has_grammar=regex is not None), n=n)
 
 
 def test_pending_grammars_hold_until_prepared():
@@ -42,17 +42,18 @@ def test_pending_grammars_hold_until_prepared():
     pending = PendingGrammars(grammar)
     assert not pending.hold(_add("plain", None))  # no grammar: admitted at once
     assert pending.hold(_add("a", "[ab]+")) and pending.hold(_add("b", "bad")) and pending.hold(_add("c", "x"))
-    assert pending.abort("c") and not pending.abort("plain") and len(pending) == 3
-    assert pending.ready() == []
+    assert pending.hold(_add("d", "z", n=3))  # three choices, one message: an abort names a choice
+    assert pending.abort("c") and not pending.abort("plain") and not pending.abort("d") and pending.abort("d-1")
+    assert len(pending) == 4 and pending.ready() == []
     grammar.release.set()
     deadline = time.monotonic() + 10
     done = []
-    while len(done) < 3 and time.monotonic() < deadline:
+    while len(done) < 4 and time.monotonic() < deadline:
         done += pending.ready()
         time.sleep(0.01)
     by_rid = {m.rid: (error, aborted) for m, error, aborted in done}
-    assert by_rid["a"] == (None, False) and by_rid["c"] == (None, True)
-    assert isinstance(by_rid["b"][0], RequestError) and len(pending) == 0
+    assert by_rid["a"] == (None, []) and by_rid["c"] == (None, ["c"]) and by_rid["d"] == (None, ["d-1"])
+    assert isinstance(by_rid["b"][0], RequestError) and len(pending) == 0 and not pending.abort("d-1")
     assert not pending.hold(_add("again", "[ab]+"))  # now cached
     assert pending.hold(_add("late", "y")) and [m.rid for m in pending.drain()] == ["late"]
 

@@ -300,3 +300,43 @@ def test_served_model_name_defaults():
     assert ServerConfig(model="/ckpt/qwen").model_name() == "qwen"  # the directory's name
     assert ServerConfig(model="./m/").model_name() == ServerConfig(model="./m").model_name() == "m"
     assert ServerConfig(model="/ckpt/qwen", served_model_name="qwen").model_name() == "qwen"
+
+
+def test_the_choices_of_one_prompt_reach_the_engine_as_one_request():
+    """n = 3 choices plus one single job: two engine requests (the prompt sent once per prompt), whose choices the
+    engine names and seeds as the frontend's jobs are named and seeded."""
+    import asyncio
+    import random
+    from types import SimpleNamespace
+
+    from radixserve.frontend.engine_client import EngineClient
+    from radixserve.frontend.state import ServerState
+    from radixserve.scheduler.sampling_params import choice_rids, choice_seed
+
+    calls = []
+
+    class Engine:
+        info = SimpleNamespace(max_running_requests=8, context_length=64, vocab_size=32, total_slots=64,
+                               page_size=1)
+        dead = False
+
+        async def add(self, rid, prompt_ids, params, queue, index, n=1):
+            calls.append((rid, prompt_ids, params.seed, index, n))
+
+    config = ServerConfig()
+    client = EngineClient(Engine(), config, ServerMetrics())
+    state = ServerState(engine=None, config=config, client=client, metrics=None, model_name="m", texts=None,
+                        created=0, responses=None, rng=random.Random(0))
+    prompt = [5, 6, 7]
+    jobs = state.make_jobs(prompt, {"max_new_tokens": 4}, 3, "chat-1", 2**63 - 2, {})
+    jobs += state.make_jobs([8, 9], {"max_new_tokens": 4}, 1, "chat-2", None, {})
+    assert [j.rid for j in jobs] == choice_rids("chat-1", 3) + ["chat-2"]
+    assert [j.params.seed for j in jobs[:3]] == [2**63 - 2, 2**63 - 1, -(2**63)]  # wrapped, as the engine does
+    assert [choice_seed(2**63 - 2, i) for i in range(3)] == [j.params.seed for j in jobs[:3]]
+
+    async def submit():
+        return await client.submit(jobs, client.reserve(len(jobs)))
+
+    asyncio.run(submit())
+    assert [(rid, n, index) for rid, _, _, index, n in calls] == [("chat-1", 3, 0), ("chat-2", 1, 3)]
+    assert calls[0][1] is prompt and calls[0][2] == 2**63 - 2  # the base seed; choice i adds i

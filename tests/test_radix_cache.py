@@ -45,6 +45,27 @@ def test_insert_returns_already_cached_count():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_insert_path_returns_the_match_the_caller_would_walk_again_for(page_size):
+    cache = make_cache(page_size=page_size)
+    first = put(cache, [1, 2, 3, 4, 5, 6])
+    own = cache.allocator.alloc(8)
+    tokens = [1, 2, 3, 4, 7, 8, 9, 10]
+    num_cached, cached, node = cache.insert_path(tokens, own)
+    assert num_cached == 4 and cached == first[:4]  # the tree's slots of the part it had
+    cache.allocator.free(own[:4])
+    # The node ends the inserted path: what match_prefix would return, without a second walk.
+    assert cache.match_prefix(tokens, record_hit=False) == (first[:4] + own[4:], node)
+    again = cache.insert_path(tokens, first[:4] + own[4:])
+    assert again == (8, first[:4] + own[4:], node)  # all cached: the same node, nothing added
+    cache.lock(node)
+    assert cache.evict(100) == 2 and cache.locked_size == 8  # the locked path survives
+    cache.unlock(node)
+    num, slots, root = cache.insert_path([], [])
+    assert (num, slots) == (0, []) and root.is_root
+    cache.check_integrity()
+
+
 def test_split_keeps_locks_of_the_lower_node():
     cache = make_cache()
     put(cache, [1, 2, 3, 4, 5])
