@@ -20,6 +20,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -34,12 +35,19 @@ ENGINE = dict(kv_cache_tokens=120000, max_running_requests=64, chunked_prefill_s
 class Child:
     """One side: `python -m radixserve.bench.engine_ab --child` with its engine configuration."""
 
-    def __init__(self, label: str, model: str, size: str, threads: int, config: dict[str, Any]) -> None:
+    def __init__(self, label: str, model: str, size: str, threads: int, config: dict[str, Any],
+                 src: str | None = None) -> None:
         self.label, self.config = label, {**ENGINE, **config}
         spec = json.dumps({"model": model, "size": size, "threads": threads, "config": self.config})
+        self._link_dir = tempfile.TemporaryDirectory(prefix="engine-ab-") if src else None
+        env = dict(os.environ)
+        if self._link_dir is not None:  # the child imports radixserve from that checkout (ahead of the installed one)
+            os.symlink(os.path.abspath(src), os.path.join(self._link_dir.name, "radixserve"))
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (self._link_dir.name, env.get("PYTHONPATH"))))
         self.proc = subprocess.Popen([sys.executable, "-m", "radixserve.bench.engine_ab", "--child", spec],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._read()  # ready
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=self._link_dir.name if self._link_dir is not None else None)
+        self.package = self._read().get("package")  # ready: where the child's radixserve.bench came from
 
     def run(self, workload: str) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -51,6 +59,8 @@ class Child:
         if self.proc.poll() is None and self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(timeout=120)
+        if self._link_dir is not None:
+            self._link_dir.cleanup()
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -73,7 +83,7 @@ def child_main(spec_json: str) -> int:
     spec = json.loads(spec_json)
     side = OursSide(bench_model_path(spec["model"]), spec["threads"], **spec["config"])
     warm_up(side)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "package": os.path.dirname(os.path.abspath(__file__))}), flush=True)
     for line in sys.stdin:
         before = resource.getrusage(resource.RUSAGE_SELF)
         measure = run_rounds(side, make_workload(line.strip(), spec["size"], 0))
@@ -126,6 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"{a} = `{json.dumps(report['configs'][a])}`, {b} = `{json.dumps(report['configs'][b])}`. Per workload "
              "one untimed run each, then the sides alternate (order flipped every other repetition), "
              f"median of {report['reps']} runs (listed). Faults and system time are the process's own during a run.",
+             *([f"Code: {a} = {report['sources'][a]}; {b} = {report['sources'][b]}."] if "sources" in report else []),
              "", f"| workload | {a} s | {b} s | {b} speed-up | {a} runs | {b} runs | minor faults {a} / {b} "
              f"| system s {a} / {b} |", "|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -143,10 +154,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sys.exit(child_main(args.child))
     labels = (args.label_a, args.label_b)
     configs = {args.label_a: json.loads(args.a), args.label_b: json.loads(args.b)}
+    srcs = {args.label_a: args.src_a, args.label_b: args.src_b}
     sides: dict[str, Child] = {}
     try:
         for label in labels:
-            sides[label] = Child(label, args.model, args.size, args.threads, configs[label])
+            sides[label] = Child(label, args.model, args.size, args.threads, configs[label], srcs[label])
         with progress(len(args.workloads) * 2 * (1 + args.reps), "engine A/B") as bar:
             runs = measure(sides, args.workloads, args.reps, args.settle_s, bar.update)
     finally:
@@ -155,11 +167,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"bench": "engine_ab", "command": args.command,
               "model": args.model, "size": args.size, "reps": args.reps, "threads": args.threads,
               "labels": list(labels), "configs": {k: sides[k].config for k in labels},
+              "sources": {k: _describe(srcs[k]) for k in labels},
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
               "runs": runs, "rows": summarize(runs, labels)}
     out = BenchOutput("engine_ab", args.out)
     out.finish(out.write_report(args.name or f"engine_ab_{args.model}", report, markdown(report)))
     return report
+
+
+def _describe(src: str | None) -> str:
+    """The code a side ran: the checkout's commit (and whether its tree was dirty), or the installed package."""
+    path = src or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return path
+    return f"{head}{' + uncommitted changes' if dirty else ''} ({'checkout ' + path if src else 'installed'})"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -177,6 +203,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--b", default="{}", help="side b's Engine keywords as JSON")
     p.add_argument("--label-a", default="a", help="side a's name in the report")
     p.add_argument("--label-b", default="b", help="side b's name in the report")
+    p.add_argument("--src-a", help="side a runs the code of this checkout (e.g. a `git worktree` of an older "
+                                   "commit) instead of the installed one: a before/after A/B of a change")
+    p.add_argument("--src-b", help="side b's checkout, likewise")
     p.add_argument("--name", help="the result files' name, NAME.{json,md} (default: engine_ab_MODEL)")
     args = parse_args(p, argv)
     if args.label_a == args.label_b:

@@ -27,3 +27,22 @@ def test_two_processes_alternate_on_the_tiny_model(tmp_path):
     saved = json.loads((tmp_path / "ab.json").read_text())
     assert saved["rows"][0]["workload"] == "gsp" and saved["rows"][0]["speedup"] > 0
     assert "| gsp |" in (tmp_path / "ab.md").read_text()
+
+
+def test_a_side_can_run_the_code_of_another_checkout(tmp_path):
+    """--src-b: side b imports radixserve from that checkout (here this one, through a link), side a the installed
+    package; the report names both."""
+    import os
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(engine_ab.__file__)))
+    sides = {}
+    try:
+        sides["a"] = engine_ab.Child("a", "tiny", "tiny", 1, {})
+        sides["b"] = engine_ab.Child("b", "tiny", "tiny", 1, {}, src=checkout)
+        assert sides["a"].package == os.path.dirname(os.path.abspath(engine_ab.__file__))
+        assert sides["b"].package.startswith(sides["b"]._link_dir.name)  # imported through the link
+        assert sides["b"].run("gsp")["requests"] > 0
+    finally:
+        for side in sides.values():
+            side.close()
+    assert "checkout " + checkout in engine_ab._describe(checkout)
