@@ -33,6 +33,7 @@ import torch
 from .output import BenchOutput, bench_parser, parse_args, progress
 from ..kernels.forward_io import SeqInput
 from ..scheduler.sampling_params import SamplingParams
+from ..scheduler.slot_row import SlotRow
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {
@@ -74,19 +75,28 @@ class Case:
         params = SamplingParams(**MODES[mode])
         self.prompts = [torch.randint(0, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
         self.outputs: dict[str, list[list[int]]] = {}
+        self.rows: dict[str, list[SlotRow]] = {}  # per implementation: each request's scheduler-side row
         words = (vocab + 31) // 32
         masks = torch.randint(-2**31, 2**31 - 1, (batch, words), generator=gen, dtype=torch.int64).to(torch.int32)
         self.masks = masks if mode == "grammar" else None
         self.params, self.batch, self.mode = params, batch, mode
 
     def seqs(self, impl: str, new_row: bool) -> list[SeqInput]:
+        """The step's rows; new_row: each request has just been given its row (its penalties are fed whole)."""
         outputs = self.outputs.setdefault(impl, [[] for _ in range(self.batch)])
-        return [SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
-                         new_row=new_row, sampling=self.params.row_sampling(), sampling_seed=1000 + i,
-                         prompt_ids=self.prompts[i], output_ids=outputs[i],
-                         num_top_logprobs=5 if self.mode == "logprobs" else 0,
-                         token_bitmask=None if self.masks is None else self.masks[i])
-                for i in range(self.batch)]
+        if new_row or impl not in self.rows:
+            self.rows[impl] = [SlotRow() for _ in range(self.batch)]
+        sampling = self.params.row_sampling()
+        seqs = []
+        for i in range(self.batch):
+            feed = self.rows[impl][i].take_penalty_tokens(self.prompts[i], outputs[i]) if sampling.penalised else None
+            seq = SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
+                           new_row=new_row, sampling=sampling, sampling_seed=1000 + i, sample_index=len(outputs[i]),
+                           penalty_tokens=feed, num_top_logprobs=5 if self.mode == "logprobs" else 0,
+                           token_bitmask=None if self.masks is None else self.masks[i])
+            seq.prompt_ids, seq.output_ids = self.prompts[i], outputs[i]  # what a --baseline sampler before them reads
+            seqs.append(seq)
+        return seqs
 
 
 def run_case(case: Case, impls: dict[str, types.ModuleType], repeats: int, native: bool) -> dict[str, Any]:

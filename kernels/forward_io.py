@@ -29,8 +29,25 @@ class RowSampling:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the sampler reads the request's tokens (a repetition, frequency or presence penalty)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
 
 GREEDY = RowSampling()
+
+
+@dataclass(frozen=True)
+class PenaltyTokens:
+    """What a sampled row's penalty statistics take in this step (kernels/sampling_penalties.PenaltyState).
+
+    reset: the row starts afresh from `prompt` + `output` (the whole context: its first feed on this row);
+    otherwise `prompt` is empty and `output` holds the output tokens generated since the previous feed."""
+
+    reset: bool
+    prompt: tuple[int, ...] = ()
+    output: tuple[int, ...] = ()
 
 
 @dataclass
@@ -48,14 +65,17 @@ class SeqInput:
     sample: bool  # sample a next token after the last input token
     new_row: bool = False  # first step of this request on this row (per-row state starts afresh)
     sampling: RowSampling = GREEDY
-    sampling_seed: int = 0  # effective seed; token randomness = f(sampling_seed, len(output_ids))
-    # References to the request's lists (never copied): penalties, the seed position, prompt logprobs.
-    prompt_ids: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
+    sampling_seed: int = 0  # effective seed; token randomness = f(sampling_seed, sample_index)
+    sample_index: int = 0  # output tokens the request has before this step (the noise's position)
+    # The request's penalty statistics on its row (sampled rows with a penalty only), kept by the scheduler.
+    penalty_tokens: PenaltyTokens | None = None
     banned_ids: tuple[int, ...] = ()  # never sampled this step (the scheduler's stop rules: EOS before min_new_tokens)
     # Prompt logprobs: logprob of each input token at absolute position >= this, given the
     # tokens before it (needs the logits of the previous position). None = not requested.
     prompt_logprob_start: int | None = None
+    # With prompt logprobs and a chunk that ends inside the prompt: the prompt token right after it (scored from
+    # this chunk's last logits, so consecutive chunks leave no gap). None otherwise.
+    lookahead_id: int | None = None
     num_top_logprobs: int = 0  # top-k alternatives returned with each logprob
     # Structured generation: [ceil(vocab / 32)] int32 tensor, bit j of word w set = token 32 * w + j
     # allowed (xgrammar's layout); tokens past its width are disallowed. None = unconstrained.
@@ -75,5 +95,5 @@ class SeqOutput:
     next_logprob: TokenLogprob | None  # set when sampled and logprobs were requested
     # Logprobs of prompt tokens at positions p in [max(1, prompt_logprob_start, prefix_len + 1), end),
     # in order, where end is the chunk's end, plus one while the prompt continues (the runner
-    # scores the next chunk's first token from prompt_ids). Position 0 has no logprob.
+    # scores the next chunk's first token from lookahead_id). Position 0 has no logprob.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -13,16 +13,16 @@ How a step's ``SeqInput`` list is read (the contract with the scheduler):
   hold in the same slots (radix nodes they all locked); attention reads each once
   (ARCHITECTURE §7).
 - ``sample``: a next token is drawn from the logits of the last input token (see sampling.py;
-  its randomness depends only on ``sampling_seed`` and ``len(output_ids)``). Output logprobs
+  its randomness depends only on ``sampling_seed`` and ``sample_index``). Output logprobs
   are returned when ``sampling.logprobs`` is not None or ``num_top_logprobs > 0``.
 - Prompt logprobs (``prompt_logprob_start`` not None): the logprob of the token at absolute
   position p needs the logits of position p - 1, so a chunk covers the targets
 
       p in [max(1, prompt_logprob_start, prefix_len + 1), end)
-      end = prefix_len + len(input_ids) + 1   if prefix_len + len(input_ids) < len(prompt_ids)
+      end = prefix_len + len(input_ids) + 1   if lookahead_id is not None (the chunk ends inside the prompt)
             prefix_len + len(input_ids)       otherwise
 
-  The look-ahead target (the first token of the *next* chunk, read from ``prompt_ids``) means
+  The look-ahead target (``lookahead_id``, the first token of the *next* chunk) means
   that consecutive chunks with the same ``prompt_logprob_start`` cover the prompt without a
   gap at chunk boundaries. What no chunk can cover is position ``prefix_len`` of the first
   computed chunk when that prefix came from the cache: its logits were never computed. So the
@@ -305,11 +305,11 @@ def _prompt_targets(seq: SeqInput) -> tuple[int, list[int]]:
     if seq.prompt_logprob_start is None:
         return 0, []
     computed_end = seq.prefix_len + len(seq.input_ids)
-    end = computed_end + 1 if computed_end < len(seq.prompt_ids) else computed_end
+    end = computed_end + 1 if seq.lookahead_id is not None else computed_end
     first = max(1, seq.prompt_logprob_start, seq.prefix_len + 1)
     targets = [seq.input_ids[p - seq.prefix_len] for p in range(first, min(end, computed_end))]
     if end > computed_end and first <= computed_end:
-        targets.append(seq.prompt_ids[computed_end])
+        targets.append(seq.lookahead_id)
     return first, targets
 
 

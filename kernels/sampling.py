@@ -16,10 +16,10 @@ recomputed, and on any device. Greedy rows (temperature 0 or top_k 1) never touc
 Host work: every decision that depends on the parameters is taken on the host from the Python
 lists (no device sync but the final `.tolist()` and, on filtered rows, one to find the rows the
 candidates do not decide), and everything a step sends to the device goes as one int64 and one
-float32 tensor (`StepUpload`). Penalty statistics are either rebuilt from prompt_ids + output_ids
-per step (stateless, O(context)) or kept per row of the runner's request table in a `PenaltyState`
-and updated with the new tokens only; either way they change only the logits of the tokens seen,
-not the whole rows. Logits of any float dtype are widened to float32 once, on entry.
+float32 tensor (`StepUpload`). Penalty statistics are either rebuilt per step from a reset
+`SeqInput.penalty_tokens` (stateless, the whole context) or kept per row of the runner's request table
+in a `PenaltyState` and fed the new tokens only; either way they change only the logits of the tokens
+seen, not the whole rows. Logits of any float dtype are widened to float32 once, on entry.
 """
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int
         up.add_ints("rep_batch", rep_rows)
         up.add_floats("repetition", p.repetition)
         if penalties is None:
-            rows, toks = _flat_pairs(rep_rows, [seqs[i].prompt_ids + seqs[i].output_ids for i in rep_rows], vocab)
+            rows, toks = _flat_pairs(rep_rows, [_context(seqs[i], "seen") for i in rep_rows], vocab)
             up.add_ints("rep_rows", rows)
             up.add_ints("rep_toks", toks)
         else:
@@ -192,7 +192,7 @@ def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int
         up.add_floats("frequency", p.frequency)
         up.add_floats("presence", p.presence)
         if penalties is None:
-            rows, toks = _flat_pairs(count_rows, [seqs[i].output_ids for i in count_rows], vocab)
+            rows, toks = _flat_pairs(count_rows, [_context(seqs[i], "counts") for i in count_rows], vocab)
             up.add_ints("count_rows", rows)
             up.add_ints("count_toks", toks)
         else:
@@ -212,6 +212,14 @@ def _plan_adjust(up: StepUpload, seqs: list[SeqInput], p: _RowParams, vocab: int
             up.add_ints("bias_rows", p.bias_rows)
             up.add_ints("bias_toks", p.bias_toks)
             up.add_floats("bias_vals", p.bias_vals)
+
+
+def _context(seq: SeqInput, kind: str) -> tuple[int, ...]:
+    """The tokens a stateless rebuild counts: prompt + output ("seen") or output ("counts"), from a reset feed."""
+    feed = seq.penalty_tokens
+    if feed is None or not feed.reset:
+        raise ValueError("without a PenaltyState, a penalised row needs a reset penalty_tokens (its whole context)")
+    return feed.prompt + feed.output if kind == "seen" else feed.output
 
 
 def _adjust(logits: torch.Tensor, p: _RowParams, up: StepUpload, penalties: PenaltyState | None) -> torch.Tensor:
@@ -335,7 +343,7 @@ def _plan_random(up: StepUpload, seqs: list[SeqInput], p: _RowParams, rows: list
             up.add_floats("top_p", [top_p[j] for j in filtered])
         if any(min_p[j] > 0 for j in filtered):
             up.add_floats("min_p", [min_p[j] for j in filtered])
-    lo, hi, pos = seed_words([seqs[i].sampling_seed for i in rows], [len(seqs[i].output_ids) for i in rows])
+    lo, hi, pos = seed_words([seqs[i].sampling_seed for i in rows], [seqs[i].sample_index for i in rows])
     up.add_ints("seed_lo", lo)
     up.add_ints("seed_hi", hi)
     up.add_ints("seed_pos", pos)

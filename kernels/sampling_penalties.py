@@ -1,5 +1,9 @@
 """Penalty statistics for the sampler (kernels/sampling.py): kept per request-table row between
-steps (`PenaltyState`), or rebuilt per step, and read back as sparse (row, token, count) entries."""
+steps (`PenaltyState`), or rebuilt per step, and read back as sparse (row, token, count) entries.
+
+What a row takes each step comes from the scheduler (`SeqInput.penalty_tokens`, a `PenaltyTokens`): the
+whole context the first time a request samples on the row (reset), then only its new output tokens. The
+scheduler knows when a row is new to a request (scheduler/slot_row.py); nothing here guesses it."""
 from __future__ import annotations
 
 import torch
@@ -13,16 +17,10 @@ class PenaltyState:
 
     Rows are those of the runner's request table (SeqInput.row). Two [num_rows, vocab] tensors,
     each allocated on first use: `seen` (bool, prompt + output tokens: repetition penalty) and
-    `counts` (float32, output-token counts: frequency / presence). Per row and tensor a record
-    says what the row holds: (the output_ids list object it was built from, its length then).
-    The row is rebuilt from prompt_ids + output_ids when the sequence is new on it (new_row),
-    when there is no record or it names another list (another request; so a first sampled step
-    with new_row False, after a prefill chunk that sampled nothing, is safe), or when output_ids
-    got shorter; otherwise only output_ids[recorded:] (normally one token) is added. A request
-    that does not use a tensor never writes its row, so the record stays true. Contract: the
-    SeqInput lists are the request's own (appended to, never edited in place without new_row);
-    copies are still correct but rebuild every step. Values equal the stateless rebuild exactly
-    (counts are small integers in float32); planning a step twice is harmless.
+    `counts` (float32, output-token counts: frequency / presence). A reset feed zeroes the row and adds
+    its whole context; a later feed adds the new output tokens. A request that does not use a tensor
+    never writes its row. Values equal the stateless rebuild exactly (counts are small integers in
+    float32).
     """
 
     def __init__(self, num_rows: int) -> None:
@@ -31,20 +29,12 @@ class PenaltyState:
         self.num_rows = num_rows
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
-        # Per kind ("seen", "counts"): row -> (the request's output_ids list, output tokens recorded).
-        self._records: dict[str, dict[int, tuple[list[int], int]]] = {"seen": {}, "counts": {}}
         self.num_rebuilt_rows = 0  # rows rebuilt from the whole context (for tests and stats)
         self.num_updated_rows = 0  # rows updated incrementally
-
-    def reset(self) -> None:
-        """Forget every row (the tensors stay allocated)."""
-        for records in self._records.values():
-            records.clear()
 
     def _plan(self, kind: str, seqs: list[SeqInput], rows: list[int], vocab: int,
               up: StepUpload) -> None:
         """Book the host side of this step's update of `kind` for the given batch rows."""
-        records = self._records[kind]
         rebuild: list[int] = []
         pair_rows: list[int] = []
         pair_toks: list[int] = []
@@ -52,20 +42,19 @@ class PenaltyState:
             seq = seqs[i]
             if not 0 <= seq.row < self.num_rows:
                 raise ValueError(f"row {seq.row} outside the penalty state's {self.num_rows} rows")
-            out = seq.output_ids
-            rec = records.get(seq.row)
-            if seq.new_row or rec is None or rec[0] is not out or rec[1] > len(out):
+            feed = seq.penalty_tokens
+            if feed is None:
+                raise ValueError(f"row {seq.row} samples with a penalty but the step sent no penalty_tokens")
+            if feed.reset:
                 rebuild.append(seq.row)
-                new = (seq.prompt_ids + out) if kind == "seen" else out
                 self.num_rebuilt_rows += 1
             else:
-                new = out[rec[1]:]
                 self.num_updated_rows += 1
+            new = feed.prompt + feed.output if kind == "seen" else feed.output
             for tok in new:
                 if 0 <= tok < vocab:
                     pair_rows.append(seq.row)
                     pair_toks.append(tok)
-            records[seq.row] = (out, len(out))
         up.add_ints(f"{kind}_rebuild", rebuild)
         up.add_ints(f"{kind}_rows", pair_rows)
         up.add_ints(f"{kind}_toks", pair_toks)

@@ -299,9 +299,13 @@ class Engine:
         return SeqInput(
             input_ids=_token_slice(req, start, end), prefix_len=start, row=req.row, new_slots=new_slots,
             slot_offset=offset, new_row=new_row,
-            sample=item.sample, sampling=req.sampling, sampling_seed=req.seed, prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids, banned_ids=req.banned_ids(self.eos_token_ids) if item.sample else (),
+            sample=item.sample, sampling=req.sampling, sampling_seed=req.seed, sample_index=len(req.output_ids),
+            penalty_tokens=(req.slot_row.take_penalty_tokens(req.prompt_ids, req.output_ids)
+                            if item.sample and req.sampling.penalised else None),
+            banned_ids=req.banned_ids(self.eos_token_ids) if item.sample else (),
             prompt_logprob_start=p.logprob_start_len,
+            lookahead_id=(req.prompt_ids[end] if p.logprob_start_len is not None and end < len(req.prompt_ids)
+                          else None),
             num_top_logprobs=p.logprobs or 0)
 
     def _finish(self, req: Req) -> None:

@@ -6,7 +6,9 @@ request's side of that row:
 
     slots:  the slots of positions [0, kv_len) plus those taken ahead (whole pages);
     row:    the table row it holds while it holds KV (None otherwise);
-    synced: how many leading `slots` the row already holds.
+    synced: how many leading `slots` the row already holds;
+    penalty_fed: how many output tokens the row's penalty statistics hold (None: none since the row was assigned,
+            so the next feed is the whole context).
 
 Every change to a slot list goes through a SlotRow method, so `synced` stays true: appending leaves it alone,
 adopting the tree's copies of a range lowers it to the range's start, and `take_unsynced` hands a step what the row
@@ -16,15 +18,18 @@ runner's row holds `slots[:synced]`.
 """
 from __future__ import annotations
 
+from ..kernels.forward_io import PenaltyTokens
+
 
 class SlotRow:
-    __slots__ = ("slots", "row", "synced", "fresh")
+    __slots__ = ("slots", "row", "synced", "fresh", "penalty_fed")
 
     def __init__(self) -> None:
         self.slots: list[int] = []
         self.row: int | None = None
         self.synced = 0
         self.fresh = False  # no step has used the row since it was assigned
+        self.penalty_fed: int | None = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -49,6 +54,15 @@ class SlotRow:
         return offset, self.slots[offset:hi], fresh
 
 
+    def take_penalty_tokens(self, prompt_ids: list[int], output_ids: list[int]) -> PenaltyTokens:
+        """What the row's penalty statistics lack: the whole context on the first feed since the row was
+        assigned, then the output tokens generated since the previous feed."""
+        fed, self.penalty_fed = self.penalty_fed, len(output_ids)
+        if fed is None or fed > len(output_ids):
+            return PenaltyTokens(True, tuple(prompt_ids), tuple(output_ids))
+        return PenaltyTokens(False, (), tuple(output_ids[fed:]))
+
+
 class SlotRows:
     """The rows of the runner's request->slot table: one per request that holds KV."""
 
@@ -61,11 +75,12 @@ class SlotRows:
             raise RuntimeError("no free row in the request->slot table (more running requests than "
                                "max_running_requests)")
         kv.row, kv.slots, kv.synced, kv.fresh = self._free.pop(), list(prefix_slots), 0, True
+        kv.penalty_fed = None
 
     def release(self, kv: SlotRow) -> list[int]:
         """Take the row back; returns the slots the request held (the caller frees or caches them)."""
         slots = kv.slots
         if kv.row is not None:
             self._free.append(kv.row)
-        kv.row, kv.slots, kv.synced, kv.fresh = None, [], 0, False
+        kv.row, kv.slots, kv.synced, kv.fresh, kv.penalty_fed = None, [], 0, False, None
         return slots

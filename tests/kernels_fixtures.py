@@ -15,6 +15,7 @@ import transformers
 from transformers import GenerationConfig
 
 from radixserve.kernels import ForwardInput, ModelRunner, SeqInput
+from radixserve.kernels.forward_io import PenaltyTokens
 from radixserve.kernels.attention.base import SharedPrefix
 from radixserve.kernels.attention.metadata import gather_rows
 from radixserve.scheduler.sampling_params import SamplingParams
@@ -220,15 +221,16 @@ def _seq_input(req: _Req, idx: int, chunk: int, forced: bool, sampling, seeds, c
         end = min(req.prompt_len, req.computed + chunk)
     else:
         end = req.computed + 1
-    params = sampling[idx] if sampling else SamplingParams(temperature=0.0)
+    params = (sampling[idx] if sampling else SamplingParams(temperature=0.0)).row_sampling()
     hi = min(len(req.slots), context_length)
     new_slots, offset, req.synced = req.slots[req.synced:hi], req.synced, hi
+    # Penalised rows get their whole context every step (a reset feed: the same statistics as incremental ones).
+    feed = PenaltyTokens(True, tuple(req.tokens[:req.prompt_len]), tuple(req.output)) if params.penalised else None
     return SeqInput(
         input_ids=req.tokens[req.computed:end], prefix_len=req.computed, row=idx, new_slots=new_slots,
         slot_offset=offset, new_row=offset == 0 and bool(new_slots),
-        sample=not forced and end >= len(req.tokens), sampling=params.row_sampling(),
-        sampling_seed=seeds[idx] if seeds else 0, prompt_ids=req.tokens[:req.prompt_len],
-        output_ids=list(req.output))
+        sample=not forced and end >= len(req.tokens), sampling=params,
+        sampling_seed=seeds[idx] if seeds else 0, sample_index=len(req.output), penalty_tokens=feed)
 
 
 # -- mutations for the parity checks (installed as runner.forward_input_hook) ----------------

@@ -9,7 +9,7 @@ import torch
 from kernels_fixtures import drive, make_checkpoint, make_prompts
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import ModelRunner, SeqInput
-from radixserve.kernels.forward_io import GREEDY, RowSampling
+from radixserve.kernels.forward_io import GREEDY, PenaltyTokens, RowSampling
 from radixserve.kernels.sampling import adjust_logits, sample_next_tokens
 from radixserve.kernels.sampling_noise import gumbel_noise
 from radixserve.scheduler.req import Req
@@ -21,8 +21,9 @@ VOCAB = 50
 
 def _seq(params: SamplingParams | RowSampling | None, seed: int = 0, output_ids=(), prompt_ids=(), banned=(), top=0):
     sampling = params.row_sampling() if isinstance(params, SamplingParams) else params or GREEDY
+    feed = PenaltyTokens(True, tuple(prompt_ids), tuple(output_ids)) if sampling.penalised else None
     return SeqInput(input_ids=[1], prefix_len=0, row=0, new_slots=[0], slot_offset=0, new_row=True, sample=True,
-                    sampling=sampling, sampling_seed=seed, prompt_ids=list(prompt_ids), output_ids=list(output_ids),
+                    sampling=sampling, sampling_seed=seed, sample_index=len(output_ids), penalty_tokens=feed,
                     banned_ids=tuple(banned), num_top_logprobs=top)
 
 
@@ -184,7 +185,8 @@ def test_runner_prompt_logprobs_cover_chunks_without_gaps(llama_path):
         seq = SeqInput(input_ids=ids, prefix_len=prefix, row=0, new_slots=slots[prefix:prefix + len(ids)],
                        slot_offset=prefix, new_row=prefix == 0,
                        sample=prefix + len(ids) == len(prompt), sampling=GREEDY,
-                       prompt_ids=prompt, prompt_logprob_start=start, num_top_logprobs=2)
+                       prompt_logprob_start=start, num_top_logprobs=2,
+                       lookahead_id=prompt[prefix + len(ids)] if prefix + len(ids) < len(prompt) else None)
         got.extend(runner.forward([seq])[0].prompt_logprobs)
     ref = torch.log_softmax(hf_logits(load_hf(llama_path), prompt), dim=-1)
     assert [lp.token_id for lp in got] == prompt[start:]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kernels_fixtures import single_thread  # noqa: F401  (fixture)
 from radixserve.kernels import sampling, sampling_noise
-from radixserve.kernels.forward_io import SeqInput
+from radixserve.kernels.forward_io import PenaltyTokens, SeqInput
 from radixserve.kernels.sampling_filter import candidate_keep, draw_filtered, reference_keep, top_candidates
 from radixserve.kernels.sampling_noise import gumbel_argmax, gumbel_at, gumbel_rows, row_keys, seed_words
 from radixserve.scheduler.sampling_params import SamplingParams
@@ -142,10 +142,12 @@ def _real_batch() -> tuple[torch.Tensor, list[SeqInput]]:
     seqs = []
     for i in range(64):
         params = dict(temperature=1.0, top_p=0.95) if i >= 48 else kinds[i % 4]
+        sampling = SamplingParams(**params).row_sampling()
+        prompt = tuple(torch.randint(0, VOCAB, (300,), generator=gen).tolist())
         seqs.append(SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
-                             new_row=True, sampling=SamplingParams(**params).row_sampling(), sampling_seed=100 + i,
-                             prompt_ids=torch.randint(0, VOCAB, (300,), generator=gen).tolist(),
-                             output_ids=[5, 6], num_top_logprobs=params.get("logprobs", 0)))
+                             new_row=True, sampling=sampling, sampling_seed=100 + i, sample_index=2,
+                             penalty_tokens=PenaltyTokens(True, prompt, (5, 6)) if sampling.penalised else None,
+                             num_top_logprobs=params.get("logprobs", 0)))
     return logits, seqs
 
 

@@ -1,4 +1,5 @@
-"""PenaltyState (per-row penalty statistics kept between steps) against the stateless rebuild."""
+"""PenaltyState (per-row penalty statistics kept between steps, fed by the scheduler's SlotRow) against the
+stateless rebuild."""
 from __future__ import annotations
 
 import random
@@ -6,36 +7,56 @@ import random
 import pytest
 import torch
 
-from radixserve.kernels.forward_io import SeqInput
+from radixserve.kernels.forward_io import PenaltyTokens, SeqInput
 from radixserve.kernels.sampling import PenaltyState, adjust_logits, sample_next_tokens
 from radixserve.scheduler.sampling_params import SamplingParams
+from radixserve.scheduler.slot_row import SlotRow, SlotRows
 
 VOCAB = 64
 
 
 class _Req:
-    """The lists a request owns; SeqInputs reference them (never copies), as the engine's do."""
+    """A request's lists and its scheduler-side row (SlotRow), which decides what the penalty row is fed."""
 
     def __init__(self, rng: random.Random, **params):
         self.prompt_ids = [rng.randrange(-2, VOCAB + 2) for _ in range(rng.randrange(1, 24))]
         self.output_ids: list[int] = []
         self.params = SamplingParams(**params)
         self.seed = rng.randrange(2**31)
+        self.kv = SlotRow()
+
+    def place(self) -> None:
+        """The scheduler gave the request a row (admission, or re-admission after a retraction)."""
+        rows = SlotRows(1)
+        rows.assign(self.kv, [])
 
 
-def _seq(req: _Req, row: int, new_row: bool) -> SeqInput:
+def _seq(req: _Req, row: int, feed: PenaltyTokens | None) -> SeqInput:
     return SeqInput(input_ids=[1], prefix_len=0, row=row, new_slots=[], slot_offset=0, sample=True,
-                    new_row=new_row, sampling=req.params.row_sampling(), sampling_seed=req.seed,
-                    prompt_ids=req.prompt_ids, output_ids=req.output_ids)
+                    sampling=req.params.row_sampling(), sampling_seed=req.seed, sample_index=len(req.output_ids),
+                    penalty_tokens=feed)
+
+
+def _fed(req: _Req) -> PenaltyTokens | None:
+    sampling = req.params.row_sampling()
+    return req.kv.take_penalty_tokens(req.prompt_ids, req.output_ids) if sampling.penalised else None
+
+
+def _full(req: _Req) -> PenaltyTokens:
+    return PenaltyTokens(True, tuple(req.prompt_ids), tuple(req.output_ids))
 
 
 def _step(state: PenaltyState, batch: list[tuple[_Req, int, bool]], seed: int) -> None:
-    """One step with the state and without; both must agree exactly. Appends the tokens."""
-    seqs = [_seq(req, row, new_row) for req, row, new_row in batch]
-    logits = torch.randn(len(seqs), VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
-    assert torch.equal(adjust_logits(logits, seqs, penalties=state), adjust_logits(logits, seqs))
-    tokens, _ = sample_next_tokens(logits, seqs, penalties=state)  # a second update: idempotent
-    assert tokens == sample_next_tokens(logits, seqs)[0]
+    """One step with the state (fed by each request's SlotRow) and without (the whole context); both must agree
+    exactly. `placed`: the request has just been given its row. Appends the sampled tokens."""
+    for req, _, placed in batch:
+        if placed:
+            req.place()
+    stateful = [_seq(req, row, _fed(req)) for req, row, _ in batch]
+    stateless = [_seq(req, row, _full(req)) for req, row, _ in batch]
+    logits = torch.randn(len(batch), VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+    assert torch.equal(adjust_logits(logits, stateful, penalties=state), adjust_logits(logits, stateless))
+    tokens, _ = sample_next_tokens(logits, stateless)
     for (req, _, _), token in zip(batch, tokens):
         req.output_ids.append(token)
 
@@ -52,51 +73,43 @@ def test_penalty_state_equals_the_stateless_rebuild_over_many_steps():
     for _ in range(6):
         _step(state, [(a, 0, False), (b, 1, False), (c, 2, False), (d, 3, False)], next(seed))
     assert state.num_updated_rows > 0
-    # a finishes; e gets its row (new_row). b is retracted and comes back on c's row, outputs kept.
+    # a finishes; e gets its row. b is retracted and comes back on c's row, outputs kept.
     e = _Req(rng, **both)
-    for _ in range(3):
-        _step(state, [(e, 0, not e.output_ids), (d, 3, False)], next(seed))
+    _step(state, [(e, 0, True), (d, 3, False)], next(seed))
+    for _ in range(2):
+        _step(state, [(e, 0, False), (d, 3, False)], next(seed))
     assert b.output_ids
     _step(state, [(b, 2, True), (e, 0, False), (d, 3, False)], next(seed))
     for _ in range(4):
         _step(state, [(b, 2, False), (e, 0, False), (d, 3, False)], next(seed))
-    # f (retracted earlier, more outputs than b had) reuses b's old row 1, but its new_row step was
-    # a prefill chunk that sampled nothing: the state sees new_row False with another request's
-    # list and must rebuild anyway.
+    # f (retracted earlier, more outputs than b had) gets b's old row 1, its first steps there prefill chunks
+    # that sample nothing: its first sampled step is still a reset, because its row is new to it.
     f = _Req(rng, **both)
     f.output_ids.extend(rng.randrange(VOCAB) for _ in range(len(b.output_ids) + 3))
+    f.place()
     for _ in range(3):
         _step(state, [(f, 1, False), (b, 2, False)], next(seed))
-    # b retracted again and back on its row, new_row set, then a penalty-free request on row 3
-    # followed by a penalised one whose list the state has seen before on another row.
+    # b retracted again and back on its row, then a penalty-free request on row 3 followed by a penalised one.
     _step(state, [(b, 2, True), (c, 3, True)], next(seed))
-    _step(state, [(b, 2, False), (a, 3, False), (f, 1, False)], next(seed))
+    _step(state, [(b, 2, False), (a, 3, True), (f, 1, False)], next(seed))
     _step(state, [(b, 2, False), (a, 3, False), (f, 1, False)], next(seed))
     assert state.num_updated_rows > state.num_rebuilt_rows
 
 
-def test_new_row_rebuilds_even_when_the_list_object_is_reused():
+def test_a_row_new_to_a_request_is_fed_its_whole_context():
     rng = random.Random(3)
-    first = _Req(rng, temperature=0.0, repetition_penalty=2.0)
-    state = PenaltyState(num_rows=1)
-    _step(state, [(first, 0, True)], 0)
-    second = _Req(rng, temperature=0.0, repetition_penalty=2.0)
-    second.output_ids = first.output_ids  # a caller recycling list objects: only new_row tells
-    second.output_ids.clear()
-    _step(state, [(second, 0, True)], 1)
-    _step(state, [(second, 0, False)], 2)
-
-
-def test_output_shorter_than_recorded_rebuilds_the_row():
-    rng = random.Random(1)
-    req = _Req(rng, temperature=0.0, frequency_penalty=1.0, repetition_penalty=1.5)
-    state = PenaltyState(num_rows=2)
-    for step in range(4):
-        _step(state, [(req, 1, step == 0)], step)
-    del req.output_ids[1:]  # a caller trimmed the list in place
-    rebuilt = state.num_rebuilt_rows
-    _step(state, [(req, 1, False)], 9)
-    assert state.num_rebuilt_rows == rebuilt + 2  # both statistics
+    req = _Req(rng, temperature=0.0, repetition_penalty=2.0)
+    req.output_ids += [5, 6]
+    req.place()
+    first = _fed(req)
+    assert first.reset and first.prompt == tuple(req.prompt_ids) and first.output == (5, 6)
+    req.output_ids += [7, 8]
+    assert _fed(req) == PenaltyTokens(False, (), (7, 8))
+    assert _fed(req) == PenaltyTokens(False, (), ())  # nothing new since
+    req.place()  # retracted and admitted again: the row's statistics start afresh
+    assert _fed(req) == PenaltyTokens(True, tuple(req.prompt_ids), (5, 6, 7, 8))
+    del req.output_ids[1:]  # fewer outputs than fed (never in the engine): a reset, never a negative slice
+    assert _fed(req).reset
 
 
 def test_no_tensor_until_a_penalty_is_used_and_rows_are_checked():
@@ -109,6 +122,11 @@ def test_no_tensor_until_a_penalty_is_used_and_rows_are_checked():
     assert state.seen is None and state.counts is not None and state.counts.shape == (2, VOCAB)
     with pytest.raises(ValueError, match="row 2"):
         _step(state, [(_Req(rng, repetition_penalty=1.2), 2, True)], 2)
+    lost = _Req(rng, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="no penalty_tokens"):
+        adjust_logits(torch.zeros(1, VOCAB), [_seq(lost, 0, None)], penalties=state)
+    with pytest.raises(ValueError, match="reset penalty_tokens"):
+        adjust_logits(torch.zeros(1, VOCAB), [_seq(lost, 0, PenaltyTokens(False, (), (1,)))])
 
 
 def _dense_penalties(logits: torch.Tensor, reqs: list[_Req]) -> torch.Tensor:
@@ -138,8 +156,12 @@ def test_sparse_penalties_equal_the_whole_row_formulas():
     for step in range(5):
         for req in reqs:
             req.output_ids += [rng.randrange(-1, VOCAB + 1) for _ in range(rng.randrange(0, 4))]
-        seqs = [_seq(req, row, step == 0) for row, req in enumerate(reqs)]
+        if step == 0:
+            for req in reqs:
+                req.place()
         logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(step)) * 3
         expected = _dense_penalties(logits, reqs)
-        assert torch.equal(adjust_logits(logits, seqs), expected)
-        assert torch.equal(adjust_logits(logits, seqs, penalties=state), expected)
+        assert torch.equal(adjust_logits(logits, [_seq(req, row, _full(req)) for row, req in enumerate(reqs)]),
+                           expected)
+        fed = [_seq(req, row, _fed(req)) for row, req in enumerate(reqs)]
+        assert torch.equal(adjust_logits(logits, fed, penalties=state), expected)

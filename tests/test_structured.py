@@ -328,7 +328,7 @@ def test_sampler_respects_the_mask():
     for t in allowed:
         bitmask[:, t // 32] |= 1 << (t % 32)
     seqs = [SeqInput(input_ids=[1], prefix_len=0, row=i, new_slots=[], slot_offset=0, sample=True,
-                     sampling=SamplingParams(**p).row_sampling(), sampling_seed=i, output_ids=[],
+                     sampling=SamplingParams(**p).row_sampling(), sampling_seed=i,
                      token_bitmask=bitmask[i] if i < 3 else None)
             for i, p in enumerate([dict(temperature=0.0), dict(temperature=1.0, seed=1),
                                    dict(temperature=2.0, top_p=0.5, top_k=5, min_new_tokens=4),
