@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     labels = (args.label_a, args.label_b)
     configs = {args.label_a: json.loads(args.a), args.label_b: json.loads(args.b)}
     srcs = {args.label_a: args.src_a, args.label_b: args.src_b}
+    sources = {k: _describe(srcs[k]) for k in labels}  # the code as the sides load it, not as it is at the end
     sides: dict[str, Child] = {}
     try:
         for label in labels:
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"bench": "engine_ab", "command": args.command,
               "model": args.model, "size": args.size, "reps": args.reps, "threads": args.threads,
               "labels": list(labels), "configs": {k: sides[k].config for k in labels},
-              "sources": {k: _describe(srcs[k]) for k in labels},
+              "sources": sources,
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
               "runs": runs, "rows": summarize(runs, labels)}
     out = BenchOutput("engine_ab", args.out)
