@@ -54,8 +54,19 @@ class Job:
         return bad_request(message, param, code=error.code or "invalid_value")
 
 
+ENGINE_CALL_TIMEOUT_S = 10.0  # stats / flush between steps; a stuck engine makes them 503, not hang
+
+
 def engine_unavailable(exc: BaseException) -> APIError:
     return APIError(503, f"the engine is not available: {exc}", code="engine_unavailable")
+
+
+async def engine_call(engine: Any, name: str, args: tuple = ()) -> Any:
+    """An engine method run between steps (EngineProcess.call); 503 when there is no engine to ask."""
+    try:
+        return await engine.call(name, timeout=ENGINE_CALL_TIMEOUT_S, args=args)
+    except (EngineDead, asyncio.TimeoutError) as exc:
+        raise engine_unavailable(exc if str(exc) else EngineDead("no answer")) from exc
 
 
 class EngineClient:

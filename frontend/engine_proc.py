@@ -158,13 +158,14 @@ class EngineProcess:
     def open_rids(self) -> list[str]:
         return list(self._routes)
 
-    async def call(self, name: str, timeout: float | None = 60.0) -> Any:
-        """Run `name` (stats, flush_cache, check_integrity) in the engine between steps."""
+    async def call(self, name: str, timeout: float | None = 60.0, args: tuple = ()) -> Any:
+        """Run `name` (stats, flush_cache, check_integrity, open_session, close_session) with `args` in the engine
+        between steps."""
         self._check_alive()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        self._send(msg.Call(call_id, name))
+        self._send(msg.Call(call_id, name, args))
         try:
             return await asyncio.wait_for(future, timeout)
         finally:

@@ -119,6 +119,7 @@ OPENAI_SAMPLING_NAMES = {
     "logprobs": "logprobs",
     "logprob_start_len": "logprob_start_len",
     "cache_salt": "cache_salt",
+    "session_id": "session_id",
     "skip_special_tokens": "skip_special_tokens",
     "json_schema": "response_format",
     "structural_tag": "tools",  # built from tools + tool_choice (frontend/tool_grammar.py)
@@ -141,6 +142,7 @@ def read_openai_sampling(reader: FieldReader) -> dict[str, Any]:
         "stop": reader.str_list("stop", MAX_STOP_STRINGS),
         "stop_token_ids": reader.int_list("stop_token_ids"),
         "cache_salt": reader.str("cache_salt"),
+        "session_id": reader.str("session_id"),
         "skip_special_tokens": reader.bool("skip_special_tokens", True),
     }
     if kwargs["top_k"] == 0:

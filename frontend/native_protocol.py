@@ -6,6 +6,7 @@ from typing import Any
 
 from .errors import bad_request
 from .fields import MAX_STOP_STRINGS, FieldReader, check_list_len, make_sampling_params
+from .sessions_api import native_session
 from .structured import require as require_structured
 from ..scheduler.sampling_params import SamplingParams
 
@@ -49,10 +50,13 @@ def parse_generate_request(body: Any, max_n: int = 1, structured: bool = True) -
     top_nums = _per_item(reader, "top_logprobs_num", num, is_batch, 0)
     text_in_logprobs = reader.bool("return_text_in_logprobs", False)
     stream = reader.bool("stream", False)
+    session_id = native_session(body)
     items = []
     for i, prompt in enumerate(prompts):
         where = f"[{i}]" if is_batch else ""
         kwargs, n = _parse_sampling(sampling[i], where, max_n, structured)
+        if session_id is not None:
+            kwargs["session_id"] = session_id
         items.append(NativeItem(
             prompt=prompt,
             sampling=kwargs,

@@ -14,11 +14,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import native_api, openai_api, responses_api, tokenize_api
+from . import native_api, openai_api, responses_api, sessions_api, tokenize_api
 from .access_log import AccessLog, note_probe
 from .config import ServerConfig
-from .engine_client import EngineClient, Job, engine_unavailable
-from .engine_proc import EngineDead
+from .engine_client import EngineClient, Job, engine_call, engine_unavailable
 from .errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from .logprobs import TokenTexts, token_bytes_fn
 from .metrics import ServerMetrics
@@ -29,7 +28,6 @@ from ..scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-ENGINE_CALL_TIMEOUT_S = 10.0  # stats / flush between steps; a stuck engine makes them 503, not hang
 Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
 
 
@@ -80,6 +78,8 @@ def build_app(state: ServerState) -> Starlette:
         route("/get_load", _get_load, ["GET"]),
         route("/flush_cache", _flush_cache, ["POST", "GET"]),
         route("/abort_request", _abort_request, ["POST"], body=True),
+        route("/open_session", sessions_api.open_session, ["POST"], body=True),
+        route("/close_session", sessions_api.close_session, ["POST"], body=True),
         route("/metrics", _metrics, ["GET"]),
         route("/health", _health, ["GET"], auth=False, health=True),
         route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
@@ -107,6 +107,7 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
             if state.client.draining and not health:
                 raise shutting_down()
             payload = await read_json(request, state.config.max_body_bytes) if body else None
+            payload = sessions_api.apply_header(request, payload)
             response = await handler(state, request, payload)
         except APIError as exc:
             response = exc.response()
@@ -202,7 +203,7 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
         "context_length": state.client.context_length,
         "max_queued_requests": state.config.max_queued_requests,
         "num_in_flight": state.client.num_in_flight,
-        "stats": await _engine_call(state, "stats"),
+        "stats": await engine_call(state.engine, "stats"),
     })
     return info
 
@@ -211,7 +212,7 @@ async def _get_load(state: ServerState, request: Request, body: Any) -> list[dic
     """What a router balances on, in SGLang's shape: one entry per data-parallel rank (one here).
     sglang-router 0.3.2 sums `num_tokens` (KV slots held by live requests; cached prefixes not
     counted) as the worker's load and reads `num_waiting_reqs`."""
-    stats = await _engine_call(state, "stats")
+    stats = await engine_call(state.engine, "stats")
     running, waiting = stats["num_running"], stats["num_waiting"]
     total = stats["total_slots"]
     used = total - stats["free_slots"] - stats["evictable_slots"]
@@ -220,17 +221,9 @@ async def _get_load(state: ServerState, request: Request, body: Any) -> list[dic
              "token_usage": used / total if total else 0.0, "cache_hit_rate": stats["cache_hit_rate"]}]
 
 
-async def _engine_call(state: ServerState, name: str) -> Any:
-    """An engine method run between steps; 503 when there is no engine to ask."""
-    try:
-        return await state.engine.call(name, timeout=ENGINE_CALL_TIMEOUT_S)
-    except (EngineDead, asyncio.TimeoutError) as exc:
-        raise engine_unavailable(exc if str(exc) else EngineDead("no answer")) from exc
-
-
 async def _flush_cache(state: ServerState, request: Request, body: Any) -> Response:
     busy = APIError(400, "cache not flushed: requests are queued or running; retry when idle", code="busy")
-    if state.client.num_in_flight or not await _engine_call(state, "flush_cache"):
+    if state.client.num_in_flight or not await engine_call(state.engine, "flush_cache"):
         raise busy
     return PlainTextResponse("Cache flushed.\n")
 
@@ -261,7 +254,7 @@ async def _not_supported(state: ServerState, request: Request, body: Any) -> Res
 
 
 async def _metrics(state: ServerState, request: Request, body: Any) -> Response:
-    text = state.metrics.render(await _engine_call(state, "stats"), state.client.num_in_flight)
+    text = state.metrics.render(await engine_call(state.engine, "stats"), state.client.num_in_flight)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

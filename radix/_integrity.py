@@ -14,7 +14,7 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
     allocator = cache.allocator
     allocator.check_integrity()
     owner: dict[int, str] = {}  # slot id -> who holds it, to name both sides of a double ownership
-    evictable = locked = 0
+    evictable = locked = pinned = 0
     expected_leaves: dict[tuple[float, int], TreeNode] = {}
     for salt, root in cache._roots.items():
         assert root.is_root and root.parent is None and root.namespace == salt, (
@@ -33,6 +33,9 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
                     f"slot {slot} is owned twice: by {owner[slot]} and by {node!r} (salt {salt!r})")
                 assert not allocator.is_free(slot), f"slot {slot} is in the tree ({node!r}) but free"
                 owner[slot] = f"{node!r} (salt {salt!r})"
+            assert 0 <= node.pin_ref <= node.lock_ref, f"{node!r}: pin_ref {node.pin_ref} > lock_ref {node.lock_ref}"
+            if node.lock_ref and node.lock_ref == node.pin_ref:
+                pinned += len(node.value)
             if node.lock_ref:
                 locked += len(node.value)
             else:
@@ -44,6 +47,8 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
         f"evictable_size is {cache.evictable_size} but the tree holds {evictable} unlocked slots")
     assert locked == cache.locked_size, (
         f"locked_size is {cache.locked_size} but the tree holds {locked} locked slots")
+    assert pinned == cache.pinned_size, (
+        f"pinned_size is {cache.pinned_size} but pins alone hold {pinned} locked slots")
     num_in_flight = _check_in_flight(cache, in_flight_slots, owner)
     num_free = allocator.num_free_slots
     assert num_free + evictable + locked + num_in_flight == allocator.total_slots, (

@@ -38,7 +38,7 @@ class TreeNode:
     """One edge of the tree: `key` token ids and the KV `value` slot ids that back them."""
 
     __slots__ = (
-        "key", "value", "children", "parent", "lock_ref", "last_access", "hit_count",
+        "key", "value", "children", "parent", "lock_ref", "pin_ref", "last_access", "hit_count",
         "node_id", "evict_key", "is_root", "namespace",
     )
 
@@ -49,6 +49,7 @@ class TreeNode:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.parent = parent  # None for a root and for an evicted (detached) node
         self.lock_ref = 0
+        self.pin_ref = 0  # those of lock_ref that are pins (lock(pin=True)): held for a session, not a request
         self.last_access = 0  # logical clock of the last match/insert touching this node
         self.hit_count = 0  # number of match_prefix calls whose match covered this node
         self.node_id = node_id  # creation order; breaks priority ties deterministically
@@ -101,6 +102,7 @@ class RadixCache:
         self._num_nodes_created = 0
         self._evictable_size = 0
         self._locked_size = 0
+        self._pinned_size = 0
 
     # ------------------------------------------------------------------ public API
 
@@ -188,30 +190,40 @@ class RadixCache:
         self._touch(node, hit=False)
         return num_cached, cached, node
 
-    def lock(self, node: TreeNode) -> None:
-        """Protect node and its path to the root from eviction (counted; pair with unlock)."""
+    def lock(self, node: TreeNode, pin: bool = False) -> None:
+        """Protect node and its path to the root from eviction (counted; pair with unlock). A pin is a lock held
+        for a session between its requests: the slots only pins hold are counted in `pinned_size`, what dropping
+        every pin would make evictable."""
         if node.is_root:
             return
         if node.is_evicted:
             raise ValueError("lock: the node was evicted; match_prefix again and lock the new node")
         deepest = node
         while not node.is_root:
+            was_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.value)
                 self._locked_size += len(node.value)
             node.lock_ref += 1
+            node.pin_ref += int(pin)
+            self._pinned_size += len(node.value) * (int(node.lock_ref == node.pin_ref) - int(was_pinned_only))
             node = node.parent
         self._sync_leaf_index(deepest)
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: TreeNode, pin: bool = False) -> None:
         if node.is_root:
             return
         # Ancestors' counts are >= the node's, so checking the node makes the whole walk safe.
-        if node.lock_ref <= 0:
-            raise ValueError(f"unlock: {node!r} is not locked (unlock without a matching lock)")
+        if node.lock_ref <= 0 or (pin and node.pin_ref <= 0):
+            raise ValueError(f"unlock: {node!r} is not {'pinned' if pin else 'locked'} (unlock without a matching "
+                             "lock)")
         deepest = node
         while not node.is_root:
+            was_pinned_only = node.lock_ref == node.pin_ref
             node.lock_ref -= 1
+            node.pin_ref -= int(pin)
+            now_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
+            self._pinned_size += len(node.value) * (int(now_pinned_only) - int(was_pinned_only))
             if node.lock_ref == 0:
                 self._locked_size -= len(node.value)
                 self._evictable_size += len(node.value)
@@ -250,6 +262,11 @@ class RadixCache:
     @property
     def locked_size(self) -> int:
         return self._locked_size
+
+    @property
+    def pinned_size(self) -> int:
+        """Locked slots that only pins hold (a subset of locked_size)."""
+        return self._pinned_size
 
     @property
     def total_size(self) -> int:
@@ -356,6 +373,7 @@ class RadixCache:
         self._num_nodes_created += 1
         upper = TreeNode(node.key[:split_len], node.value[:split_len], parent, self._num_nodes_created)
         upper.lock_ref = node.lock_ref
+        upper.pin_ref = node.pin_ref
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         node.key = node.key[split_len:]

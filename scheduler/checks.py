@@ -96,3 +96,13 @@ def token_id_list(prompt: Any, vocab: int) -> list[int]:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
     return ids if kinds == {int} else [int(t) for t in ids]
+
+
+MAX_SESSION_ID = 256
+
+
+def check_session_id(session_id: Any) -> str:
+    """A session id (scheduler/sessions.py): a non-empty string of at most MAX_SESSION_ID characters."""
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID:
+        raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters")
+    return session_id

@@ -208,6 +208,7 @@ class Engine:
         return deltas
 
     def _plan_and_run(self, t0: float) -> list[StreamDelta]:
+        self.kv.sessions.expire()
         batch, admitted = self.planner.schedule(self.step_index)
         for req in admitted:
             self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
@@ -254,7 +255,11 @@ class Engine:
         self._parts["build"] += (t1 - t0) + prof["build_s"]
         self._parts["sample"] += prof["sample_s"]
         # The runner call's wall time less its build and sample parts (its own glue included).
-        self._parts["forward"] += self._mark - t1 - prof["build_s"] - prof["sample_s"]
+        forward_s = self._mark - t1 - prof["build_s"] - prof["sample_s"]
+        self._parts["forward"] += forward_s
+        prefill = sum(len(q.input_ids) for q, it in zip(seqs, batch.items) if not it.is_decode)
+        if prefill >= 32:  # the prefill cost per token that a session pin's time to live weighs
+            self.kv.sessions.observe_prefill(prefill, forward_s * prefill / sum(len(q.input_ids) for q in seqs))
         for item, seq, out in zip(batch.items, seqs, outs):
             req = item.req
             req.kv_len += item.num_tokens
@@ -312,7 +317,7 @@ class Engine:
         req.grammar = None  # the matcher is released with the request
         if req.status is ReqStatus.FINISHED:
             return
-        self.kv.release(req)
+        self.kv.release(req, finished=req.finish_reason != "abort")
         self.planner.remove(req)
         req.status = ReqStatus.FINISHED
         m = self.metrics
@@ -341,6 +346,17 @@ class Engine:
             return False
         self.kv.flush()
         return True
+
+    def open_session(self, session_id: str | None = None) -> str:
+        """Open a session (scheduler/sessions.py): its requests' paths stay pinned between turns. Returns its id."""
+        return self._on_loop(lambda: self.kv.sessions.open(session_id))
+
+    def close_session(self, session_id: str) -> bool:
+        """Close a session and drop its pin; False when it was not open."""
+        return self._on_loop(lambda: self.kv.sessions.close(session_id))
+
+    def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        return self._loop.call(fn) if self._loop.running and not self._loop.on_loop_thread() else fn()
 
     def stats(self) -> dict[str, Any]:
         """A snapshot between steps (safe from any thread: with the loop running it is taken
@@ -373,6 +389,7 @@ class Engine:
             "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
             "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
             "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
+            **self.kv.sessions.stats(),
         }
 
     def shutdown(self) -> None:

@@ -181,12 +181,13 @@ class EngineServer:
 
     def _call(self, call: msg.Call) -> msg.Reply:
         calls = {"stats": self._stats, "flush_cache": self.engine.flush_cache,
-                 "check_integrity": self.engine.check_integrity}
+                 "check_integrity": self.engine.check_integrity, "open_session": self.engine.open_session,
+                 "close_session": self.engine.close_session}
         fn = calls.get(call.name)
         if fn is None:
             return msg.Reply(call.call_id, error=f"unknown call {call.name!r}")
         try:
-            return msg.Reply(call.call_id, value=fn())
+            return msg.Reply(call.call_id, value=fn(*call.args))
         except Exception as exc:  # e.g. a broken integrity identity: the caller sees it
             return msg.Reply(call.call_id, error=f"{type(exc).__name__}: {exc}")
 

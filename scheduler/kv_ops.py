@@ -17,6 +17,7 @@ import logging
 from ..radix.allocator import KVAllocator
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache, TreeNode
 from .req import Req
+from .sessions import Sessions
 from .slot_row import SlotRows
 
 logger = logging.getLogger(__name__)
@@ -35,14 +36,16 @@ class PrefixKV:
         self.allocator = KVAllocator(num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
                                eviction_policy=eviction_policy, reuse_bonus=reuse_bonus)
+        self.sessions = Sessions(self.tree)  # pins of finished requests' paths, for their sessions' next turns
 
     @property
     def total_slots(self) -> int:
         return self.allocator.total_slots
 
     def available_slots(self) -> int:
-        """Slots obtainable now without retracting anyone: free + evictable."""
-        return self.allocator.num_free_slots + self.tree.evictable_size
+        """Slots obtainable now without retracting anyone: free + evictable + those only pins hold (admission
+        drops pins when it needs their slots: they never starve it)."""
+        return self.allocator.num_free_slots + self.tree.evictable_size + self.tree.pinned_size
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -70,6 +73,7 @@ class PrefixKV:
             slots, node = matched
             self.tree.record_hit(node)
         self.tree.lock(node)
+        self.sessions.take(req.params.session_id)  # the request's lock holds what its session's pin kept
         req.last_node = node
         self.rows.assign(req.slot_row, slots)
         req.kv_len = req.tree_len = len(slots)
@@ -136,11 +140,14 @@ class PrefixKV:
         req.last_node = node
         req.tree_len = aligned
 
-    def release(self, req: Req) -> None:
-        """Finish, abort or retract: keep the computed prefix cached, free the rest, unlock."""
+    def release(self, req: Req, finished: bool = False) -> None:
+        """Finish, abort or retract: keep the computed prefix cached, free the rest, unlock. A `finished` request
+        of a session leaves its cached path pinned for the session's next turn."""
         if req.last_node is None:
             return
         self.cache_prefix(req)
+        if finished:
+            self.sessions.keep(req.params.session_id, req.last_node, req.tree_len)
         slots = self.rows.release(req.slot_row)
         if len(slots) > req.tree_len:
             self.allocator.free(slots[req.tree_len:])
@@ -149,6 +156,7 @@ class PrefixKV:
         req.kv_len = req.tree_len = 0
 
     def flush(self) -> None:
+        self.sessions.drop_all()
         self.tree.reset()
 
     def check_integrity(self, running: list[Req]) -> None:
@@ -156,6 +164,8 @@ class PrefixKV:
 
     def _alloc(self, num_slots: int) -> list[int] | None:
         shortfall = num_slots - self.allocator.num_free_slots
+        if shortfall > self.tree.evictable_size:
+            self.sessions.reclaim(shortfall - self.tree.evictable_size)
         if shortfall > 0:
             self.tree.evict(shortfall)
         return self.allocator.alloc(num_slots)

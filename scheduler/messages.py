@@ -35,10 +35,12 @@ class AbortRequest:
 
 @dataclass
 class Call:
-    """Run an engine method between steps (`stats`, `flush_cache`, `check_integrity`) and reply."""
+    """Run an engine method between steps (`stats`, `flush_cache`, `check_integrity`, `open_session`,
+    `close_session`) with `args`, and reply."""
 
     call_id: int
     name: str
+    args: tuple = ()
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import regex as _regex
 
 from ..kernels.forward_io import RowSampling
-from .checks import check_int, check_number
+from .checks import check_int, check_number, check_session_id
 
 GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 JSON_OBJECT = "$$ANY$$"  # json_schema value meaning any JSON (response_format json_object); never valid JSON
@@ -51,6 +51,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k count of output logprobs; None = off
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = off
     cache_salt: str | None = None
+    # The agent session the request belongs to: its cached path stays pinned for the session's next turn
+    # (scheduler/sessions.py). Not a sampling setting, but it travels with the request as cache_salt does.
+    session_id: str | None = None
     skip_special_tokens: bool = True
     # Structured generation (at most one; compiled with xgrammar in the engine, scheduler/grammar.py).
     regex: str | None = None
@@ -134,6 +137,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if self.session_id is not None:
+            check_session_id(self.session_id)
         self._validate_grammar()
 
     @property

@@ -209,10 +209,17 @@ class TableFollowsSlots(RuleBasedStateMachine):
 
         runner.build_forward_input = checked_build
 
-    @rule(family=st.integers(0, 2), own=st.integers(1, 30), new=st.integers(1, 12))
-    def add(self, family, own, new):
+    @rule(family=st.integers(0, 2), own=st.integers(1, 30), new=st.integers(1, 12),
+          session=st.sampled_from([None, None, "s0", "s1"]))
+    def add(self, family, own, new, session):
+        """A request, some of them in a session: their paths stay pinned after they finish (locked slots that
+        admission reclaims when it needs them)."""
         prompt = [10 + family] * 20 + [50 + family + j for j in range(own)]
-        self.rids.append(self.engine.add_request(prompt, dict(GREEDY, max_new_tokens=new)))
+        self.rids.append(self.engine.add_request(prompt, dict(GREEDY, max_new_tokens=new, session_id=session)))
+
+    @rule(session=st.sampled_from(["s0", "s1"]))
+    def close_session(self, session):
+        self.engine.close_session(session)
 
     @rule(pick=st.integers(0, 50))
     def abort(self, pick):

@@ -55,6 +55,7 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             self.allocator = KVAllocator(num_slots, page_size)
             self.model: dict[tuple, tuple[int, ...]] = {}
             self.requests: list[Req] = []
+            self.pins: list[tuple[str | None, list[int], TreeNode]] = []  # (salt, pinned prefix, node)
             self.cache: RadixCache | None = None
 
         @initialize(policy=st.sampled_from(["lru", "lru-reuse"]), reuse_bonus=st.sampled_from([0.0, 4.0, 64.0]))
@@ -89,7 +90,7 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
         # One rule for all request progress (fewer rules gated by preconditions means fewer
         # examples that hypothesis abandons while looking for an enabled rule).
         @precondition(lambda self: self.requests)
-        @rule(data=st.data(), action=st.sampled_from(["finish", "finish", "checkpoint", "abort"]))
+        @rule(data=st.data(), action=st.sampled_from(["finish", "finish", "pin", "checkpoint", "abort"]))
         def progress_request(self, data, action):
             req_idx = data.draw(st.integers(0, len(self.requests) - 1), label="req_idx")
             req = self.requests[req_idx]
@@ -102,7 +103,13 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                 self.allocator.free(req.slot_ids[req.num_cached:])
                 self.cache.unlock(req.node)
                 return
-            self.finish(req)
+            self.finish(req, pin=action == "pin")
+
+        @precondition(lambda self: self.pins)
+        @rule(data=st.data())
+        def unpin(self, data):
+            _, _, node = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1), label="pin_idx"))
+            self.cache.unlock(node, pin=True)
 
         # Flush is folded into this rule (1 draw in 10) so it stays rare without a precondition.
         @rule(num_tokens=st.integers(0, num_slots), flush=st.sampled_from([False] * 9 + [True]))
@@ -122,10 +129,16 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
 
         # -------------------------------------------------------------- request steps and model updates
 
-        def finish(self, req: Req) -> None:
+        def finish(self, req: Req, pin: bool = False) -> None:
+            """A request ends; with `pin` its cached path stays locked for its session (a pin) until unpinned."""
             num_insert = len(req.tokens) - len(req.tokens) % page_size  # partial last page is freed
             self.insert_and_sync(req, num_insert)
             self.allocator.free(req.slot_ids[num_insert:])
+            if pin and num_insert:
+                _, node = self.cache.match_prefix(req.tokens[:num_insert], req.salt, record_hit=False)
+                self.cache.lock(node, pin=True)
+                self.pins.append((req.salt, req.tokens[:num_insert], node))
+                note("path pinned")
             self.cache.unlock(req.node)
 
         def checkpoint(self, req: Req, num_insert: int) -> None:
@@ -199,6 +212,11 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                 assert self.model_match(req.tokens[:req.num_cached], req.salt) == req.slot_ids[:req.num_cached]
                 for end in range(page_size, req.num_cached + 1, page_size):
                     locked_keys.add((req.salt, tuple(req.tokens[:end])))
+            pinned_keys = {(salt, tuple(tokens[:end])) for salt, tokens, _ in self.pins
+                           for end in range(page_size, len(tokens) + 1, page_size)}
+            assert pinned_keys <= set(self.model), "a pinned prefix was evicted"
+            assert self.cache.pinned_size == len(pinned_keys - locked_keys) * page_size
+            locked_keys |= pinned_keys
             assert self.cache.locked_size == len(locked_keys) * page_size
             assert self.cache.evictable_size == (len(self.model) - len(locked_keys)) * page_size
 
@@ -222,6 +240,7 @@ def _run(page_size: int, num_slots: int) -> None:
     stats: Counter = Counter()
     run_state_machine_as_test(make_machine(page_size, num_slots, stats), settings=STATE_MACHINE_SETTINGS)
     assert stats[LOCKED_EVICTION] > 0, "no example evicted while nodes were locked"
+    assert stats["path pinned"] > 0, "no example pinned a finished path"
 
 
 def test_radix_state_machine_page_size_1():

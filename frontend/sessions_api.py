@@ -1,0 +1,81 @@
+"""Sessions over HTTP (scheduler/sessions.py keeps a session's history pinned between its turns).
+
+SGLang's API: POST /open_session {"session_id"?: str, "capacity_of_str_len"?: int} answers the session's id (a
+JSON string); POST /close_session {"session_id": str}; /generate names the session in `session_params.id`. The
+OpenAI-style APIs (chat, completions, responses) take a `session_id` body field (`extra_body` for the openai SDK)
+or an `x-session-id` header. A request naming a session that is not open opens it; sessions close explicitly or
+after the engine's idle timeout. SGLang's token-level continuation (`session_params.rid`, `offset`, `replace`,
+`drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .engine_client import engine_call
+from .errors import bad_request
+from .state import ServerState
+from ..scheduler.checks import check_session_id
+
+HEADER = "x-session-id"
+_CONTINUATION_KEYS = ("rid", "offset", "replace", "drop_previous_output")
+
+
+def checked(session_id: Any, param: str) -> str:
+    try:
+        return check_session_id(session_id)
+    except ValueError as exc:
+        raise bad_request(str(exc).replace("session_id", param, 1), param) from exc
+
+
+def apply_header(request: Request, body: Any) -> Any:
+    """An `x-session-id` header becomes the body's `session_id` (the one place both meet); a body that names
+    another session is a 400."""
+    header = request.headers.get(HEADER)
+    if header is None or not isinstance(body, dict):
+        return body
+    named = body.get("session_id")
+    if named is not None and named != header:
+        raise bad_request(f"the {HEADER} header ({header!r}) and session_id ({named!r}) name different sessions",
+                          "session_id")
+    return dict(body, session_id=checked(header, HEADER))
+
+
+def native_session(body: dict[str, Any]) -> str | None:
+    """The session of a /generate body: `session_params.id` (SGLang) or `session_id` (the header's)."""
+    params, top = body.get("session_params"), body.get("session_id")
+    if params is None:
+        return None if top is None else checked(top, "session_id")
+    if not isinstance(params, dict):
+        raise bad_request("session_params must be an object with \"id\"", "session_params")
+    for key in _CONTINUATION_KEYS:
+        if params.get(key) not in (None, False, 0):
+            raise bad_request(f"session_params.{key} is not supported: send the whole history (the session keeps it "
+                              "cached)", f"session_params.{key}", code="unsupported_parameter")
+    sid = checked(params.get("id"), "session_params.id")
+    if top is not None and top != sid:
+        raise bad_request("session_params.id and the session_id / x-session-id header differ", "session_params.id")
+    return sid
+
+
+async def open_session(state: ServerState, request: Request, body: Any) -> Response:
+    if body is not None and not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    body = apply_header(request, body or {})
+    capacity = body.get("capacity_of_str_len")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise bad_request("capacity_of_str_len must be a non-negative integer", "capacity_of_str_len")
+    sid = body.get("session_id")
+    opened = await engine_call(state.engine, "open_session", (None if sid is None else checked(sid, "session_id"),))
+    return Response(orjson.dumps(opened), media_type="application/json")  # the id as a JSON string, as SGLang
+
+
+async def close_session(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
+    body = apply_header(request, body)
+    if not isinstance(body, dict) or body.get("session_id") is None:
+        raise bad_request("the body must be a JSON object with \"session_id\"", "session_id")
+    sid = checked(body["session_id"], "session_id")
+    return {"session_id": sid, "closed": await engine_call(state.engine, "close_session", (sid,))}

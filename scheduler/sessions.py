@@ -1,0 +1,133 @@
+"""Sessions, and the pins that keep a session's history cached between its turns (ARCHITECTURE §4).
+
+An agent sends a turn, gets a tool call back, runs the tool for seconds, then sends the next turn, whose prompt is
+the whole history plus the tool's result. Meanwhile other traffic would push that history out of an LRU cache. A
+request that names a session (`SamplingParams.session_id`) leaves its cached path **pinned** when it finishes: a
+lock of the radix tree held for the session (`RadixCache.lock(node, pin=True)`), with a time to live. The pin ends
+when
+
+- the session's next request is admitted (its own lock takes over: `take`),
+- its time to live runs out (`expire`, every step),
+- the session closes, explicitly or after `idle_timeout_s` without a request, or
+- admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
+  first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie, and the
+  one that expires first goes first).
+
+The time to live is the cost model: `ttl_per_recompute` x the time the path would take to prefill again, clamped
+to [min_ttl_s, max_ttl_s], so a long history (expensive to recompute) is kept longer than a short one. Pinned slots
+are locked slots: the KV identity holds with them (free + evictable + locked + in flight = total), and
+`RadixCache.pinned_size` says how many dropping every pin would make evictable.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
+
+from ..radix.radix_cache import RadixCache, TreeNode
+from .checks import check_session_id
+
+IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
+TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
+MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
+DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
+
+
+@dataclass
+class _Pin:
+    node: TreeNode
+    tokens: int
+    expires: float
+
+
+class Sessions:
+    def __init__(self, tree: RadixCache, clock: Callable[[], float] = time.monotonic,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+        self._tree, self._clock, self.idle_timeout_s = tree, clock, idle_timeout_s
+        self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
+        self._pins: dict[str, _Pin] = {}
+        self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
+        self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed"), 0)
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def open(self, session_id: str | None = None) -> str:
+        """Open a session (a new id when None; an open one is touched)."""
+        sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
+        self._last_seen[sid] = self._clock()
+        return sid
+
+    def close(self, session_id: str) -> bool:
+        """Close a session and drop its pin; False when it was not open."""
+        if self._last_seen.pop(session_id, None) is None:
+            return False
+        self._drop(session_id, "closed")
+        return True
+
+    @property
+    def num_open(self) -> int:
+        return len(self._last_seen)
+
+    # -- pins -------------------------------------------------------------------------
+
+    def take(self, session_id: str | None) -> None:
+        """A request of the session was admitted (its own lock holds what it matched): the session's pin ends. A
+        request naming a session that is not open opens it."""
+        if session_id is None:
+            return
+        self._last_seen[session_id] = self._clock()
+        if self._drop(session_id, None):
+            self.counts["used"] += 1
+
+    def keep(self, session_id: str | None, node: TreeNode, tokens: int) -> None:
+        """Pin the path a finished request of the session leaves cached (ending at `node`, `tokens` long)."""
+        if session_id is None or session_id not in self._last_seen or tokens == 0 or node.is_root:
+            return
+        self._drop(session_id, None)
+        self._tree.lock(node, pin=True)
+        ttl = min(max(TTL_PER_RECOMPUTE * tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
+        self._pins[session_id] = _Pin(node, tokens, self._clock() + ttl)
+        self.counts["pinned"] += 1
+
+    def expire(self) -> None:
+        """Drop the pins whose time ran out and close the sessions idle past the timeout."""
+        now = self._clock()
+        for sid in [s for s, pin in self._pins.items() if pin.expires <= now]:
+            self._drop(sid, "expired")
+        for sid in [s for s, seen in self._last_seen.items() if now - seen > self.idle_timeout_s]:
+            self.close(sid)
+
+    def reclaim(self, num_slots: int) -> None:
+        """Drop pins, cheapest to recompute per slot first (then the soonest to expire), until `num_slots` more are
+        evictable or no pin is left."""
+        target = self._tree.evictable_size + num_slots
+        order = sorted(self._pins, key=lambda s: (self._pins[s].expires,))
+        for sid in order:
+            if self._tree.evictable_size >= target:
+                break
+            self._drop(sid, "reclaimed")
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step's measured prefill cost (moving average per token), for the time to live of new pins."""
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_s_per_token += 0.2 * (seconds / num_tokens - self.prefill_s_per_token)
+
+    def stats(self) -> dict[str, int]:
+        return {"num_sessions": len(self._last_seen), "num_pins": len(self._pins),
+                "pinned_slots": self._tree.pinned_size,
+                **{f"num_pins_{name}": value for name, value in self.counts.items()}}
+
+    def drop_all(self) -> None:
+        """Every pin goes (a cache flush); the sessions stay open."""
+        for sid in list(self._pins):
+            self._drop(sid, None)
+
+    def _drop(self, session_id: str, reason: str | None) -> bool:
+        pin = self._pins.pop(session_id, None)
+        if pin is None:
+            return False
+        self._tree.unlock(pin.node, pin=True)
+        if reason is not None:
+            self.counts[reason] += 1
+        return True

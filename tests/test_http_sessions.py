@@ -1,0 +1,71 @@
+"""Sessions over HTTP (frontend/sessions_api.py): SGLang's /open_session, /close_session and session_params, and
+session_id / x-session-id on the OpenAI APIs, with real clients against a real server."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from _http_server import main_server
+
+
+def _stats(server) -> dict:
+    return server.server_info()["stats"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    return main_server()
+
+
+def test_a_chat_session_keeps_its_history_pinned_until_it_closes(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    with server.client() as c:
+        sid = c.post("/open_session", json={"capacity_of_str_len": 1000}).json()
+        assert isinstance(sid, str) and sid
+        before = _stats(server)
+        history = [{"role": "user", "content": "tell me about the weather in a city " * 8}]
+        first = client.chat.completions.create(model="tiny", messages=history, max_tokens=4,
+                                               extra_body={"session_id": sid, "ignore_eos": True})
+        stats = _stats(server)
+        assert stats["num_pins"] == before["num_pins"] + 1 and stats["pinned_slots"] > first.usage.prompt_tokens - 2
+        turn = history + [{"role": "assistant", "content": first.choices[0].message.content},
+                          {"role": "user", "content": "and tomorrow?"}]
+        second = client.chat.completions.create(model="tiny", messages=turn, max_tokens=4,
+                                                extra_headers={"x-session-id": sid}, extra_body={"ignore_eos": True})
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 8
+        assert _stats(server)["num_pins_used"] >= before["num_pins_used"] + 1
+        closed = c.post("/close_session", json={"session_id": sid})
+        assert closed.status_code == 200 and closed.json() == {"session_id": sid, "closed": True}
+        assert c.post("/close_session", json={"session_id": sid}).json()["closed"] is False
+        after = _stats(server)
+        assert after["num_pins"] == before["num_pins"]
+
+
+def test_generate_names_its_session_in_session_params(server):
+    with server.client() as c:
+        sid = c.post("/open_session", json={"session_id": "gen-session"}).json()
+        assert sid == "gen-session"
+        r = c.post("/generate", json={"input_ids": list(range(5, 70)), "session_params": {"id": sid},
+                                      "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
+        assert r.status_code == 200
+        assert _stats(server)["num_pins"] >= 1
+        assert c.post("/close_session", json={"session_id": sid}).json()["closed"] is True
+
+
+@pytest.mark.parametrize("path, body, headers, param", [
+    ("/generate", {"text": "hi", "session_params": {"id": "s", "rid": "r1"}}, {}, "session_params.rid"),
+    ("/generate", {"text": "hi", "session_params": "s"}, {}, "session_params"),
+    ("/generate", {"text": "hi", "session_params": {"id": ""}}, {}, "session_params.id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session_id": 5}, {}, "session_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "session_id": "a"},
+     {"x-session-id": "b"}, "session_id"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"x-session-id": "x" * 300}, "x-session-id"),
+    ("/close_session", {}, {}, "session_id"),
+    ("/open_session", {"capacity_of_str_len": -1}, {}, "capacity_of_str_len"),
+])
+def test_bad_session_input_is_a_400_naming_the_parameter(server, path, body, headers, param):
+    with server.client() as c:
+        r = c.post(path, json=body, headers=headers)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert c.get("/health").status_code == 200

@@ -1,0 +1,117 @@
+"""Sessions (scheduler/sessions.py): a finished request's path stays pinned for its session's next turn, until the
+turn comes, the time to live runs out, the session closes, or admission needs the slots."""
+from __future__ import annotations
+
+import pytest
+
+from _engine_helpers import make_checkpoint
+from radixserve.scheduler import Engine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True, max_new_tokens=4)
+PATH = 96 + 4 - 1  # what a finished request of a 96-token history leaves cached (its last token was never computed)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "sessions")
+
+
+def _history(seed: int, length: int = 96) -> list[int]:
+    return [(seed * 37 + 11 * j) % 400 + 20 for j in range(length)]
+
+
+def _engine(ckpt: str, **config) -> Engine:
+    """An engine whose sessions' clock stands still (pins expire only when a test moves it)."""
+    engine = Engine(ckpt, num_threads=1, **config)
+    engine.kv.sessions._clock = lambda: 0.0
+    return engine
+
+
+def _run(engine: Engine, prompt: list[int], **params) -> int:
+    """Generate one request to its end; returns its cached tokens."""
+    return engine.generate([prompt], dict(GREEDY, **params))[0].cached_tokens
+
+
+def _flood(engine: Engine, num: int = 6) -> None:
+    """Other agents' traffic: distinct prompts that need most of the pool."""
+    engine.generate([_history(100 + i) for i in range(num)], GREEDY)
+
+
+@pytest.mark.parametrize("session", [None, "agent-1"])
+def test_a_session_history_survives_other_traffic_until_its_next_turn(ckpt, session):
+    engine = _engine(ckpt, kv_cache_tokens=320, max_running_requests=2)
+    history = _history(1)
+    _run(engine, history, session_id=session)
+    _flood(engine)
+    cached = _run(engine, history + [7, 8, 9], session_id=session)  # the next turn: history + the tool result
+    stats = engine.stats()
+    if session is None:  # LRU evicted the history while the agent waited
+        assert cached == 0 and stats["num_pins"] == 0
+    else:
+        assert cached == len(history) and stats["num_pins_used"] == 1 and stats["num_pins"] == 1
+        assert stats["num_pins_reclaimed"] == 0
+    engine.check_integrity()
+
+
+def test_pins_end_with_their_time_to_live_and_with_the_session(ckpt):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
+    sessions = engine.kv.sessions
+    now = [0.0]
+    sessions._clock = lambda: now[0]
+    engine.open_session("a")
+    assert engine.open_session() != engine.open_session()  # new ids
+    _run(engine, _history(2), session_id="a")
+    _run(engine, _history(3), session_id="b")  # a session opened by its first request
+    stats = engine.stats()
+    assert stats["num_pins"] == 2 and stats["pinned_slots"] == 2 * PATH and stats["locked_slots"] == 2 * PATH
+    assert engine.close_session("b") and not engine.close_session("b")
+    assert engine.stats()["num_pins"] == 1
+    now[0] += 1000.0  # past any time to live
+    engine.step()
+    stats = engine.stats()
+    assert stats["num_pins"] == 0 and stats["num_pins_expired"] == 1 and stats["locked_slots"] == 0
+    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"]
+    assert stats["num_sessions"] == 0  # idle past the timeout as well: closed
+    engine.check_integrity()
+
+
+def test_the_time_to_live_grows_with_the_recompute_cost(ckpt):
+    engine = _engine(ckpt, kv_cache_tokens=2048)
+    sessions = engine.kv.sessions
+    sessions.prefill_s_per_token = 4e-3
+    _run(engine, _history(4, 32), session_id="short")
+    _run(engine, _history(5, 320), session_id="long")
+    short, long = sessions._pins["short"].expires, sessions._pins["long"].expires
+    assert 0 < short < long <= 120.0
+
+
+def test_pins_never_starve_admission(ckpt):
+    """A pool full of pinned histories: a request that needs their slots is admitted, the pins go."""
+    engine = _engine(ckpt, kv_cache_tokens=320, max_running_requests=4)
+    for i in range(3):
+        _run(engine, _history(10 + i), session_id=f"s{i}")
+    stats = engine.stats()
+    assert stats["pinned_slots"] == 3 * PATH and stats["free_slots"] + stats["evictable_slots"] < 100
+    rid = engine.add_request(_history(20, 200), GREEDY)
+    finished = []
+    for _ in range(50):  # bounded: a starved request must fail the test, not hang it
+        finished += [d.result for d in engine.step() if d.rid == rid and d.finished]
+        if finished:
+            break
+    assert finished and finished[0].finish_reason == "length" and len(finished[0].output_ids) == 4
+    assert engine.stats()["num_pins_reclaimed"] >= 2
+    engine.check_integrity()
+    assert engine.flush_cache() and engine.stats()["free_slots"] == engine.stats()["total_slots"]
+
+
+def test_an_aborted_request_leaves_no_pin_and_bad_session_ids_are_refused(ckpt):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
+    rid = engine.add_request(_history(6), dict(GREEDY, session_id="x"))
+    engine.step()
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["num_pins"] == 0
+    for bad in ("", 5, "x" * 257):
+        with pytest.raises(ValueError, match="session_id"):
+            engine.add_request([1, 2, 3], dict(GREEDY, session_id=bad))
