@@ -17,7 +17,7 @@ from starlette.routing import Route
 from . import native_api, openai_api, responses_api, sessions_api, tokenize_api
 from .access_log import AccessLog, note_probe
 from .config import ServerConfig
-from .engine_client import EngineClient, Job, engine_call, engine_unavailable
+from .engine_client import EngineClient, Job, engine_call
 from .errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from .logprobs import TokenTexts, token_bytes_fn
 from .metrics import ServerMetrics

@@ -7,7 +7,6 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from ..kernels.forward_io import SeqInput
 from ..kernels.attention.base import SharedPrefix
 from .checks import check_int, token_id_list
 from .config import EngineConfig, fit_context_to_pool
@@ -16,7 +15,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
 from .grammar import GrammarBackend
 from .kv_ops import PrefixKV
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, engine_stats
 from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
 from .policy import SchedulePolicy
@@ -24,6 +23,7 @@ from .req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
 from .sampling_params import SamplingParams, choice_rids, choice_seed
 from .serving import EngineLoop
 from .shared_prefix import order_and_share
+from .step_inputs import seq_input
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ class Engine:
         m.max_batch_size = max(m.max_batch_size, len(batch.items))
         m.num_mixed_steps += int(batch.is_mixed)
         shared = self._order_and_share(batch)
-        seqs = [self._seq_input(item) for item in batch.items]
+        seqs = [seq_input(item.req, item.num_tokens, item.sample, self.context_length, self.eos_token_ids)
+                for item in batch.items]
         self.constrained.fill_masks(batch.items, seqs)
         m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
         t1 = time.perf_counter()
@@ -294,25 +295,6 @@ class Engine:
             m.num_shared_prefix_reads_saved += sum(p.num_tokens * (len(p.seq_idx) - 1) for p in shared)
         return shared
 
-    def _seq_input(self, item: BatchItem) -> SeqInput:
-        """The step's share of one request: its new tokens and only the slots its table row lacks."""
-        req = item.req
-        start, end = req.kv_len, req.kv_len + item.num_tokens
-        p = req.params
-        # The page tail past the context is never read.
-        offset, new_slots, new_row = req.slot_row.take_unsynced(self.context_length)
-        return SeqInput(
-            input_ids=_token_slice(req, start, end), prefix_len=start, row=req.row, new_slots=new_slots,
-            slot_offset=offset, new_row=new_row,
-            sample=item.sample, sampling=req.sampling, sampling_seed=req.seed, sample_index=len(req.output_ids),
-            penalty_tokens=(req.slot_row.take_penalty_tokens(req.prompt_ids, req.output_ids)
-                            if item.sample and req.sampling.penalised else None),
-            banned_ids=req.banned_ids(self.eos_token_ids) if item.sample else (),
-            prompt_logprob_start=p.logprob_start_len,
-            lookahead_id=(req.prompt_ids[end] if p.logprob_start_len is not None and end < len(req.prompt_ids)
-                          else None),
-            num_top_logprobs=p.logprobs or 0)
-
     def _finish(self, req: Req) -> None:
         req.grammar = None  # the matcher is released with the request
         if req.status is ReqStatus.FINISHED:
@@ -362,35 +344,15 @@ class Engine:
         """A snapshot between steps (safe from any thread: with the loop running it is taken
         on the loop thread; computed on demand, never per step)."""
         if self._loop.running and not self._loop.on_loop_thread():
-            return self._loop.call(self._compute_stats)
-        return self._compute_stats()
+            return self._loop.call(self._stats_now)
+        return self._stats_now()
+
+    def _stats_now(self) -> dict[str, Any]:
+        return engine_stats(self.kv, self.planner, self.metrics)
 
     def check_integrity(self) -> None:
         """Assert the slot accounting identity (free + evictable + locked + in-flight == total)."""
         self.kv.check_integrity(self.planner.running)
-
-    def _compute_stats(self) -> dict[str, Any]:
-        tree, m = self.kv.tree, self.metrics
-        return {
-            "total_slots": self.kv.total_slots, "free_slots": self.kv.allocator.num_free_slots,
-            "evictable_slots": tree.evictable_size, "locked_slots": tree.locked_size,
-            "in_flight_slots": sum(r.owned_slots for r in self.planner.running),
-            "num_running": len(self.planner.running), "num_waiting": len(self.planner.waiting),
-            "cache_hit_rate": m.cache_hit_rate, "num_prompt_tokens": m.num_prompt_tokens,
-            "num_cached_tokens": m.num_cached_tokens, "num_generated_tokens": m.num_generated_tokens,
-            "num_evicted_tokens": tree.num_evicted_tokens, "num_requests_finished": m.num_requests_finished,
-            "num_requests_aborted": m.num_requests_aborted, "num_retractions": self.planner.num_retractions,
-            "num_steps": m.num_steps, "num_mixed_steps": m.num_mixed_steps, "max_batch_size": m.max_batch_size,
-            "num_forward_tokens": m.num_forward_tokens,
-            "num_jump_forward_steps": m.num_jump_forward_steps,
-            "num_jump_forward_tokens": m.num_jump_forward_tokens,
-            "num_jump_forward_retokenized": m.num_jump_forward_retokenized,
-            "num_shared_prefix_steps": m.num_shared_prefix_steps,
-            "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
-            "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
-            "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
-            **self.kv.sessions.stats(),
-        }
 
     def shutdown(self) -> None:
         self._loop.stop()
@@ -434,15 +396,6 @@ class Engine:
             if bad is not None:
                 raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
         return self.grammar.compile(params) if params.has_grammar else None  # synchronous; cached
-
-def _token_slice(req: Req, start: int, end: int) -> list[int]:
-    num_prompt = len(req.prompt_ids)
-    if start >= num_prompt:
-        return req.output_ids[start - num_prompt:end - num_prompt]
-    if end <= num_prompt:
-        return req.prompt_ids[start:end]
-    return req.prompt_ids[start:] + req.output_ids[:end - num_prompt]
-
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 # Seconds; wide enough for CPU runs of tiny models and real GPU serving alike.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -65,3 +66,28 @@ class EngineMetrics:
     @property
     def cache_hit_rate(self) -> float:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+
+def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
+    """Engine.stats(): the KV identity's parts, the queues, the counters and the sessions' pins."""
+    tree = kv.tree
+    return {
+        "total_slots": kv.total_slots, "free_slots": kv.allocator.num_free_slots,
+        "evictable_slots": tree.evictable_size, "locked_slots": tree.locked_size,
+        "in_flight_slots": sum(r.owned_slots for r in planner.running),
+        "num_running": len(planner.running), "num_waiting": len(planner.waiting),
+        "cache_hit_rate": m.cache_hit_rate, "num_prompt_tokens": m.num_prompt_tokens,
+        "num_cached_tokens": m.num_cached_tokens, "num_generated_tokens": m.num_generated_tokens,
+        "num_evicted_tokens": tree.num_evicted_tokens, "num_requests_finished": m.num_requests_finished,
+        "num_requests_aborted": m.num_requests_aborted, "num_retractions": planner.num_retractions,
+        "num_steps": m.num_steps, "num_mixed_steps": m.num_mixed_steps, "max_batch_size": m.max_batch_size,
+        "num_forward_tokens": m.num_forward_tokens,
+        "num_jump_forward_steps": m.num_jump_forward_steps,
+        "num_jump_forward_tokens": m.num_jump_forward_tokens,
+        "num_jump_forward_retokenized": m.num_jump_forward_retokenized,
+        "num_shared_prefix_steps": m.num_shared_prefix_steps,
+        "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
+        "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
+        "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
+        **kv.sessions.stats(),
+    }
