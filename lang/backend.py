@@ -87,6 +87,14 @@ class Backend(ABC):
     def shutdown(self) -> None:
         """Release what the backend holds (threads, connections, an owned engine)."""
 
+    def open_session(self) -> str | None:
+        """A session for one program run (its requests' histories stay cached between its calls); None when the
+        backend has no sessions."""
+        return None
+
+    def close_session(self, session_id: str) -> None:
+        """End a session open_session gave (the run returned)."""
+
     # --- built on the primitives above -------------------------------------------------------
 
     def prefill_only(self, prompt: str) -> GenOutput:

@@ -69,6 +69,9 @@ class Endpoint(Backend):
         singles = [_payload(self.prompt_text(p), sp) for p, sp in zip(prompts, params)]
         payload: dict[str, Any] = {"text": [s["text"] for s in singles],
                                    "sampling_params": [s["sampling_params"] for s in singles]}
+        session = next((s["session_params"] for s in singles if "session_params" in s), None)
+        if session is not None:  # one program's prompts: one session
+            payload["session_params"] = session
         if any(s.get("return_logprob") for s in singles):
             payload["return_logprob"] = True
             payload["logprob_start_len"] = [s.get("logprob_start_len", -1) for s in singles]
@@ -80,6 +83,20 @@ class Endpoint(Backend):
 
     def shutdown(self) -> None:
         self._http.close()
+
+    def open_session(self) -> str | None:
+        """SGLang's /open_session (radixserve and SGLang both have it); None where the server has none."""
+        try:
+            sid = self._call("POST", "/open_session", {}, f"POST {self.url}/open_session")
+        except BackendError:
+            return None
+        return sid if isinstance(sid, str) else None
+
+    def close_session(self, session_id: str) -> None:
+        try:
+            self._call("POST", "/close_session", {"session_id": session_id}, f"POST {self.url}/close_session")
+        except (BackendError, ValueError):  # the run is over either way; the server's idle timeout closes it
+            pass
 
     # --- HTTP -------------------------------------------------------------------------------
 
@@ -129,11 +146,13 @@ class Endpoint(Backend):
 
 
 def _payload(prompt: str, params: dict[str, Any]) -> dict[str, Any]:
-    sampling = {k: v for k, v in params.items() if k not in _LOGPROB_KEYS}
+    sampling = {k: v for k, v in params.items() if k not in _LOGPROB_KEYS and k != "session_id"}
     if isinstance(sampling.get("json_schema"), dict):
         # SGLang's /generate takes the schema as a JSON string; its key order is the output's.
         sampling["json_schema"] = json.dumps(sampling["json_schema"], ensure_ascii=False)
     payload: dict[str, Any] = {"text": prompt, "sampling_params": sampling}
+    if params.get("session_id") is not None:
+        payload["session_params"] = {"id": params["session_id"]}  # SGLang's place for it
     start = params.get("logprob_start_len")
     if start is not None:
         payload.update(return_logprob=True, logprob_start_len=start, top_logprobs_num=0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import threading
@@ -101,7 +102,11 @@ class SglFunction:
 
     def _run(self, args: tuple, kwargs: dict[str, Any], backend: Backend, defaults: dict[str, Any],
              stream: bool) -> ProgramState:
+        session = backend.open_session()  # the run is a session: its history stays cached between its calls
+        if session is not None:
+            defaults = dict(defaults, session_id=session)
         state = ProgramState(backend, defaults, stream=stream)
+        state._session = session
         if stream:
             threading.Thread(target=self._body, args=(state, args, kwargs), daemon=True,
                              name=f"radixserve-lang-{self.__name__}").start()
@@ -119,6 +124,11 @@ class SglFunction:
             if not state._stream:
                 state._mark_finished(exc)
                 raise
+        finally:
+            if state._session is not None:
+                with contextlib.suppress(Exception):  # a failed call is the run's error, raised above
+                    state.sync()  # the calls it made have ended
+                state.backend.close_session(state._session)
         state._mark_finished(error)
 
 

@@ -59,6 +59,12 @@ class Runtime(Backend):
         if self._owns_engine:
             self.engine.shutdown()
 
+    def open_session(self) -> str | None:
+        return self.engine.open_session()
+
+    def close_session(self, session_id: str) -> None:
+        self.engine.close_session(session_id)
+
     def _submit(self, prompt: str, params: dict[str, Any], on_text: TextCallback | None) -> "_Pending":
         pending = _Pending(on_text)
         try:

@@ -69,3 +69,23 @@ def test_bad_session_input_is_a_400_naming_the_parameter(server, path, body, hea
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
         assert c.get("/health").status_code == 200
+
+
+def test_a_dsl_program_over_http_runs_in_a_session(server):
+    from radixserve.lang import Endpoint, function, gen
+
+    @function
+    def two_steps(s):
+        s += "a question that is long enough to fill a few pages of cache " * 3
+        s += gen("a", max_tokens=4, ignore_eos=True)
+        s += gen("b", max_tokens=4, ignore_eos=True)
+
+    before = _stats(server)
+    backend = Endpoint(server.url)
+    try:
+        two_steps.run(backend=backend, temperature=0.0)
+    finally:
+        backend.shutdown()
+    after = _stats(server)
+    assert after["num_pins_used"] == before["num_pins_used"] + 1  # the second call took the first's pin
+    assert after["num_sessions"] == before["num_sessions"] and after["num_pins"] == before["num_pins"]

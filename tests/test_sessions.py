@@ -115,3 +115,29 @@ def test_an_aborted_request_leaves_no_pin_and_bad_session_ids_are_refused(ckpt):
     for bad in ("", 5, "x" * 257):
         with pytest.raises(ValueError, match="session_id"):
             engine.add_request([1, 2, 3], dict(GREEDY, session_id=bad))
+
+
+def test_a_dsl_program_run_is_a_session(ckpt):
+    """Each run opens a session, its calls carry it (the second gen finds the first's history pinned), and the
+    session closes when the function returns."""
+    from radixserve.lang import Runtime, function, gen
+
+    @function
+    def two_steps(s, question):
+        s += question
+        s += gen("a", max_tokens=4)
+        s += " then"
+        s += gen("b", max_tokens=4)
+
+    engine = _engine(ckpt, kv_cache_tokens=1024)
+    runtime = Runtime(engine=engine)
+    try:
+        state = two_steps.run(question="a question that is long enough to fill a few pages of cache " * 3,
+                              backend=runtime, temperature=0.0)
+        assert state["a"] is not None and state["b"] is not None
+        stats = engine.stats()
+        assert stats["num_pins_pinned"] == 2 and stats["num_pins_used"] == 1  # the second gen took the first's pin
+        assert stats["num_sessions"] == 0 and stats["num_pins"] == 0  # closed at return
+    finally:
+        runtime.shutdown()
+    engine.check_integrity()
