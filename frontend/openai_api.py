@@ -26,6 +26,7 @@ from .protocol import (
 )
 from .sse import DONE, SSEResponse, sse_event
 from .state import ServerState
+from .sessions_api import settle_turn
 from .tool_parser import StreamingToolParser, parse_tool_calls
 from ..scheduler.req import GenerateResult, StreamDelta
 
@@ -53,6 +54,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     for r in results:
         raise_if_failed(r)
     choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
+    settle_turn(state, common.sampling.get("session_id"), any(c["finish_reason"] == "tool_calls" for c in choices))
     usage = openai_usage([len(prompt_ids)], results, len(jobs))
     note_openai_usage(request, usage)
     payload = dict(head, object="chat.completion", choices=choices, usage=usage)
@@ -234,6 +236,8 @@ class _ChatStream(_Stream):
             r = delta.result
             self.results.append(r)
             finish = chat_finish_reason(r, parser is not None and parser.num_calls > 0)
+            if i == 0:  # a session's turn is settled by its first choice
+                settle_turn(self.state, self.req.common.sampling.get("session_id"), finish == "tool_calls")
             out.append(self.chunk(i, {}, finish=finish))
         return out
 

@@ -5,10 +5,13 @@ JSON string); POST /close_session {"session_id": str}; /generate names the sessi
 OpenAI-style APIs (chat, completions, responses) take a `session_id` body field (`extra_body` for the openai SDK)
 or an `x-session-id` header. A request naming a session that is not open opens it; sessions close explicitly or
 after the engine's idle timeout. SGLang's token-level continuation (`session_params.rid`, `offset`, `replace`,
-`drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached.
+`drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached. A chat
+turn that ends with a final answer rather than a tool call shortens its pin's time to live (`settle_turn`).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 import orjson
@@ -20,6 +23,7 @@ from .errors import bad_request
 from .state import ServerState
 from ..scheduler.checks import check_session_id
 
+logger = logging.getLogger(__name__)
 HEADER = "x-session-id"
 _CONTINUATION_KEYS = ("rid", "offset", "replace", "drop_previous_output")
 
@@ -79,3 +83,19 @@ async def close_session(state: ServerState, request: Request, body: Any) -> dict
         raise bad_request("the body must be a JSON object with \"session_id\"", "session_id")
     sid = checked(body["session_id"], "session_id")
     return {"session_id": sid, "closed": await engine_call(state.engine, "close_session", (sid,))}
+
+
+def settle_turn(state: ServerState, session_id: str | None, tool_call: bool) -> None:
+    """A chat turn of a session ended: with a tool call the agent comes back (its pin keeps its time to live); with
+    a final answer it may not, so its pin gets the short one. Sent without waiting: the reply does not depend on
+    it."""
+    if session_id is None or tool_call:
+        return
+
+    async def send() -> None:
+        try:
+            await engine_call(state.engine, "settle_session", (session_id,))
+        except Exception as exc:  # only a pin's time to live is at stake
+            logger.debug("settle_session %s: %s", session_id, exc)
+
+    asyncio.ensure_future(send())

@@ -182,7 +182,7 @@ class EngineServer:
     def _call(self, call: msg.Call) -> msg.Reply:
         calls = {"stats": self._stats, "flush_cache": self.engine.flush_cache,
                  "check_integrity": self.engine.check_integrity, "open_session": self.engine.open_session,
-                 "close_session": self.engine.close_session}
+                 "close_session": self.engine.close_session, "settle_session": self.engine.settle_session}
         fn = calls.get(call.name)
         if fn is None:
             return msg.Reply(call.call_id, error=f"unknown call {call.name!r}")

@@ -7,7 +7,8 @@ lock of the radix tree held for the session (`RadixCache.lock(node, pin=True)`),
 when
 
 - the session's next request is admitted (its own lock takes over: `take`),
-- its time to live runs out (`expire`, every step),
+- its time to live runs out (`expire`, every step; a chat turn that ended with a final answer rather than a tool
+  call keeps at most the shortest one: `settle`),
 - the session closes, explicitly or after `idle_timeout_s` without a request, or
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
   first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie, and the
@@ -48,7 +49,7 @@ class Sessions:
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
-        self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed"), 0)
+        self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled"), 0)
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -89,6 +90,16 @@ class Sessions:
         ttl = min(max(TTL_PER_RECOMPUTE * tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
         self._pins[session_id] = _Pin(node, tokens, self._clock() + ttl)
         self.counts["pinned"] += 1
+
+    def settle(self, session_id: str) -> bool:
+        """The session's turn ended with a final answer (no tool call): the agent may not come back, so its pin
+        keeps at most the shortest time to live. False when the session holds no pin."""
+        pin = self._pins.get(session_id)
+        if pin is None:
+            return False
+        pin.expires = min(pin.expires, self._clock() + MIN_TTL_S)
+        self.counts["settled"] += 1
+        return True
 
     def expire(self) -> None:
         """Drop the pins whose time ran out and close the sessions idle past the timeout."""

@@ -2,6 +2,8 @@
 session_id / x-session-id on the OpenAI APIs, with real clients against a real server."""
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
@@ -34,6 +36,11 @@ def test_a_chat_session_keeps_its_history_pinned_until_it_closes(server):
                                                 extra_headers={"x-session-id": sid}, extra_body={"ignore_eos": True})
         assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 8
         assert _stats(server)["num_pins_used"] >= before["num_pins_used"] + 1
+        # Both turns ended with a final answer (no tool call): the server shortened their pins' time to live.
+        deadline = time.monotonic() + 10
+        while _stats(server)["num_pins_settled"] < before["num_pins_settled"] + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _stats(server)["num_pins_settled"] == before["num_pins_settled"] + 2
         closed = c.post("/close_session", json={"session_id": sid})
         assert closed.status_code == 200 and closed.json() == {"session_id": sid, "closed": True}
         assert c.post("/close_session", json={"session_id": sid}).json()["closed"] is False

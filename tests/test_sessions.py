@@ -78,11 +78,12 @@ def test_pins_end_with_their_time_to_live_and_with_the_session(ckpt):
 def test_the_time_to_live_grows_with_the_recompute_cost(ckpt):
     engine = _engine(ckpt, kv_cache_tokens=2048)
     sessions = engine.kv.sessions
+    sessions.observe_prefill = lambda *args: None
     sessions.prefill_s_per_token = 4e-3
     _run(engine, _history(4, 32), session_id="short")
     _run(engine, _history(5, 320), session_id="long")
     short, long = sessions._pins["short"].expires, sessions._pins["long"].expires
-    assert 0 < short < long <= 120.0
+    assert short == pytest.approx(50 * 35 * 4e-3) and long == pytest.approx(50 * 323 * 4e-3)  # 7 s and 64.6 s
 
 
 def test_pins_never_starve_admission(ckpt):
@@ -141,3 +142,14 @@ def test_a_dsl_program_run_is_a_session(ckpt):
     finally:
         runtime.shutdown()
     engine.check_integrity()
+
+
+def test_a_final_answer_keeps_the_pin_only_briefly(ckpt):
+    engine = _engine(ckpt, kv_cache_tokens=1024)
+    sessions = engine.kv.sessions
+    sessions.observe_prefill = lambda *args: None
+    sessions.prefill_s_per_token = 0.01  # a 99-token path: 50 x 0.99 s
+    _run(engine, _history(7), session_id="agent")
+    assert sessions._pins["agent"].expires == 49.5
+    assert engine.settle_session("agent") and sessions._pins["agent"].expires == 2.0
+    assert not engine.settle_session("nobody") and engine.stats()["num_pins_settled"] == 1
