@@ -39,6 +39,7 @@ from .responses_protocol import (
     rename_param,
 )
 from .sse import SSEResponse
+from .sessions_api import settle_turn
 from .state import ServerState
 from ..scheduler.req import GenerateResult, StreamDelta
 
@@ -76,6 +77,7 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     raise_if_failed(results[0] if results else None)
     turn.builder.feed(results[0].text, turn.logprobs(results[0].logprobs))
     await asyncio.to_thread(turn.finish, results[0])
+    turn.settle()
     note_openai_usage(request, turn.chat_usage)
     return json_response(turn.builder.final)
 
@@ -145,6 +147,12 @@ class _Turn:
             self.state.responses.put(self._stored(r))
         return events
 
+    def settle(self) -> None:
+        """A session's turn that ended without a function call keeps its pin only briefly (sessions_api)."""
+        output = self.builder.final.get("output") or []
+        settle_turn(self.state, self.req.chat.common.sampling.get("session_id"),
+                    any(item.get("type") == "function_call" for item in output))
+
     def fail(self, exc: APIError) -> list[dict[str, Any]]:
         error = {"code": str(exc.body()["error"]["code"]), "message": exc.message}
         return self.builder.finish("failed", None, error=error)
@@ -171,6 +179,7 @@ class _Stream:
         events = self.turn.builder.feed(delta.text, self.turn.logprobs(delta.logprobs))
         if delta.finished:
             events += await asyncio.to_thread(self.turn.finish, delta.result)
+            self.turn.settle()
         return [sse(e) for e in events]
 
     def on_error(self, exc: APIError) -> list[bytes]:

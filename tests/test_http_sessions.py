@@ -96,3 +96,21 @@ def test_a_dsl_program_over_http_runs_in_a_session(server):
     after = _stats(server)
     assert after["num_pins_used"] == before["num_pins_used"] + 1  # the second call took the first's pin
     assert after["num_sessions"] == before["num_sessions"] and after["num_pins"] == before["num_pins"]
+
+
+def test_a_responses_turn_in_a_session_is_pinned_then_settled(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    before = _stats(server)
+    first = client.responses.create(model="tiny", input="summarise the weather report for the coast " * 6,
+                                    max_output_tokens=4, extra_body={"session_id": "resp-agent"})
+    second = client.responses.create(model="tiny", input="and inland?", previous_response_id=first.id,
+                                     max_output_tokens=4, extra_body={"session_id": "resp-agent"})
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 8
+    deadline = time.monotonic() + 10
+    while _stats(server)["num_pins_settled"] < before["num_pins_settled"] + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = _stats(server)
+    assert after["num_pins_used"] == before["num_pins_used"] + 1
+    assert after["num_pins_settled"] == before["num_pins_settled"] + 2
+    with server.client() as c:
+        assert c.post("/close_session", json={"session_id": "resp-agent"}).json()["closed"] is True
