@@ -1,0 +1,246 @@
+"""Agents that pause: tool-calling agents against `radixserve serve`, with and without sessions, at KV budgets
+smaller than the trace's working set.
+
+N agents (in a few apps whose system prompt and tools are shared by their agents) arrive as a Poisson process.
+Each runs several turns: the prompt is its whole history, the output a tool call of a few dozen tokens (the last
+turn: the answer); between turns it waits a tool latency drawn from a lognormal (median and p95 are flags), then
+appends a tool result of 100-400 tokens. Token-level and seeded: every request is `/generate` with `input_ids`,
+each turn built from the previous turn's actual output ids. With sessions on, every request names its agent's
+session (`session_params.id`) and the agent closes it after its last turn, so the server pins its history
+while it waits (scheduler/sessions.py); off, the cache is plain LRU with reuse.
+
+Per budget and mode it reports prompt tokens recomputed (prompt - cached), the **cold** tokens every cache must
+compute (first-time tokens: an app's prompt the first time it is sent, each agent's first message, each tool
+result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
+(send to the turn's last token) and agent completion time p50/p99, throughput, and the server's pin counters.
+Budgets are fractions of the trace's working set: every app prompt plus every agent's final history, the most
+that can be alive at once. The modes alternate per budget on fresh servers.
+
+    python -m radixserve.bench.agent_trace --model S --budgets 0.25,0.5,1.0
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from .output import BenchOutput, bench_parser, parse_args, percentile
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    agents: int = 32
+    apps: int = 4
+    app_tokens: int = 1500  # system prompt + tool definitions, shared by an app's agents
+    user_tokens: int = 64  # the agent's first message
+    turns: int = 4
+    call_tokens: int = 32  # a tool call
+    answer_tokens: int = 64  # the last turn's answer
+    tool_tokens: tuple[int, int] = (100, 400)  # a tool result's length, uniform
+    arrivals_per_s: float = 2.0  # Poisson arrival rate of agents
+    tool_median_s: float = 1.0
+    tool_p95_s: float = 10.0
+    vocab: int = 4000  # token ids are drawn from [10, vocab)
+    seed: int = 0
+
+    def working_set(self) -> int:
+        """Every app prompt plus every agent's longest possible final history."""
+        per_agent = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
+        return self.apps * self.app_tokens + self.agents * per_agent
+
+    def max_sequence(self) -> int:
+        return self.app_tokens + self.working_set() // max(self.agents, 1) + self.answer_tokens
+
+
+@dataclass(frozen=True)
+class AgentPlan:
+    index: int
+    app: int
+    arrival_s: float
+    user: list[int]
+    tool_results: list[list[int]]  # one per turn but the last
+    waits_s: list[float]
+
+
+def make_plan(cfg: TraceConfig) -> tuple[list[list[int]], list[AgentPlan]]:
+    """The apps' prompts and every agent's arrival, messages, tool results and tool latencies (seeded)."""
+    rng = random.Random(cfg.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(10, cfg.vocab) for _ in range(n)]
+
+    apps = [tokens(cfg.app_tokens) for _ in range(cfg.apps)]
+    sigma = math.log(cfg.tool_p95_s / cfg.tool_median_s) / 1.645  # lognormal: p95 = median * e^(1.645 sigma)
+    agents, t = [], 0.0
+    for i in range(cfg.agents):
+        t += rng.expovariate(cfg.arrivals_per_s)
+        agents.append(AgentPlan(
+            index=i, app=i % cfg.apps, arrival_s=t, user=tokens(cfg.user_tokens),
+            tool_results=[tokens(rng.randint(*cfg.tool_tokens)) for _ in range(cfg.turns - 1)],
+            waits_s=[rng.lognormvariate(math.log(cfg.tool_median_s), sigma) for _ in range(cfg.turns - 1)]))
+    return apps, agents
+
+
+@dataclass
+class TurnRecord:
+    agent: int
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    cold_tokens: int
+    latency_s: float
+
+
+async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int], plan: AgentPlan,
+                    sessions: bool, apps_sent: set[int], records: list[TurnRecord]) -> float:
+    """One agent's turns; returns its completion time (arrival to its answer's last token)."""
+    await asyncio.sleep(plan.arrival_s)
+    start = time.monotonic()
+    sid = f"agent-{cfg.seed}-{plan.index}"
+    history = app + plan.user
+    cold = len(plan.user) + (0 if plan.app in apps_sent else len(app))
+    apps_sent.add(plan.app)
+    for turn in range(cfg.turns):
+        last = turn == cfg.turns - 1
+        body: dict[str, Any] = {"input_ids": history, "sampling_params": {
+            "max_new_tokens": cfg.answer_tokens if last else cfg.call_tokens, "temperature": 0.0,
+            "ignore_eos": True}}
+        if sessions:
+            body["session_params"] = {"id": sid}
+        sent = time.monotonic()
+        response = await client.post("/generate", json=body)
+        response.raise_for_status()
+        out = response.json()
+        meta = out["meta_info"]
+        records.append(TurnRecord(plan.index, turn, meta["prompt_tokens"], meta["cached_tokens"], cold,
+                                  time.monotonic() - sent))
+        history = history + list(out["output_ids"])
+        if last:
+            break
+        await asyncio.sleep(plan.waits_s[turn])
+        history = history + plan.tool_results[turn]
+        cold = len(plan.tool_results[turn]) + 1  # the tool result, and the last output token (never computed)
+    if sessions:
+        await client.post("/close_session", json={"session_id": sid})
+    return time.monotonic() - start
+
+
+async def run_trace(url: str, cfg: TraceConfig, sessions: bool) -> dict[str, Any]:
+    apps, agents = make_plan(cfg)
+    records: list[TurnRecord] = []
+    apps_sent: set[int] = set()
+    limits = httpx.Limits(max_connections=cfg.agents + 4, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.monotonic()
+        done = await asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records)
+                                      for a in agents))
+        wall = time.monotonic() - start
+        stats = (await client.get("/get_server_info")).json()["stats"]
+    return summarize(records, done, wall, stats)
+
+
+def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_s: float,
+              stats: dict[str, Any]) -> dict[str, Any]:
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    cold = sum(r.cold_tokens for r in records)
+    latencies = [r.latency_s for r in records]
+    return {"turns": len(records), "prompt_tokens": prompt, "cached_tokens": cached, "recomputed": prompt - cached,
+            "cold": cold, "excess": prompt - cached - cold,
+            "turn_p50_s": percentile(latencies, 50), "turn_p99_s": percentile(latencies, 99),
+            "agent_p50_s": percentile(completions, 50), "agent_p99_s": percentile(completions, 99),
+            "wall_s": wall_s, "turns_per_s": len(records) / wall_s if wall_s else 0.0,
+            "pins": {k: stats.get(k, 0) for k in ("num_pins_pinned", "num_pins_used", "num_pins_expired",
+                                                   "num_pins_reclaimed", "num_pins_settled")}}
+
+
+def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int) -> dict[str, Any]:
+    from ..frontend.spawn import ServerProcess
+
+    server = ServerProcess(["--model", model_path, "--kv-cache-tokens", str(kv_tokens), "--num-threads",
+                            str(threads), "--context-length", str(cfg.max_sequence()), "--max-running-requests",
+                            str(min(cfg.agents, 64)), "--max-queued-requests", str(4 * cfg.agents),
+                            "--disable-log-requests"])
+    try:
+        return asyncio.run(run_trace(server.url, cfg, sessions))
+    finally:
+        server.stop()
+
+
+def markdown(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    lines = [f"# Agent trace: model {report['model']}, {cfg['agents']} agents, {cfg['turns']} turns", "",
+             f"`{report['command']}`", "",
+             f"{cfg['apps']} apps of {cfg['app_tokens']} tokens; tool results {cfg['tool_tokens']} tokens; tool "
+             f"latency lognormal, median {cfg['tool_median_s']} s, p95 {cfg['tool_p95_s']} s; arrivals "
+             f"{cfg['arrivals_per_s']}/s. Working set {report['working_set']} tokens. Greedy, ignore_eos; sessions "
+             "on: each request names its agent's session, closed after its last turn. Excess = recomputed - cold "
+             "(first-time tokens).", "",
+             "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
+             "| pins used / reclaimed / expired |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        p = row["pins"]
+        lines.append(f"| {row['budget']:g} ({row['kv_tokens']}) | {'on' if row['sessions'] else 'off'} "
+                     f"| {row['recomputed']} | {row['cold']} | {row['excess']} "
+                     f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
+                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {p['num_pins_used']} / "
+                     f"{p['num_pins_reclaimed']} / {p['num_pins_expired']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    from .harness import bench_model_path
+
+    args = _parse(argv)
+    cfg = TraceConfig(agents=args.agents, apps=args.apps, app_tokens=args.app_tokens, turns=args.turns,
+                      user_tokens=args.user_tokens, call_tokens=args.call_tokens, answer_tokens=args.answer_tokens,
+                      tool_tokens=tuple(args.tool_tokens), arrivals_per_s=args.arrivals_per_s,
+                      tool_median_s=args.tool_median_s, tool_p95_s=args.tool_p95_s, vocab=args.vocab,
+                      seed=args.seed)
+    model_path = bench_model_path(args.model)
+    rows = []
+    for i, budget in enumerate(args.budgets):
+        kv_tokens = max(int(budget * cfg.working_set()), cfg.max_sequence() + cfg.answer_tokens)
+        for sessions in ((True, False) if i % 2 == 0 else (False, True)):  # alternating which goes first
+            row = run_budget(model_path, cfg, kv_tokens, sessions, args.threads)
+            rows.append({"budget": budget, "kv_tokens": kv_tokens, "sessions": sessions, **row})
+    report = {"bench": "agent_trace", "command": args.command, "model": args.model,
+              "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "rows": rows}
+    out = BenchOutput("agent_trace", args.out)
+    out.finish(out.write_report(f"agent_trace_{args.model}", report, markdown(report)))
+    return report
+
+
+def _parse(argv: Sequence[str] | None) -> Any:
+    d = TraceConfig()
+    p = bench_parser("agent_trace", __doc__)
+    p.add_argument("--model", default="S", help="bench model (S, M, L), a checkpoint directory or a config.json")
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.5, 1.0],
+                   help="KV budgets as fractions of the trace's working set")
+    p.add_argument("--agents", type=int, default=d.agents)
+    p.add_argument("--apps", type=int, default=d.apps)
+    p.add_argument("--app-tokens", type=int, default=d.app_tokens)
+    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--call-tokens", type=int, default=d.call_tokens)
+    p.add_argument("--answer-tokens", type=int, default=d.answer_tokens)
+    p.add_argument("--tool-tokens", type=int, nargs=2, default=list(d.tool_tokens), metavar=("MIN", "MAX"))
+    p.add_argument("--arrivals-per-s", type=float, default=d.arrivals_per_s)
+    p.add_argument("--tool-median-s", type=float, default=d.tool_median_s)
+    p.add_argument("--tool-p95-s", type=float, default=d.tool_p95_s)
+    p.add_argument("--vocab", type=int, default=d.vocab, help="token ids are drawn below this")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server's engine")
+    p.add_argument("--seed", type=int, default=d.seed)
+    return parse_args(p, argv)
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

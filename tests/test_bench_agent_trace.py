@@ -1,0 +1,37 @@
+"""bench/agent_trace.py: seeded agent plans, the recompute accounting, and a tiny run with sessions on and off."""
+import json
+
+from radixserve.bench import agent_trace
+from radixserve.bench.agent_trace import TraceConfig, TurnRecord, make_plan, summarize
+
+TINY = ["--model", "tiny", "--agents", "6", "--apps", "2", "--app-tokens", "96", "--user-tokens", "16", "--turns",
+        "3", "--call-tokens", "8", "--answer-tokens", "8", "--tool-tokens", "16", "32", "--arrivals-per-s", "20",
+        "--tool-median-s", "0.2", "--tool-p95-s", "1", "--vocab", "500", "--budgets", "0.5"]
+
+
+def test_plans_are_seeded_and_shaped_as_asked():
+    cfg = TraceConfig(agents=5, apps=2, app_tokens=40, turns=3, tool_tokens=(10, 20), seed=3)
+    apps, agents = make_plan(cfg)
+    assert (apps, agents) == make_plan(cfg) and make_plan(TraceConfig(seed=4, agents=5))[1] != agents
+    assert [len(a) for a in apps] == [40, 40] and [a.app for a in agents] == [0, 1, 0, 1, 0]
+    assert all(len(a.tool_results) == len(a.waits_s) == 2 for a in agents)
+    assert all(10 <= len(t) <= 20 for a in agents for t in a.tool_results)
+    assert all(x < y for x, y in zip([a.arrival_s for a in agents], [a.arrival_s for a in agents][1:]))
+    assert cfg.working_set() == 2 * 40 + 5 * (64 + 2 * (32 + 20) + 64)
+
+
+def test_excess_is_recompute_beyond_the_cold_tokens():
+    records = [TurnRecord(0, 0, 100, 0, 100, 0.1), TurnRecord(0, 1, 150, 90, 41, 0.2), TurnRecord(1, 0, 100, 60, 40, 0.1)]
+    row = summarize(records, [1.0, 2.0], 4.0, {"num_pins_used": 1})
+    assert row["recomputed"] == 350 - 150 and row["cold"] == 181 and row["excess"] == 200 - 181
+    assert row["turns"] == 3 and row["turns_per_s"] == 0.75 and row["pins"]["num_pins_used"] == 1
+
+
+def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
+    report = agent_trace.main([*TINY, "--out", str(tmp_path)])
+    on, off = sorted(report["rows"], key=lambda r: not r["sessions"])
+    for row in (on, off):
+        assert row["turns"] == 6 * 3 and row["recomputed"] == row["prompt_tokens"] - row["cached_tokens"] > 0
+    assert on["pins"]["num_pins_pinned"] > 0 and off["pins"]["num_pins_pinned"] == 0
+    saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
+    assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
