@@ -16,7 +16,7 @@ result, and the one token per turn no cache holds), the **excess** recompute (re
 Budgets are fractions of the trace's working set: every app prompt plus every agent's final history, the most
 that can be alive at once. The modes alternate per budget on fresh servers.
 
-    python -m radixserve.bench.agent_trace --model S --budgets 0.25,0.5,1.0
+    python -m radixserve.bench.agent_trace --model S --budgets 0.25,0.5,1.0 --repeats 3
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -174,6 +175,20 @@ def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool
         server.stop()
 
 
+def medians(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (budget, sessions): the median of each measure over the repetitions."""
+    rows = []
+    for key in dict.fromkeys((r["budget"], r["sessions"]) for r in runs):
+        mine = [r for r in runs if (r["budget"], r["sessions"]) == key]
+        row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins")}
+        for k, v in row.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "kv_tokens"):
+                row[k] = statistics.median(r[k] for r in mine)
+        row["pins"] = {k: statistics.median(r["pins"][k] for r in mine) for k in mine[0]["pins"]}
+        rows.append(row)
+    return rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     cfg = report["config"]
     lines = [f"# Agent trace: model {report['model']}, {cfg['agents']} agents, {cfg['turns']} turns", "",
@@ -182,16 +197,17 @@ def markdown(report: dict[str, Any]) -> str:
              f"latency lognormal, median {cfg['tool_median_s']} s, p95 {cfg['tool_p95_s']} s; arrivals "
              f"{cfg['arrivals_per_s']}/s. Working set {report['working_set']} tokens. Greedy, ignore_eos; sessions "
              "on: each request names its agent's session, closed after its last turn. Excess = recomputed - cold "
-             "(first-time tokens).", "",
+             f"(first-time tokens). Each row: the median of {report['repeats']} run(s), the modes alternating on "
+             "fresh servers.", "",
              "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
              "| pins used / reclaimed / expired |", "|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
         lines.append(f"| {row['budget']:g} ({row['kv_tokens']}) | {'on' if row['sessions'] else 'off'} "
-                     f"| {row['recomputed']} | {row['cold']} | {row['excess']} "
+                     f"| {row['recomputed']:g} | {row['cold']:g} | {row['excess']:g} "
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
-                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {p['num_pins_used']} / "
-                     f"{p['num_pins_reclaimed']} / {p['num_pins_expired']} |")
+                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {p['num_pins_used']:g} / "
+                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -205,14 +221,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       tool_median_s=args.tool_median_s, tool_p95_s=args.tool_p95_s, vocab=args.vocab,
                       seed=args.seed)
     model_path = bench_model_path(args.model)
-    rows = []
-    for i, budget in enumerate(args.budgets):
-        kv_tokens = max(int(budget * cfg.working_set()), cfg.max_sequence() + cfg.answer_tokens)
-        for sessions in ((True, False) if i % 2 == 0 else (False, True)):  # alternating which goes first
-            row = run_budget(model_path, cfg, kv_tokens, sessions, args.threads)
-            rows.append({"budget": budget, "kv_tokens": kv_tokens, "sessions": sessions, **row})
-    report = {"bench": "agent_trace", "command": args.command, "model": args.model,
-              "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "rows": rows}
+    runs = []
+    for rep in range(args.repeats):
+        for i, budget in enumerate(args.budgets):
+            kv_tokens = max(int(budget * cfg.working_set()), cfg.max_sequence() + cfg.answer_tokens)
+            for sessions in ((True, False) if (i + rep) % 2 == 0 else (False, True)):  # alternating the first
+                row = run_budget(model_path, cfg, kv_tokens, sessions, args.threads)
+                runs.append({"rep": rep, "budget": budget, "kv_tokens": kv_tokens, "sessions": sessions, **row})
+    report = {"bench": "agent_trace", "command": args.command, "model": args.model, "repeats": args.repeats,
+              "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "rows": medians(runs),
+              "runs": runs}
     out = BenchOutput("agent_trace", args.out)
     out.finish(out.write_report(f"agent_trace_{args.model}", report, markdown(report)))
     return report
@@ -237,6 +255,7 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--tool-p95-s", type=float, default=d.tool_p95_s)
     p.add_argument("--vocab", type=int, default=d.vocab, help="token ids are drawn below this")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server's engine")
+    p.add_argument("--repeats", type=int, default=3, help="runs per budget and mode; each row is their median")
     p.add_argument("--seed", type=int, default=d.seed)
     return parse_args(p, argv)
 

@@ -6,7 +6,7 @@ from radixserve.bench.agent_trace import TraceConfig, TurnRecord, make_plan, sum
 
 TINY = ["--model", "tiny", "--agents", "6", "--apps", "2", "--app-tokens", "96", "--user-tokens", "16", "--turns",
         "3", "--call-tokens", "8", "--answer-tokens", "8", "--tool-tokens", "16", "32", "--arrivals-per-s", "20",
-        "--tool-median-s", "0.2", "--tool-p95-s", "1", "--vocab", "500", "--budgets", "0.5"]
+        "--tool-median-s", "0.2", "--tool-p95-s", "1", "--vocab", "500", "--budgets", "0.5", "--repeats", "1"]
 
 
 def test_plans_are_seeded_and_shaped_as_asked():
@@ -35,3 +35,14 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     assert on["pins"]["num_pins_pinned"] > 0 and off["pins"]["num_pins_pinned"] == 0
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
     assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
+
+
+def test_rows_are_medians_over_the_repetitions():
+    def run(rep, sessions, excess, used):
+        return {"rep": rep, "budget": 0.5, "kv_tokens": 100, "sessions": sessions, "excess": excess,
+                "turn_p99_s": 0.1 * excess, "pins": {"num_pins_used": used}}
+    runs = [run(0, True, 5, 3), run(0, False, 9, 0), run(1, False, 7, 0), run(1, True, 1, 5), run(2, True, 3, 4),
+            run(2, False, 8, 0)]
+    on, off = agent_trace.medians(runs)
+    assert on["sessions"] and on["excess"] == 3 and on["pins"]["num_pins_used"] == 4 and on["kv_tokens"] == 100
+    assert not off["sessions"] and off["excess"] == 8 and off["turn_p99_s"] == 0.8
