@@ -14,7 +14,7 @@ import subprocess
 import time
 from typing import Any, Callable
 
-from .peer_serve import free_port
+from ..frontend.router_proc import free_port
 from .peer_vllm import alternation
 from .report_llamacpp import LLAMA, OURS
 

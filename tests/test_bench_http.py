@@ -9,7 +9,7 @@ import os
 import time
 
 import pytest
-from radixserve.bench import http_bench, peer_serve, report_http, report_serve
+from radixserve.bench import http_bench, peer_serve, peer_servers, report_http, report_serve
 from radixserve.bench.http_bench import Timing, summarize_run
 from radixserve.bench.output import percentile
 from radixserve.bench.http_client import HTTPConnection
@@ -163,7 +163,7 @@ def test_peer_serve_counts_and_metrics_parsing():
             'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 64.0\n'
             'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n')
     names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-    assert peer_serve.parse_prometheus(text, names) == {names[0]: 2308.0, names[1]: 1600.0}
+    assert peer_servers.parse_prometheus(text, names) == {names[0]: 2308.0, names[1]: 1600.0}
     assert peer_serve.hit_counts((100.0, 10.0), (300.0, 160.0))["hit_rate"] == 0.75
     assert peer_serve.hit_counts(None, (1.0, 1.0))["hit_rate"] is None
 
