@@ -242,7 +242,8 @@ class Engine:
         seqs = [seq_input(item.req, item.num_tokens, item.sample, self.context_length, self.eos_token_ids)
                 for item in batch.items]
         self.constrained.fill_masks(batch.items, seqs)
-        m.num_forward_tokens += sum(len(s.input_ids) for s in seqs)
+        num_tokens = sum(len(s.input_ids) for s in seqs)
+        m.num_forward_tokens += num_tokens
         t1 = time.perf_counter()
         try:
             outs = self.runner.forward(seqs, shared)
@@ -260,7 +261,7 @@ class Engine:
         self._parts["forward"] += forward_s
         prefill = sum(len(q.input_ids) for q, it in zip(seqs, batch.items) if not it.is_decode)
         if prefill >= 32:  # the prefill cost per token that a session pin's time to live weighs
-            self.kv.sessions.observe_prefill(prefill, forward_s * prefill / sum(len(q.input_ids) for q in seqs))
+            self.kv.sessions.observe_prefill(prefill, forward_s * prefill / num_tokens)
         for item, seq, out in zip(batch.items, seqs, outs):
             req = item.req
             req.kv_len += item.num_tokens
@@ -321,7 +322,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix. Refused (False) while requests are queued or running."""
-        return self._loop.call(self._flush_now) if self._loop.running else self._flush_now()
+        return self._on_loop(self._flush_now)
 
     def _flush_now(self) -> bool:
         if self.has_unfinished():
@@ -347,9 +348,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """A snapshot between steps (safe from any thread: with the loop running it is taken
         on the loop thread; computed on demand, never per step)."""
-        if self._loop.running and not self._loop.on_loop_thread():
-            return self._loop.call(self._stats_now)
-        return self._stats_now()
+        return self._on_loop(self._stats_now)
 
     def _stats_now(self) -> dict[str, Any]:
         return engine_stats(self.kv, self.planner, self.metrics)

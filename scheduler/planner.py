@@ -10,8 +10,8 @@ Order of work in a step (ARCHITECTURE §5):
 from __future__ import annotations
 
 import logging
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from .config import EngineConfig
 from .kv_ops import PrefixKV

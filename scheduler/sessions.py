@@ -7,7 +7,7 @@ lock of the radix tree held for the session (`RadixCache.lock(node, pin=True)`),
 when
 
 - the session's next request is admitted (its own lock takes over: `take`),
-- its time to live runs out (`expire`, every step; a chat turn that ended with a final answer rather than a tool
+- its time to live runs out (`expire`, called every step, looks at most every EXPIRE_EVERY_S; a chat turn that ended with a final answer rather than a tool
   call keeps at most the shortest one: `settle`),
 - the session closes, explicitly or after `idle_timeout_s` without a request, or
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
@@ -32,6 +32,7 @@ from .checks import check_session_id
 IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
 MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
+EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
 
 
@@ -49,6 +50,7 @@ class Sessions:
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
+        self._next_expiry = float("-inf")  # when expire next scans
         self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled"), 0)
 
     # -- sessions ---------------------------------------------------------------------
@@ -102,8 +104,12 @@ class Sessions:
         return True
 
     def expire(self) -> None:
-        """Drop the pins whose time ran out and close the sessions idle past the timeout."""
+        """Drop the pins whose time ran out and close the sessions idle past the timeout (a scan at most every
+        EXPIRE_EVERY_S: the engine calls this every step)."""
         now = self._clock()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + EXPIRE_EVERY_S
         for sid in [s for s, pin in self._pins.items() if pin.expires <= now]:
             self._drop(sid, "expired")
         for sid in [s for s, seen in self._last_seen.items() if now - seen > self.idle_timeout_s]:
@@ -113,7 +119,7 @@ class Sessions:
         """Drop pins, cheapest to recompute per slot first (then the soonest to expire), until `num_slots` more are
         evictable or no pin is left."""
         target = self._tree.evictable_size + num_slots
-        order = sorted(self._pins, key=lambda s: (self._pins[s].expires,))
+        order = sorted(self._pins, key=lambda s: self._pins[s].expires)
         for sid in order:
             if self._tree.evictable_size >= target:
                 break
