@@ -40,6 +40,7 @@ from typing import Any
 from . import preflight
 from .config import ServerConfig
 from .router_proc import POOL_IDLE_S, RouterError, RouterProcess, check_installed, free_port
+from .response_store import ResponseStore
 from .spawn import READY
 
 logger = logging.getLogger("radixserve.replicas")
@@ -117,6 +118,8 @@ class Supervisor:
         if config.response_store is None:  # one file for all: a follow-up may reach any worker
             self._store_dir = tempfile.mkdtemp(prefix="radixserve-responses-")
             config = dataclasses.replace(config, response_store=os.path.join(self._store_dir, "responses.sqlite"))
+        # created (WAL, schema) here, before the workers open it together
+        ResponseStore(config.response_store, config.response_store_max_items, config.response_store_ttl_s).close()
         self.config = config
         argv = worker_argv(config, gpus)
         self.workers = [Worker(i, argv, env) for i, env in enumerate(worker_envs(config, gpus))]

@@ -44,13 +44,33 @@ class StoredResponse:
     output_ids: list[int]
 
 
+LOCK_TIMEOUT_S = 10.0
+
+
+def _enable_wal(db: sqlite3.Connection) -> None:
+    """Switch a file database to WAL (persistent: a file already in WAL is left as is). Switching needs the
+    file to itself, and SQLite answers "database is locked" at once rather than waiting in its busy
+    handler, so processes opening one file together (the replicas' workers) retry here."""
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 class ResponseStore:
     def __init__(self, path: str | None, max_items: int, ttl_s: float, clock: Any = time.time) -> None:
         self.path, self.max_items, self.ttl_s, self._clock = path, max_items, ttl_s, clock
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path or ":memory:", check_same_thread=False, isolation_level=None, timeout=10.0)
+        self._db = sqlite3.connect(path or ":memory:", check_same_thread=False, isolation_level=None,
+                                   timeout=LOCK_TIMEOUT_S)
         if path:
-            self._db.execute("PRAGMA journal_mode=WAL")
+            _enable_wal(self._db)
         self._db.executescript(_SCHEMA)
 
     def put(self, r: StoredResponse) -> None:

@@ -2,6 +2,8 @@
 chain that hits the radix cache for the whole history, and a chain that survives a server restart (issue 12)."""
 from __future__ import annotations
 
+import multiprocessing
+
 import httpx
 import pytest
 
@@ -35,6 +37,29 @@ def test_a_store_file_is_shared_between_processes_views(tmp_path):
     a.put(_row(1, __import__("time").time()))
     assert b.get("resp_1").conversation == [{"role": "user", "content": "1"}]
     assert b.delete("resp_1") and a.get("resp_1") is None
+
+
+def _open_at_once(path: str, barrier, errors) -> None:
+    barrier.wait()
+    try:
+        ResponseStore(path, max_items=10, ttl_s=3600.0).close()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        errors.put(repr(e))
+
+
+def test_processes_opening_a_new_store_file_at_once_all_succeed(tmp_path):
+    """The replicas' workers open one file together; switching it to WAL must not fail any of them with
+    "database is locked" (a clean-clone CI run lost a worker to it)."""
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(5):
+        path, barrier, errors = str(tmp_path / f"r{attempt}.sqlite"), ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(path, barrier, errors)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        assert all(p.exitcode == 0 for p in procs)
+        assert errors.empty(), errors.get()
 
 
 def _turn(url: str, i: int, previous: str | None, model: str = "tiny", text: str = "tell me more") -> dict:
