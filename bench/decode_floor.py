@@ -5,8 +5,9 @@ Three measurements in one process (torch threads as --threads):
 
 - the read bandwidth: torch.sum over an fp32 buffer of --stream-gib (at least 4x the last-level cache, so it
   comes from memory; bench/roofline.py's measure_stream_gbs);
-- the model's layer shapes in its dtype at each of --rows: the engine's Linear (oneDNN's packed weights) and
-  torch.matmul on the plain weight, GFLOP/s and weight GB/s (median of --repeats, the two alternating);
+- the model's layer shapes in its dtype at each of --rows: the engine's Linear (the AMX tile kernel where it
+  applies, and oneDNN's packed weights) and torch.matmul on the plain weight, GFLOP/s and weight GB/s (median
+  of --repeats, the methods alternating; up to 64 rows over distinct copies of the layer past the LLC);
 - the engine in-process at each of --batches: requests of --context random prompt tokens decode --new-tokens;
   the median decode step, the time inside the model's linears and LM head (timed around each call), and the
   floor = weight bytes read per step / bandwidth (KV bytes beside it).
@@ -28,38 +29,65 @@ def weight_bytes(config: dict[str, Any], elem: int) -> int:
     return elem * (roofline.linear_params(config) + config["vocab_size"] * config["hidden_size"])
 
 
-def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
-    """Per row count: the layer's linears as the engine runs them (packed) and as torch.matmul, alternating."""
-    import torch
+STREAM_BYTES = 2**30  # the distinct weights a timing at few rows cycles through: more than the LLC holds
+FEW_ROWS = 64  # up to here a linear streams its weights; beyond, it is compute-bound and one copy is timed
 
+
+def _methods(weight: Any) -> dict[str, Any]:
+    """The ways the engine can run a weight: the AMX tile kernel where it applies, oneDNN's packed layout."""
     from ..kernels.layers import Linear
+
+    tiled = Linear(weight, None)
+    out = {"tiles": tiled} if tiled.tiles is not None else {}
+    return out | {"oneDNN packed": Linear(weight, None, tiles=False)}
+
+
+def _copies(weight_bytes: int, m: int) -> int:
+    return max(1, -(-STREAM_BYTES // weight_bytes)) if m <= FEW_ROWS else 1
+
+
+def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
+    """Per row count: the layer's linears as the engine can run them and as torch.matmul, alternating; at few
+    rows over distinct copies of the layer that together exceed the last-level cache, so the weights come from
+    memory as they do in a decode step (one layer timed alone stays in a large L3)."""
+    import torch
 
     tdtype = getattr(torch, dtype)
     shapes = roofline.layer_shapes(config)
-    weights = [torch.randn(n, k).to(tdtype) for k, n in shapes]
-    linears = [Linear(w, None) for w in weights]
-    return _rates(shapes, dtype, rows, repeats, lambda xs: {
-        "packed": lambda: [lin(x) for lin, x in zip(linears, xs)],
-        "matmul": lambda: [torch.matmul(x, w.t()) for x, w in zip(xs, weights)]})
+    layer_bytes = sum(k * n for k, n in shapes) * roofline.DTYPE_BYTES[dtype]
+    out: list[dict[str, Any]] = []
+    for m in rows:
+        layers = [[torch.randn(n, k).to(tdtype) for k, n in shapes] for _ in range(_copies(layer_bytes, m))]
+        runs = [[_methods(w) for w in layer] for layer in layers]
+
+        def kinds(xs, layers=layers, runs=runs):
+            out = {name: (lambda name=name: [r[name](x) for layer in runs for r, x in zip(layer, xs)])
+                   for name in runs[0][0]}
+            return out | {"matmul": lambda: [torch.matmul(x, w.t()) for layer in layers for x, w in zip(xs, layer)]}
+
+        out += _rates(shapes, dtype, [m], repeats, kinds, copies=len(layers))
+    return out
 
 
 def head_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:
-    """Per row count: the LM head (vocab x hidden) from a packed copy and from the plain table a tied head shares
-    with the embedding (the native kernel at its few rows, F.linear beyond), alternating."""
+    """Per row count: the LM head (vocab x hidden) from a packed copy (tiles where they apply, and oneDNN) and
+    from the plain table a tied head shares with the embedding (the native kernel at its few rows, F.linear
+    beyond), alternating."""
     import torch
 
     from ..kernels.layers import Linear
 
     shape = (config["hidden_size"], config["vocab_size"])
     table = torch.randn(shape[1], shape[0]).to(getattr(torch, dtype))
-    packed, shared = Linear(table, None), Linear(table, None, pack=False)
+    runs = _methods(table) | {"shared table": Linear(table, None, pack=False)}
     return _rates([shape], dtype, rows, repeats, lambda xs: {
-        "packed copy": lambda: packed(xs[0]), "shared table": lambda: shared(xs[0])})
+        name: (lambda run=run: run(xs[0])) for name, run in runs.items()})
 
 
 def _rates(shapes: list[tuple[int, int]], dtype: str, rows: Sequence[int], repeats: int,
-           kinds_for: Any) -> list[dict[str, Any]]:
-    """Median time of each kind (kinds_for(inputs) -> name: run) at each row count, the kinds alternating."""
+           kinds_for: Any, copies: int = 1) -> list[dict[str, Any]]:
+    """Median time of each kind (kinds_for(inputs) -> name: run) at each row count, the kinds alternating;
+    a run covers `copies` copies of the shapes (the figures are per copy)."""
     import torch
 
     out = []
@@ -76,7 +104,7 @@ def _rates(shapes: list[tuple[int, int]], dtype: str, rows: Sequence[int], repea
         flops = sum(2.0 * m * k * n for k, n in shapes)
         wbytes = sum(k * n for k, n in shapes) * roofline.DTYPE_BYTES[dtype]
         for name, ts in times.items():
-            med = statistics.median(ts)
+            med = statistics.median(ts) / copies
             out.append({"rows": m, "method": name, "ms": med * 1e3, "gflops": flops / med / 1e9,
                         "weight_gbs": wbytes / med / 1e9})
     return out
@@ -141,10 +169,11 @@ def report(result: dict[str, Any]) -> tuple[str, str]:
     head += [f"| {r['rows']} | {r['method']} | {r['ms']:.2f} | {r['weight_gbs']:.1f} |"
              for r in result.get("head_rates", [])]
     text = "\n".join(table)
-    parts = lines + table + ["", "One layer's linears at each row count:", ""] + rates
+    parts = lines + table + ["", "One layer's linears at each row count (up to 64 rows: distinct copies, %.0f MB in all, so the weights come "
+              "from memory):" % (STREAM_BYTES / 1e6), ""] + rates
     if result.get("head_rates"):
         parts += ["", "The LM head (vocab x hidden) from a packed copy or from the plain table a tied head shares "
-                  "with the embedding:", ""] + head
+                  "with the embedding (one copy):", ""] + head
     return "\n".join(parts) + "\n", text
 
 

@@ -13,45 +13,16 @@
  * Keys come in multiples of 32 (the block's tail repeats a key, masked to p = 0) and rows in
  * multiples of 16 (padding rows see nothing). Tiles 0-3 accumulate, 4 and 5 are the operands.
  */
-#if defined(__AVX512F__) && defined(__x86_64__) && defined(__linux__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_tiles.h"
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* 1 once Linux granted this process the AMX tile state (asked once; torch's oneDNN asks the same). */
-int rs_amx_ready(void) {
-    static int ready = -1;
-    if (ready < 0) ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return ready;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Six tiles of 16 rows x 64 bytes, the caller's tile configuration kept in `saved`: torch's brgemm
- * (cpublas) remembers per thread which configuration it loaded and skips reloading it, so an
- * item must leave the configuration as it found it (the tile data it may clobber). */
+#if HAVE_AMX
+/* Six tiles of 16 rows x 64 bytes. */
 AMX_TARGET static inline void amx_begin(tile_config *saved) {
     tile_config cfg;
-    _tile_storeconfig(saved); /* all zero where no configuration is loaded */
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
-}
-
-AMX_TARGET static inline void amx_end(const tile_config *saved) {
-    if (saved->palette)
-        _tile_loadconfig(saved);
-    else
-        _tile_release();
+    amx_enter(saved, &cfg);
 }
 
 /* s[j][i] = K[j] . Q[i] for keys j < nkp and rows i < np (at most 64: one accumulator tile per 16). */
@@ -158,7 +129,4 @@ AMX_TARGET static inline void pv_amx(const uint16_t *pb, const uint16_t *vb, int
 #undef PV_COLS
 #undef O_STORE
 }
-#else
-#define HAVE_AMX 0
-int rs_amx_ready(void) { return 0; }
 #endif

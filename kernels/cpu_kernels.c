@@ -395,7 +395,7 @@ FEW_ENTRY(attend_few_bf16, 1)
  * bf16 or where it cannot run (not the AVX-512 build, or the OS refused the tile state). */
 int rs_attend(const args_t *a) {
     if (a->d % 32 != 0 || a->d > DMAX || a->num_rows <= 0 || a->group < 1) return 1;
-    if (a->amx && (!a->bf16 || !rs_amx_ready())) return 1;
+    if (a->amx && (!a->bf16 || !amx_ready())) return 1;
     const int blocks = (a->num_rows + QB - 1) / QB, items = a->num_b * a->num_h * blocks;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads) if (items > 1)
     for (int it = 0; it < items; ++it) {
@@ -412,6 +412,9 @@ int rs_attend(const args_t *a) {
     }
     return 0;
 }
+
+/* 1 where this process may use AMX tiles (native.py asks before it calls any tile code). */
+int rs_amx_ready(void) { return amx_ready(); }
 
 /* The instruction set this library was compiled for (native.py checks it against what it asked for). */
 const char *rs_isa(void) { return RS_ISA; }

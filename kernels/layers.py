@@ -17,23 +17,37 @@ NATIVE_MAX_ROWS = 2  # rows of an unpacked bf16 weight that take the native kern
 
 
 class Linear:
-    """y = x W^T + b for 2-D x. On the CPU, float32 / bfloat16 weights are packed once into oneDNN's
-    blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler uses), which streams a skinny
-    batch's weights faster than ``F.linear``. A weight kept as it is (``pack=False``: a tied LM head,
-    whose rows the embedding lookup reads) in bf16 takes the native kernel (``native.linear_bf16``) for
-    a step of at most ``NATIVE_MAX_ROWS`` rows, where it streams the weight faster than ``F.linear``
-    (and beyond which it falls behind); otherwise ``F.linear``."""
+    """y = x W^T + b for 2-D x. On the CPU, a bfloat16 weight whose shape tiles (N a multiple of 16, K of
+    32) on a CPU with AMX is packed once for the native tile kernel (``native.linear_tiles``), which
+    streams it at the machine's read bandwidth at every decode row count and keeps up with oneDNN to
+    a few hundred rows (bench/results/linear_tiles_L.md). Otherwise float32 / bfloat16 weights are
+    packed once into oneDNN's blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler
+    uses), which streams a skinny batch's weights faster than ``F.linear``. A weight kept as it is
+    (``pack=False``: a tied LM head, whose rows the embedding lookup reads) in bf16 takes the native
+    row kernel (``native.linear_bf16``) for a step of at most ``NATIVE_MAX_ROWS`` rows, where it
+    streams the weight faster than ``F.linear`` (and beyond which it falls behind); otherwise
+    ``F.linear``."""
 
-    __slots__ = ("weight", "bias", "packed", "native")
+    __slots__ = ("weight", "bias", "tiles", "packed", "native")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True, tiles: bool = True) -> None:
+        """``tiles=False`` packs for oneDNN even where the tile kernel could run (bench/decode_floor.py's
+        side-by-side)."""
         self.bias = bias
-        self.packed = _prepack(weight, bias) if pack else None
-        self.native = self.packed is None and native.linear_bf16_supported(weight)
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        self.tiles = native.pack_tiles(weight) if pack and tiles and native.tiles_supported(weight) else None
+        self.packed = _prepack(weight, bias) if pack and self.tiles is None else None
+        self.native = not self.is_packed and native.linear_bf16_supported(weight)
+        self.weight = None if self.is_packed else weight  # a packed copy replaces it
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether the layer holds its own packed copy of the weight (not the tensor it was given)."""
+        return self.tiles is not None or self.packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.tiles is not None:  # no per-shape state: any row count runs as it is
+            return native.linear_tiles(x, self.tiles, self.bias)
         if self.native and rows <= NATIVE_MAX_ROWS:
             return native.linear_bf16(x, self.weight, self.bias)
         if x.device.type == "cpu" and (bucket := row_bucket(rows)) != rows:

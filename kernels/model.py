@@ -50,7 +50,7 @@ class CausalLM:
                                  "(and tie_word_embeddings is false)")
             lm_head = self.embed
         self.lm_head = Linear(lm_head, None)  # hidden -> vocab; a tied head packs a copy (the lookups keep the table)
-        if tied and self.lm_head.packed is not None:
+        if tied and self.lm_head.is_packed:
             # The packed layout streams the head faster than the plain table at every row count, and the head is a
             # decode step's largest matmul: worth the table's size once (bench/results/lm_head_L.md).
             logger.info("tied LM head: a packed copy of the embedding (%.0f MB), faster than reading the shared "

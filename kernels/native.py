@@ -40,7 +40,8 @@ from .loader import cpu_flags as this_cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_simd.h", "cpu_amx.h"))
+                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_simd.h",
+                           "cpu_tiles.h", "cpu_amx.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the KV pool is in the model's dtype)
@@ -172,6 +173,9 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
     lib.rs_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.rs_linear_bf16.restype = ctypes.c_int
+    lib.rs_linear_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.rs_linear_tiles.restype = ctypes.c_int
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
     lib.rs_amx_ready.argtypes, lib.rs_amx_ready.restype = [], ctypes.c_int
     if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline
@@ -352,4 +356,32 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
     load().rs_linear_bf16(x.data_ptr(), x.shape[0], weight.data_ptr(), weight.shape[0], weight.shape[1],
                           _ptr(bias), out.data_ptr(), torch.get_num_threads(), int(_use_dpbf16()))
+    return out
+
+
+def tiles_supported(weight: torch.Tensor) -> bool:
+    """Whether ``linear_tiles`` can run this weight: bf16 [N, K] on the CPU with N a multiple of 16 and
+    K of 32, where AMX tiles can be used (``_use_amx``)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and load() is not None and _use_amx())
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as the B operands of tdpbf16ps, [N / 16, K / 32, 16, 16, 2]: per 16 columns and 32
+    inputs, 16 input pairs x 16 columns x the pair (cpu_linear_amx.c)."""
+    n, k = weight.shape
+    return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight^T + bias on AMX tiles, with ``packed = pack_tiles(weight)``: all bf16, fp32 sums
+    rounded once."""
+    n, k = packed.shape[0] * 16, packed.shape[1] * 32
+    x = x.contiguous()
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"linear_tiles takes x [M, {k}] bf16, got {tuple(x.shape)} {x.dtype}")
+    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    if load().rs_linear_tiles(x.data_ptr(), x.shape[0], packed.data_ptr(), n, k, _ptr(bias), out.data_ptr(),
+                              torch.get_num_threads()) != 0:
+        raise ValueError("linear_tiles: AMX tiles are not available here")
     return out
