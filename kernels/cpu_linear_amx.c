@@ -47,6 +47,13 @@ AMX_TARGET static void put_block(const float *c, int rows, const uint16_t *b, in
                             (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(c + 16 * r), bias)));
 }
 
+AMX_TARGET static inline void zero_c(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* The four accumulators to c (16 x 16 fp32 each, one after the other). */
 AMX_TARGET static inline void store_c(float *c) {
     _tile_stored(0, c, 64);
@@ -60,10 +67,7 @@ AMX_TARGET static inline void store_c(float *c) {
 /* Rows [m, m + rows) x blocks [0, nblk) of the group at n0, one row tile (rows <= 16). */
 AMX_TARGET static void rows16(const uint16_t *x, int rows, const uint16_t *w, int64_t n0, int nblk, int64_t K,
                               const uint16_t *b, uint16_t *y, int64_t N, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_c();
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(4, x + k, 2 * K);
         _tile_loadd(5, B_TILE(0), 64);
@@ -88,10 +92,7 @@ AMX_TARGET static void rows16(const uint16_t *x, int rows, const uint16_t *w, in
 /* Rows [m, m + rows0 + rows1) x blocks [blk, blk + nblk) (nblk <= 2), two row tiles (rows0 = 16). */
 AMX_TARGET static void rows32(const uint16_t *x, int rows1, const uint16_t *w, int64_t n0, int nblk, int64_t K,
                               const uint16_t *b, uint16_t *y, int64_t N, float *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_c();
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(4, x + k, 2 * K);
         _tile_loadd(5, x + 16 * K + k, 2 * K);
