@@ -61,16 +61,24 @@ def rss_growth(series: Sequence[tuple[float, float]], warmup_end: float) -> floa
     return after[-1] - after[0] if len(after) >= 2 else None
 
 
+def held_by_requests(stats: dict[str, Any]) -> int:
+    """Locked slots that requests hold: the locked ones less those only session pins hold (an idle server may keep
+    an agent's history pinned between its turns; what requests hold it must give back)."""
+    return stats["locked_slots"] - stats.get("pinned_slots", 0)
+
+
 def idle_violations(stats: dict[str, Any]) -> list[str]:
-    """Idle: free + evictable + locked + in flight = total, nothing locked or in flight, nothing running or waiting."""
+    """Idle: free + evictable + locked + in flight = total, nothing locked by requests or in flight, nothing
+    running or waiting."""
     parts = {k: stats.get(k) for k in ("free_slots", "evictable_slots", "locked_slots", "in_flight_slots")}
     if any(v is None for v in parts.values()) or "total_slots" not in stats:
         return [f"the server's stats lack the KV accounting: {sorted(stats)}"]
     out = []
     if sum(parts.values()) != stats["total_slots"]:
         out.append(f"KV identity broken: {parts} does not sum to {stats['total_slots']}")
-    if parts["locked_slots"] or parts["in_flight_slots"]:
-        out.append(f"slots leaked when idle: {parts['locked_slots']} locked, {parts['in_flight_slots']} in flight")
+    if held_by_requests(stats) or parts["in_flight_slots"]:
+        out.append(f"slots leaked when idle: {held_by_requests(stats)} locked by requests, "
+                   f"{parts['in_flight_slots']} in flight")
     if stats.get("num_running") or stats.get("num_waiting"):
         out.append(f"not idle: {stats.get('num_running')} running, {stats.get('num_waiting')} waiting")
     return out

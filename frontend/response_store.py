@@ -42,6 +42,7 @@ class StoredResponse:
     context_key: str  # the instructions and tools the prompt was rendered with
     prompt_ids: list[int]
     output_ids: list[int]
+    session_id: str | None = None  # the chain's session: its turns keep the history pinned between them
 
 
 LOCK_TIMEOUT_S = 10.0
@@ -75,7 +76,8 @@ class ResponseStore:
 
     def put(self, r: StoredResponse) -> None:
         body = orjson.dumps({"response": r.response, "input_items": r.input_items,
-                             "conversation": r.conversation, "context_key": r.context_key})
+                             "conversation": r.conversation, "context_key": r.context_key,
+                             "session_id": r.session_id})
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -96,7 +98,8 @@ class ResponseStore:
         body = orjson.loads(row[2])
         return StoredResponse(id=row[0], created_at=row[1], response=body["response"],
                               input_items=body["input_items"], conversation=body["conversation"],
-                              context_key=body["context_key"], prompt_ids=_unpack(row[3]), output_ids=_unpack(row[4]))
+                              context_key=body["context_key"], prompt_ids=_unpack(row[3]), output_ids=_unpack(row[4]),
+                              session_id=body.get("session_id"))
 
     def delete(self, response_id: str) -> bool:
         with self._lock:

@@ -65,6 +65,8 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
         raise
     max_new = resolve_max_tokens(state, len(prompt_ids), common, _NAMES)
     rid = state.new_id("resp").replace("-", "_")
+    if (session := _chain_session(req, prev, rid)) is not None:
+        common.sampling["session_id"] = session
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, max_new_tokens=max_new,
                            logprobs=common.logprobs)
     sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
@@ -163,7 +165,7 @@ class _Turn:
         return StoredResponse(id=self.rid, created_at=time.time(), response=self.builder.final,
                               input_items=self.req.input_items, conversation=conversation,
                               context_key=_context_key(self.req), prompt_ids=self.prompt_ids,
-                              output_ids=list(r.output_ids))
+                              output_ids=list(r.output_ids), session_id=self.req.chat.common.sampling.get("session_id"))
 
 
 class _Stream:
@@ -253,6 +255,16 @@ def _drop_oldest_turn(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- the store ---------------------------------------------------------------------------------
+
+
+def _chain_session(req: ResponsesRequest, prev: StoredResponse | None, rid: str) -> str | None:
+    """The session of a turn: the one the client names; else a `previous_response_id` chain is one (its first
+    stored turn's id names it), so an agent's history stays pinned while its function call runs."""
+    if (named := req.chat.common.sampling.get("session_id")) is not None:
+        return named
+    if prev is not None:
+        return prev.session_id or prev.id
+    return rid if req.store else None
 
 
 async def _previous(state: ServerState, response_id: str | None) -> StoredResponse | None:

@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from radixserve.bench.soak_checks import held_by_requests
+
 NEVER = frozenset({500, 502, 504})  # a bug whatever the input
 _CODE_LINE = re.compile(r'^radixserve_http_responses_total\{code="(\d+)"\} (\d+)$', re.MULTILINE)
 
@@ -180,10 +182,11 @@ class Guard:
 
 
 def assert_kv_identity(stats: dict[str, Any]) -> None:
-    """Idle: free + evictable (cached) + locked + in-flight == total, and nothing locked or in flight."""
+    """Idle: free + evictable (cached) + locked + in-flight == total, and nothing locked by requests (session pins
+    may stay) or in flight."""
     total = stats["total_slots"]
     parts = {k: stats[k] for k in ("free_slots", "evictable_slots", "locked_slots", "in_flight_slots")}
     assert all(v >= 0 for v in parts.values()), stats
     assert sum(parts.values()) == total, f"KV accounting: {parts} does not sum to {total}"
-    assert parts["locked_slots"] == 0 and parts["in_flight_slots"] == 0, f"leaked slots when idle: {parts}"
+    assert held_by_requests(stats) == 0 and parts["in_flight_slots"] == 0, f"leaked slots when idle: {parts}"
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats

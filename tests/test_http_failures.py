@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from _http_server import main_server, shared_server, tiny_model_path
+from radixserve.bench.soak_checks import held_by_requests
 
 API_KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -150,7 +151,8 @@ def test_client_disconnect_aborts_and_frees_kv(server, http):
                 break
     stats = server.wait_idle()["stats"]
     assert stats["num_requests_aborted"] == before["num_requests_aborted"] + 1
-    assert stats["free_slots"] + stats["evictable_slots"] == stats["total_slots"] and stats["locked_slots"] == 0
+    assert stats["free_slots"] + stats["evictable_slots"] + stats["pinned_slots"] == stats["total_slots"]
+    assert held_by_requests(stats) == 0
     # A non-streaming client that gives up is aborted as well.
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=dict(body, stream=False, max_tokens=440), timeout=0.3)

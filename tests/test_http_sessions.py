@@ -114,3 +114,25 @@ def test_a_responses_turn_in_a_session_is_pinned_then_settled(server):
     assert after["num_pins_settled"] == before["num_pins_settled"] + 2
     with server.client() as c:
         assert c.post("/close_session", json={"session_id": "resp-agent"}).json()["closed"] is True
+
+
+def test_a_previous_response_id_chain_is_a_session_of_its_own(server):
+    """Without a session id, a stored response's chain is one: its first turn's id names it, each turn leaves a pin
+    that the next turn (previous_response_id) takes. An unstored response with no predecessor opens none."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    before = _stats(server)
+    client.responses.create(model="tiny", input="once", max_output_tokens=2, store=False)
+    assert _stats(server)["num_pins_pinned"] == before["num_pins_pinned"]
+    first = client.responses.create(model="tiny", input="the forecast for the harbour, in detail " * 6,
+                                    max_output_tokens=4)
+    assert _stats(server)["num_pins_pinned"] == before["num_pins_pinned"] + 1
+    second = client.responses.create(model="tiny", input="and the hills?", previous_response_id=first.id,
+                                     max_output_tokens=4)
+    third = client.responses.create(model="tiny", input="and the valley?", previous_response_id=second.id,
+                                    max_output_tokens=4)
+    assert third.usage.input_tokens_details.cached_tokens >= second.usage.input_tokens - 8
+    after = _stats(server)
+    assert after["num_pins_pinned"] == before["num_pins_pinned"] + 3
+    assert after["num_pins_used"] == before["num_pins_used"] + 2  # turns 2 and 3 each took the one before's
+    with server.client() as c:  # the chain's session is named after its first response
+        assert c.post("/close_session", json={"session_id": first.id}).json()["closed"] is True
