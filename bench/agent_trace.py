@@ -12,7 +12,9 @@ while it waits (scheduler/sessions.py); off, the cache is plain LRU with reuse.
 Per budget and mode it reports prompt tokens recomputed (prompt - cached), the **cold** tokens every cache must
 compute (first-time tokens: an app's prompt the first time it is sent, each agent's first message, each tool
 result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
-(send to the turn's last token) and agent completion time p50/p99, throughput, and the server's pin counters.
+(send to the turn's last token) and agent completion time p50/p99, throughput, the server's pin counters, and the
+excess of two yardsticks replayed on each run's realised trace at the same capacity (bench/cache_sim.py): an LRU
+cache and Bélády's (evict what is next used furthest away).
 Budgets are fractions of the trace's working set: every app prompt plus every agent's final history, the most
 that can be alive at once. The modes alternate per budget on fresh servers.
 
@@ -32,6 +34,7 @@ from typing import Any, Sequence
 
 import httpx
 
+from .cache_sim import POLICIES, TraceRequest, simulate
 from .output import BenchOutput, bench_parser, parse_args, percentile
 
 
@@ -97,6 +100,9 @@ class TurnRecord:
     cached_tokens: int
     cold_tokens: int
     latency_s: float
+    sent_s: float  # monotonic clock
+    prompt_ids: list[int]
+    output_ids: list[int]
 
 
 async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int], plan: AgentPlan,
@@ -121,7 +127,7 @@ async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int],
         out = response.json()
         meta = out["meta_info"]
         records.append(TurnRecord(plan.index, turn, meta["prompt_tokens"], meta["cached_tokens"], cold,
-                                  time.monotonic() - sent))
+                                  time.monotonic() - sent, sent, history, list(out["output_ids"])))
         history = history + list(out["output_ids"])
         if last:
             break
@@ -133,7 +139,7 @@ async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int],
     return time.monotonic() - start
 
 
-async def run_trace(url: str, cfg: TraceConfig, sessions: bool) -> dict[str, Any]:
+async def run_trace(url: str, cfg: TraceConfig, sessions: bool, kv_tokens: int) -> dict[str, Any]:
     apps, agents = make_plan(cfg)
     records: list[TurnRecord] = []
     apps_sent: set[int] = set()
@@ -144,7 +150,20 @@ async def run_trace(url: str, cfg: TraceConfig, sessions: bool) -> dict[str, Any
                                       for a in agents))
         wall = time.monotonic() - start
         stats = (await client.get("/get_server_info")).json()["stats"]
-    return summarize(records, done, wall, stats)
+    return summarize(records, done, wall, stats) | {"sim": simulated_excess(records, kv_tokens)}
+
+
+def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
+    """The excess recompute of the LRU and Bélády yardsticks (bench/cache_sim.py) on this run's realised trace:
+    its requests at their actual send and finish times, through a cache of the server's capacity."""
+    trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids) for r in records]
+    cold = sum(r.cold_tokens for r in records)
+    out: dict[str, float] = {}
+    for policy in POLICIES:
+        result = simulate(trace, kv_tokens, policy)
+        out[policy] = result["recomputed"] - cold
+        out[f"{policy}_overflow"] = result["overflow"]
+    return out
 
 
 def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_s: float,
@@ -170,7 +189,7 @@ def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool
                             str(min(cfg.agents, 64)), "--max-queued-requests", str(4 * cfg.agents),
                             "--disable-log-requests"])
     try:
-        return asyncio.run(run_trace(server.url, cfg, sessions))
+        return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
     finally:
         server.stop()
 
@@ -180,11 +199,12 @@ def medians(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for key in dict.fromkeys((r["budget"], r["sessions"]) for r in runs):
         mine = [r for r in runs if (r["budget"], r["sessions"]) == key]
-        row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins")}
+        row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins", "sim")}
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "kv_tokens"):
                 row[k] = statistics.median(r[k] for r in mine)
-        row["pins"] = {k: statistics.median(r["pins"][k] for r in mine) for k in mine[0]["pins"]}
+        for nested in ("pins", "sim"):
+            row[nested] = {k: statistics.median(r[nested][k] for r in mine) for k in mine[0][nested]}
         rows.append(row)
     return rows
 
@@ -200,15 +220,22 @@ def markdown(report: dict[str, Any]) -> str:
              f"(first-time tokens). Each row: the median of {report['repeats']} run(s), the modes alternating on "
              "fresh servers.", "",
              "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
-             "| pins used / reclaimed / expired |", "|---|---|---|---|---|---|---|---|---|"]
+             "| pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
         lines.append(f"| {row['budget']:g} ({row['kv_tokens']}) | {'on' if row['sessions'] else 'off'} "
                      f"| {row['recomputed']:g} | {row['cold']:g} | {row['excess']:g} "
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {p['num_pins_used']:g} / "
-                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} |")
+                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} "
+                     f"| {row['sim']['lru']:g} / {row['sim']['belady']:g}{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _overflow(sim: dict[str, float]) -> str:
+    over = max(sim["lru_overflow"], sim["belady_overflow"])
+    return f" (over capacity by up to {over:g})" if over else ""
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -21,7 +21,8 @@ def test_plans_are_seeded_and_shaped_as_asked():
 
 
 def test_excess_is_recompute_beyond_the_cold_tokens():
-    records = [TurnRecord(0, 0, 100, 0, 100, 0.1), TurnRecord(0, 1, 150, 90, 41, 0.2), TurnRecord(1, 0, 100, 60, 40, 0.1)]
+    records = [TurnRecord(0, 0, 100, 0, 100, 0.1, 0.0, [], []), TurnRecord(0, 1, 150, 90, 41, 0.2, 1.0, [], []),
+               TurnRecord(1, 0, 100, 60, 40, 0.1, 0.5, [], [])]
     row = summarize(records, [1.0, 2.0], 4.0, {"num_pins_used": 1})
     assert row["recomputed"] == 350 - 150 and row["cold"] == 181 and row["excess"] == 200 - 181
     assert row["turns"] == 3 and row["turns_per_s"] == 0.75 and row["pins"]["num_pins_used"] == 1
@@ -33,6 +34,8 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     for row in (on, off):
         assert row["turns"] == 6 * 3 and row["recomputed"] == row["prompt_tokens"] - row["cached_tokens"] > 0
     assert on["pins"]["num_pins_pinned"] > 0 and off["pins"]["num_pins_pinned"] == 0
+    for row in (on, off):  # the yardsticks recompute at least the cold tokens (the same definition of first-time)
+        assert row["sim"]["lru"] >= 0 and row["sim"]["belady"] >= 0
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
     assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
 
@@ -40,9 +43,9 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
 def test_rows_are_medians_over_the_repetitions():
     def run(rep, sessions, excess, used):
         return {"rep": rep, "budget": 0.5, "kv_tokens": 100, "sessions": sessions, "excess": excess,
-                "turn_p99_s": 0.1 * excess, "pins": {"num_pins_used": used}}
+                "turn_p99_s": 0.1 * excess, "pins": {"num_pins_used": used}, "sim": {"lru": 2 * excess}}
     runs = [run(0, True, 5, 3), run(0, False, 9, 0), run(1, False, 7, 0), run(1, True, 1, 5), run(2, True, 3, 4),
             run(2, False, 8, 0)]
     on, off = agent_trace.medians(runs)
     assert on["sessions"] and on["excess"] == 3 and on["pins"]["num_pins_used"] == 4 and on["kv_tokens"] == 100
-    assert not off["sessions"] and off["excess"] == 8 and off["turn_p99_s"] == 0.8
+    assert not off["sessions"] and off["excess"] == 8 and off["turn_p99_s"] == 0.8 and off["sim"]["lru"] == 16

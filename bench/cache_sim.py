@@ -1,0 +1,145 @@
+"""Replay a realised trace through a token-level prefix cache of a fixed capacity, under LRU or Bélády eviction.
+
+The yardsticks of bench/agent_trace.py: the same requests, at the times the server actually sent and finished
+them, through a cache of the server's KV capacity. A request's prompt is matched against the cache when it is
+sent (what matches is not recomputed), its prompt and its output hold slots while it runs (locked), and when it
+finishes its prompt and output (less the last token, whose KV no step computed) stay cached until evicted. Eviction takes one unlocked leaf token at a time:
+
+- ``lru``: the one used longest ago;
+- ``belady``: the one whose next use (the first later request whose prompt passes through it) is furthest away,
+  never-again first. With paths of different lengths this is a yardstick, not the optimum.
+
+When every cached token is locked and a request still needs slots, the cache runs over its capacity (a server
+would queue the request); the overflow is counted, so a result with overflow says the trace did not fit.
+"""
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+POLICIES = ("lru", "belady")
+_MOD = (1 << 61) - 1
+_BASE = 1_000_003
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    sent_s: float
+    done_s: float
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+
+class _Node:
+    __slots__ = ("parent", "token", "key", "children", "locks", "last")
+
+    def __init__(self, parent: _Node | None, token: int, key: int) -> None:
+        self.parent, self.token, self.key = parent, token, key
+        self.children: dict[int, _Node] = {}
+        self.locks, self.last = 0, 0.0
+
+
+def _key(parent_key: int, token: int) -> int:
+    return (parent_key * _BASE + token + 1) % _MOD
+
+
+class _Cache:
+    def __init__(self, capacity: int, policy: str, uses: dict[int, list[float]]) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.capacity, self.policy, self.uses = capacity, policy, uses
+        self.root = _Node(None, -1, 0)
+        self.cached = self.in_flight = self.overflow = 0
+        self.now = 0.0
+
+    def _next_use(self, node: _Node) -> float:
+        times = self.uses.get(node.key, ())
+        i = bisect.bisect_right(times, self.now)
+        return times[i] if i < len(times) else float("inf")
+
+    def _rank(self, node: _Node) -> tuple[float, float]:
+        """Smallest first is evicted first."""
+        if self.policy == "lru":
+            return (node.last, 0.0)
+        return (-self._next_use(node), node.last)
+
+    def _evictable_leaves(self) -> list[_Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                if child.children:
+                    stack.append(child)
+                elif child.locks == 0:
+                    out.append(child)
+        return out
+
+    def make_room(self, need: int) -> None:
+        """Evict until `need` more slots are free (or nothing unlocked is left: overflow)."""
+        short = self.cached + self.in_flight + need - self.capacity
+        if short <= 0:
+            return
+        heap = [(self._rank(leaf), id(leaf), leaf) for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        while short > 0 and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[leaf.token]
+            self.cached -= 1
+            short -= 1
+            if parent is not self.root and not parent.children and parent.locks == 0:
+                heapq.heappush(heap, (self._rank(parent), id(parent), parent))
+        self.overflow += max(short, 0)
+
+    def walk(self, tokens: Sequence[int], create: bool, lock: int) -> int:
+        """Follow (with `create`, extend) the path of `tokens`, touching and (un)locking it; returns how many of
+        them were cached."""
+        node, matched = self.root, 0
+        for tok in tokens:
+            child = node.children.get(tok)
+            if child is None:
+                if not create:
+                    break
+                child = node.children[tok] = _Node(node, tok, _key(node.key, tok))
+                self.cached += 1
+            else:
+                matched += 1
+            child.locks += lock
+            child.last = self.now
+            node = child
+        return matched
+
+
+def _uses(requests: Sequence[TraceRequest]) -> dict[int, list[float]]:
+    """Prefix key -> the sorted send times of the requests whose prompt has that prefix."""
+    uses: dict[int, list[float]] = {}
+    for r in sorted(requests, key=lambda r: r.sent_s):
+        key = 0
+        for tok in r.prompt:
+            key = _key(key, tok)
+            uses.setdefault(key, []).append(r.sent_s)
+    return uses
+
+
+def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> dict[str, int]:
+    """Prompt tokens recomputed (and the overflow) replaying `requests` through a cache of `capacity` tokens."""
+    cache = _Cache(capacity, policy, _uses(requests) if policy == "belady" else {})
+    events = sorted([(r.sent_s, 1, i) for i, r in enumerate(requests)] +
+                    [(r.done_s, 0, i) for i, r in enumerate(requests)])  # a finish before a send at the same time
+    recomputed = 0
+    for t, is_send, i in events:
+        cache.now = t
+        r = requests[i]
+        if is_send:  # the prompt's cached part is kept; the rest and the output take slots while it runs
+            matched = cache.walk(r.prompt, create=False, lock=0)
+            recomputed += len(r.prompt) - matched
+            cache.make_room(len(r.prompt) - matched + len(r.output))
+            cache.walk(r.prompt, create=True, lock=1)
+            cache.in_flight += len(r.output)
+        else:  # the output's slots move from in flight to cached; the path is unlocked
+            cache.in_flight -= len(r.output)
+            cache.walk(r.prompt, create=False, lock=-1)
+            cache.walk([*r.prompt, *r.output[:-1]], create=True, lock=0)  # the last token was never computed
+    return {"recomputed": recomputed, "overflow": cache.overflow}
