@@ -7,15 +7,19 @@ lock of the radix tree held for the session (`RadixCache.lock(node, pin=True)`),
 when
 
 - the session's next request is admitted (its own lock takes over: `take`),
-- its time to live runs out (`expire`, called every step, looks at most every EXPIRE_EVERY_S; a chat turn that ended with a final answer rather than a tool
-  call keeps at most the shortest one: `settle`),
+- its time to live runs out while memory is under pressure, or MAX_TTL_S after it was made in any case (`expire`,
+  called every step, looks at most every EXPIRE_EVERY_S; a chat turn that ended with a final answer rather than
+  a tool call keeps at most the shortest one: `settle`),
 - the session closes, explicitly or after `idle_timeout_s` without a request, or
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
   first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie, and the
   one that expires first goes first).
 
-The time to live is the cost model: `ttl_per_recompute` x the time the path would take to prefill again, clamped
-to [min_ttl_s, max_ttl_s], so a long history (expensive to recompute) is kept longer than a short one. Pinned slots
+The time to live is the cost model: TTL_PER_RECOMPUTE x the time the path would take to prefill again, clamped
+to [MIN_TTL_S, MAX_TTL_S], so a long history (expensive to recompute) is kept longer than a short one; and the
+memory pressure: a pin whose time ran out stays while no admission has had to reclaim pins for PRESSURE_WINDOW_S
+(it costs nothing while the pool has room: eviction takes unpinned paths first, and `reclaim` takes the
+longest-expired pins first). Pinned slots
 are locked slots: the KV identity holds with them (free + evictable + locked + in flight = total), and
 `RadixCache.pinned_size` says how many dropping every pin would make evictable.
 """
@@ -32,6 +36,7 @@ from .checks import check_session_id
 IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
 MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
+PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure: expired pins go
 EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
 
@@ -40,7 +45,8 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
 class _Pin:
     node: TreeNode
     tokens: int
-    expires: float
+    expires: float  # the cost model's time to live ends
+    made: float
 
 
 class Sessions:
@@ -51,6 +57,7 @@ class Sessions:
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
         self._next_expiry = float("-inf")  # when expire next scans
+        self._pressure_at = float("-inf")  # when an admission last had to reclaim pins
         self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled"), 0)
 
     # -- sessions ---------------------------------------------------------------------
@@ -90,7 +97,8 @@ class Sessions:
         self._drop(session_id, None)
         self._tree.lock(node, pin=True)
         ttl = min(max(TTL_PER_RECOMPUTE * tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
-        self._pins[session_id] = _Pin(node, tokens, self._clock() + ttl)
+        now = self._clock()
+        self._pins[session_id] = _Pin(node, tokens, now + ttl, now)
         self.counts["pinned"] += 1
 
     def settle(self, session_id: str) -> bool:
@@ -104,13 +112,15 @@ class Sessions:
         return True
 
     def expire(self) -> None:
-        """Drop the pins whose time ran out and close the sessions idle past the timeout (a scan at most every
-        EXPIRE_EVERY_S: the engine calls this every step)."""
+        """Drop the pins whose time ran out, if memory is under pressure, and those made MAX_TTL_S ago; close the
+        sessions idle past the timeout (a scan at most every EXPIRE_EVERY_S: the engine calls this every step)."""
         now = self._clock()
         if now < self._next_expiry:
             return
         self._next_expiry = now + EXPIRE_EVERY_S
-        for sid in [s for s, pin in self._pins.items() if pin.expires <= now]:
+        pressure = now - self._pressure_at <= PRESSURE_WINDOW_S
+        for sid in [s for s, pin in self._pins.items()
+                    if (pin.expires <= now and pressure) or now - pin.made >= MAX_TTL_S]:
             self._drop(sid, "expired")
         for sid in [s for s, seen in self._last_seen.items() if now - seen > self.idle_timeout_s]:
             self.close(sid)
@@ -119,6 +129,7 @@ class Sessions:
         """Drop pins, cheapest to recompute per slot first (then the soonest to expire), until `num_slots` more are
         evictable or no pin is left."""
         target = self._tree.evictable_size + num_slots
+        self._pressure_at = self._clock()
         order = sorted(self._pins, key=lambda s: self._pins[s].expires)
         for sid in order:
             if self._tree.evictable_size >= target:

@@ -75,6 +75,38 @@ def test_pins_end_with_their_time_to_live_and_with_the_session(ckpt):
     engine.check_integrity()
 
 
+def test_an_expired_pin_stays_while_memory_has_room_and_goes_under_pressure(ckpt):
+    """The time to live ends a pin only under memory pressure (an admission reclaimed pins in the last
+    PRESSURE_WINDOW_S), or MAX_TTL_S after it was made in any case."""
+    from radixserve.scheduler import sessions as sessions_mod
+
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
+    sessions = engine.kv.sessions
+    now = [0.0]
+    sessions._clock = lambda: now[0]
+    _run(engine, _history(2), session_id="a")
+    _run(engine, _history(3), session_id="b")
+    assert sessions._pins["a"].expires < sessions_mod.MAX_TTL_S / 2
+    now[0] = sessions._pins["a"].expires + 1.0
+    engine.step()
+    assert set(sessions._pins) == {"a", "b"}  # past its time to live, but the pool has room: kept
+    sessions.reclaim(0)  # an admission needed pins' slots just now: pressure
+    now[0] += 1.0
+    engine.step()
+    assert set(sessions._pins) == set() and engine.stats()["num_pins_expired"] == 2
+    _run(engine, _history(4), session_id="a")
+    now[0] += sessions_mod.PRESSURE_WINDOW_S + 1.0  # the pressure is over: a new pin outlives its time to live...
+    made = now[0]
+    _run(engine, _history(5), session_id="c")
+    now[0] = made + sessions_mod.MAX_TTL_S - 1.0
+    engine.step()
+    assert "c" in sessions._pins
+    now[0] = made + sessions_mod.MAX_TTL_S  # ... until MAX_TTL_S after it was made
+    engine.step()
+    assert "c" not in sessions._pins
+    engine.check_integrity()
+
+
 def test_the_time_to_live_grows_with_the_recompute_cost(ckpt):
     engine = _engine(ckpt, kv_cache_tokens=2048)
     sessions = engine.kv.sessions
