@@ -42,8 +42,11 @@ def _methods(weight: Any) -> dict[str, Any]:
     return out | {"oneDNN packed": Linear(weight, None, tiles=False)}
 
 
+MAX_COPIES = 64  # a small layer's copies past this would only cost time: it is cache-resident anyway
+
+
 def _copies(weight_bytes: int, m: int) -> int:
-    return max(1, -(-STREAM_BYTES // weight_bytes)) if m <= FEW_ROWS else 1
+    return min(MAX_COPIES, max(1, -(-STREAM_BYTES // weight_bytes))) if m <= FEW_ROWS else 1
 
 
 def linear_rates(config: dict[str, Any], dtype: str, rows: Sequence[int], repeats: int) -> list[dict[str, Any]]:

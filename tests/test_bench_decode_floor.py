@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from radixserve.bench import decode_floor, roofline
+from radixserve.kernels import native
 
 QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
             "num_hidden_layers": 24, "vocab_size": 151936}
@@ -29,9 +30,24 @@ def test_report_divides_by_the_floor():
     assert "| 16 | packed copy | 11.80 | 23.1 |" in markdown
 
 
-def test_head_rates_time_both_layouts_of_a_small_head():
+def _methods() -> list[str]:
+    return (["tiles"] if native.cannot_build() is None and native._use_amx() else []) + ["oneDNN packed"]
+
+
+def test_head_rates_time_every_layout_of_a_small_head():
     config = {"hidden_size": 32, "vocab_size": 96}
     rows = decode_floor.head_rates(config, "bfloat16", [1, 4], repeats=2)
-    assert [(r["rows"], r["method"]) for r in rows] == [(1, "packed copy"), (1, "shared table"),
-                                                         (4, "packed copy"), (4, "shared table")]
+    methods = _methods() + ["shared table"]
+    assert [(r["rows"], r["method"]) for r in rows] == [(m, k) for m in (1, 4) for k in methods]
     assert all(r["ms"] > 0 and r["weight_gbs"] > 0 for r in rows)
+
+
+def test_linear_rates_time_every_method_over_distinct_copies_at_few_rows():
+    config = {**QWEN_05B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "head_dim": 32}
+    rows = decode_floor.linear_rates(config, "bfloat16", [1, 128], repeats=1)
+    methods = _methods() + ["matmul"]
+    assert [(r["rows"], r["method"]) for r in rows] == [(m, k) for m in (1, 128) for k in methods]
+    assert all(r["ms"] > 0 for r in rows)
+    assert decode_floor._copies(10**6, 1) == decode_floor.MAX_COPIES and decode_floor._copies(10**9, 1) == 2
+    assert decode_floor._copies(10**6, 128) == 1
