@@ -279,38 +279,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_path = bench_model_path(args.model)
     gguf = resolve_gguf(args.gguf, model_path, args.dtype, args.llama_server, args.convert_script,
                         args.convert_python)
-    kv = max(sum(len(p) + len(o) for items in stand_in_rounds(lambda n=n: PRESETS[n][args.size](args.seed))
-                 for p, o, _ in items) for n in args.workloads) + 256
+    kv = max((sum(len(p) + len(o) for items in stand_in_rounds(lambda n=n: PRESETS[n][args.size](args.seed))
+                  for p, o, _ in items) for n in args.workloads), default=0) + 256
     sweeps = sum(len(args.llama_slots) for _ in args.workloads) if len(args.llama_slots) > 1 else 0
     total = sweeps + 2 * args.runs * (len(args.workloads) + (0 if args.no_single_stream else 1))
-    work_dir = tempfile.mkdtemp(prefix="radixserve-peer-llamacpp-")  # llama-server logs, kept on failure
     with progress(total, "llama.cpp peer") as bar:
-        ours = OursServer(model_path, args.dtype, args.threads, max(args.clients or CLIENTS[n] for n in args.workloads),
-                          kv, args.radixserve_arg)
-        try:
-            bench = Bench(args, ours, gguf, work_dir, bar.update)
-            for name in args.workloads:
-                bench.workload(name)
-        except BaseException:
-            logger.warning("llama-server logs stay in %s", work_dir)
-            raise
-        finally:
-            ours.close()
-        shutil.rmtree(work_dir, ignore_errors=True)
+        runs, sweep, engines = _run_workloads(args, model_path, gguf, kv, bar.update) if args.workloads else ([], [], {})
         single = [] if args.no_single_stream else measure_single(args, model_path, gguf, bar.update)
     version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, check=False)
     meta = {"command": args.command, "model": args.model, "model_path": os.path.basename(model_path),
             "dtype": args.dtype, "gguf": gguf, "size": args.size, "seed": args.seed, "runs": args.runs,
             "threads": args.threads, "settle_s": args.settle_s, "kv_cache_tokens": kv,
             "llama_server_version": (version.stdout + version.stderr).strip()[-200:],
-            "engines": {OURS: "radixserve serve " + " ".join(ours.args), **bench.llama_commands},
+            "engines": engines,
             "load_average": {"start": load_start, "end": os.getloadavg()[0]},
             "elapsed_s": time.perf_counter() - started,
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()}}
-    report = build_report(bench.runs, bench.sweep, single, meta)
+    report = build_report(runs, sweep, single, meta)
     out = BenchOutput("peer_llamacpp", args.out)
     out.finish(write_report(report, out))
     return report
+
+
+def _run_workloads(args: argparse.Namespace, model_path: str, gguf: str, kv: int,
+                   on_run: Callable[[], object]) -> tuple[list[dict], list[dict], dict[str, str]]:
+    """Both servers on the workloads: (runs, llama.cpp's slot sweep, each server's command)."""
+    work_dir = tempfile.mkdtemp(prefix="radixserve-peer-llamacpp-")  # llama-server logs, kept on failure
+    ours = OursServer(model_path, args.dtype, args.threads, max(args.clients or CLIENTS[n] for n in args.workloads),
+                      kv, args.radixserve_arg)
+    try:
+        bench = Bench(args, ours, gguf, work_dir, on_run)
+        for name in args.workloads:
+            bench.workload(name)
+    except BaseException:
+        logger.warning("llama-server logs stay in %s", work_dir)
+        raise
+    finally:
+        ours.close()
+    shutil.rmtree(work_dir, ignore_errors=True)
+    return bench.runs, bench.sweep, {OURS: "radixserve serve " + " ".join(ours.args), **bench.llama_commands}
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -326,8 +333,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="llama.cpp's convert_hf_to_gguf.py (default: in the source tree above llama-server)")
     p.add_argument("--convert-python", default=sys.executable, metavar="PYTHON",
                    help="the Python that runs the converter (needs torch, transformers, sentencepiece)")
-    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(PRESETS), metavar="LIST",
-                   help="comma-separated, from " + ", ".join(PRESETS))
+    p.add_argument("--workloads", type=lambda s: [w for w in s.split(",") if w], default=list(PRESETS),
+                   metavar="LIST", help="comma-separated, from " + ", ".join(PRESETS) + " (empty: the single stream only)")
     p.add_argument("--size", default="full", choices=SIZES,
                    help="workload size (full and real: shapes for real-size models such as L, 64 output tokens each)")
     p.add_argument("--clients", type=int, metavar="N",

@@ -2,6 +2,7 @@
 runs, so CI checks them on recorded rows without llama.cpp."""
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -93,8 +94,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def write_report(report: dict[str, Any], out: BenchOutput) -> str:
-    """Writes peer_llamacpp_MODEL_DTYPE.{json,md}; returns the Markdown."""
-    return out.write_report(f"peer_llamacpp_{report.get('model')}_{report.get('dtype')}", report, markdown(report))
+    """Writes peer_llamacpp_MODEL_DTYPE.{json,md} (MODEL: a checkpoint directory's name; `_single` after a run of
+    the single stream only); returns the Markdown."""
+    model = os.path.basename(str(report.get("model")).rstrip("/"))
+    single_only = "_single" if not report.get("rows") else ""
+    return out.write_report(f"peer_llamacpp_{model}_{report.get('dtype')}{single_only}", report, markdown(report))
 
 
 _HEAD = ("| workload | engine | clients | llama.cpp slots | req/s median (min–max) | TTFT p50 / p99 ms "

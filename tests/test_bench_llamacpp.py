@@ -71,6 +71,15 @@ def test_report_medians_ratios_and_tables(tmp_path):
     assert (tmp_path / "peer_llamacpp_L_bf16.md").read_text() == text
 
 
+def test_a_single_stream_report_of_a_checkpoint_directory(tmp_path):
+    """No workloads (--workloads ""): the single stream only, named after the checkpoint directory."""
+    report = build_report([], [], SINGLE, {"model": "/ckpts/qwen-like/", "dtype": "bf16", "size": "full", "runs": 3,
+                                           "threads": 2, "engines": {}, "load_average": {"start": 0.1, "end": 0.2}})
+    text = peer_llamacpp.write_report(report, BenchOutput("peer_llamacpp", str(tmp_path)))
+    assert "decode **0.56x**, prefill **1.36x**" in text
+    assert (tmp_path / "peer_llamacpp_qwen-like_bf16_single.md").read_text() == text
+
+
 def test_slot_settings():
     assert parse_slots("16", 32) == (16, False)
     assert parse_slots("4u", 32) == (4, True)
