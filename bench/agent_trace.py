@@ -12,7 +12,8 @@ while it waits (scheduler/sessions.py); off, the cache is plain LRU with reuse.
 Per budget and mode it reports prompt tokens recomputed (prompt - cached), the **cold** tokens every cache must
 compute (first-time tokens: an app's prompt the first time it is sent, each agent's first message, each tool
 result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
-(send to the turn's last token) and agent completion time p50/p99, throughput, the server's pin counters, and the
+(send to the turn's last token) and agent completion time p50/p99, throughput, the server's busy fraction (its
+engine's step time over the run's wall time), the server's pin counters, and the
 excess of two yardsticks replayed on each run's realised trace at the same capacity (bench/cache_sim.py): an LRU
 cache and Bélády's (evict what is next used furthest away).
 Budgets are fractions of the trace's working set: every app prompt plus every agent's final history, the most
@@ -145,12 +146,14 @@ async def run_trace(url: str, cfg: TraceConfig, sessions: bool, kv_tokens: int) 
     apps_sent: set[int] = set()
     limits = httpx.Limits(max_connections=cfg.agents + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        before = (await client.get("/get_server_info")).json()["stats"]
         start = time.monotonic()
         done = await asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records)
                                       for a in agents))
         wall = time.monotonic() - start
         stats = (await client.get("/get_server_info")).json()["stats"]
-    return summarize(records, done, wall, stats) | {"sim": simulated_excess(records, kv_tokens)}
+    busy = (stats["step_time_s"] - before["step_time_s"]) / wall if wall else 0.0
+    return summarize(records, done, wall, stats) | {"busy": busy, "sim": simulated_excess(records, kv_tokens)}
 
 
 def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
@@ -220,14 +223,14 @@ def markdown(report: dict[str, Any]) -> str:
              f"(first-time tokens). Each row: the median of {report['repeats']} run(s), the modes alternating on "
              "fresh servers.", "",
              "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
-             "| pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| busy | pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
         lines.append(f"| {row['budget']:g} ({row['kv_tokens']}) | {'on' if row['sessions'] else 'off'} "
                      f"| {row['recomputed']:g} | {row['cold']:g} | {row['excess']:g} "
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
-                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {p['num_pins_used']:g} / "
+                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {row['busy']:.0%} | {p['num_pins_used']:g} / "
                      f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} "
                      f"| {row['sim']['lru']:g} / {row['sim']['belady']:g}{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"

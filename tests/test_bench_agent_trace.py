@@ -36,6 +36,7 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     assert on["pins"]["num_pins_pinned"] > 0 and off["pins"]["num_pins_pinned"] == 0
     for row in (on, off):  # the yardsticks recompute at least the cold tokens (the same definition of first-time)
         assert row["sim"]["lru"] >= 0 and row["sim"]["belady"] >= 0
+        assert 0 < row["busy"] < 1  # the engine stepped for part of the run, and idled while the tools ran
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
     assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
 
@@ -43,7 +44,8 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
 def test_rows_are_medians_over_the_repetitions():
     def run(rep, sessions, excess, used):
         return {"rep": rep, "budget": 0.5, "kv_tokens": 100, "sessions": sessions, "excess": excess,
-                "turn_p99_s": 0.1 * excess, "pins": {"num_pins_used": used}, "sim": {"lru": 2 * excess}}
+                "turn_p99_s": 0.1 * excess, "pins": {"num_pins_used": used}, "sim": {"lru": 2 * excess},
+                "busy": 0.01 * excess}
     runs = [run(0, True, 5, 3), run(0, False, 9, 0), run(1, False, 7, 0), run(1, True, 1, 5), run(2, True, 3, 4),
             run(2, False, 8, 0)]
     on, off = agent_trace.medians(runs)
