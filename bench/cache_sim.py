@@ -93,10 +93,10 @@ class _Cache:
                 heapq.heappush(heap, (self._rank(parent), id(parent), parent))
         self.overflow += max(short, 0)
 
-    def walk(self, tokens: Sequence[int], create: bool, lock: int) -> int:
-        """Follow (with `create`, extend) the path of `tokens`, touching and (un)locking it; returns how many of
-        them were cached."""
-        node, matched = self.root, 0
+    def walk(self, tokens: Sequence[int], create: bool, lock: int, start: _Node | None = None) -> tuple[int, _Node]:
+        """Follow (with `create`, extend) the path of `tokens` from `start` (the root), touching and (un)locking
+        it; returns how many of them were cached and the node it ends at."""
+        node, matched = start or self.root, 0
         for tok in tokens:
             child = node.children.get(tok)
             if child is None:
@@ -109,7 +109,7 @@ class _Cache:
             child.locks += lock
             child.last = self.now
             node = child
-        return matched
+        return matched, node
 
 
 def _uses(requests: Sequence[TraceRequest]) -> dict[int, list[float]]:
@@ -132,14 +132,14 @@ def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> di
     for t, is_send, i in events:
         cache.now = t
         r = requests[i]
-        if is_send:  # the prompt's cached part is kept; the rest and the output take slots while it runs
-            matched = cache.walk(r.prompt, create=False, lock=0)
+        if is_send:  # the prompt's cached part is locked first, so making room for the rest cannot evict it
+            matched, node = cache.walk(r.prompt, create=False, lock=1)
             recomputed += len(r.prompt) - matched
             cache.make_room(len(r.prompt) - matched + len(r.output))
-            cache.walk(r.prompt, create=True, lock=1)
+            cache.walk(r.prompt[matched:], create=True, lock=1, start=node)
             cache.in_flight += len(r.output)
         else:  # the output's slots move from in flight to cached; the path is unlocked
             cache.in_flight -= len(r.output)
-            cache.walk(r.prompt, create=False, lock=-1)
-            cache.walk([*r.prompt, *r.output[:-1]], create=True, lock=0)  # the last token was never computed
+            _, node = cache.walk(r.prompt, create=False, lock=-1)
+            cache.walk(r.output[:-1], create=True, lock=0, start=node)  # the last token was never computed
     return {"recomputed": recomputed, "overflow": cache.overflow}

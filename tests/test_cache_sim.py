@@ -32,6 +32,13 @@ def test_a_continuation_hits_its_history_including_the_output():
     assert simulate(trace, 100, "lru")["recomputed"] == 4 + 2
 
 
+def test_making_room_never_evicts_the_prefix_the_request_just_matched():
+    """At t=2 A's path is next used later than B's, so Bélády would evict A's last token, but the request just
+    matched it: room for its new token comes from B, whose last token B recomputes at t=3; A hits at t=5."""
+    trace = [_req(0, A), _req(1, B), _req(2, A + [50]), _req(3, B), _req(5, A)]
+    assert simulate(trace, 8, "belady") == {"recomputed": 4 + 4 + 1 + 1 + 0, "overflow": 0}
+
+
 def test_running_requests_are_never_evicted_and_overflow_is_counted():
     trace = [TraceRequest(0, 10, A, [0, 0]), TraceRequest(1, 10, B, [0, 0])]  # both run at once: 12 slots
     assert simulate(trace, 8, "belady") == {"recomputed": 8, "overflow": 4}
