@@ -20,7 +20,7 @@ class Linear:
     """y = x W^T + b for 2-D x. On the CPU, a bfloat16 weight whose shape tiles (N a multiple of 16, K of
     32) on a CPU with AMX is packed once for the native tile kernel (``native.linear_tiles``), which
     streams it at the machine's read bandwidth at every decode row count and keeps up with oneDNN to
-    a few hundred rows (bench/results/linear_tiles_L.md). Otherwise float32 / bfloat16 weights are
+    a few hundred rows (bench/results/decode_floor_L.md). Otherwise float32 / bfloat16 weights are
     packed once into oneDNN's blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler
     uses), which streams a skinny batch's weights faster than ``F.linear``. A weight kept as it is
     (``pack=False``: a tied LM head, whose rows the embedding lookup reads) in bf16 takes the native

@@ -52,7 +52,7 @@ class CausalLM:
         self.lm_head = Linear(lm_head, None)  # hidden -> vocab; a tied head packs a copy (the lookups keep the table)
         if tied and self.lm_head.is_packed:
             # The packed layout streams the head faster than the plain table at every row count, and the head is a
-            # decode step's largest matmul: worth the table's size once (bench/results/lm_head_L.md).
+            # decode step's largest matmul: worth the table's size once (bench/results/decode_floor_L.md's head table).
             logger.info("tied LM head: a packed copy of the embedding (%.0f MB), faster than reading the shared "
                         "table in every decode step", lm_head.numel() * lm_head.element_size() / 2**20)
         leftover = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
