@@ -12,6 +12,7 @@ from typing import Any
 
 from ..scheduler.checks import check_choice, check_int, check_number
 from ..scheduler.config import EngineConfig, option
+from .reasoning import REASONING_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # sglang-router's routing policies (`--policy`); cache_aware routes by prefix match, manual by the
@@ -33,6 +34,10 @@ class ServerConfig:
               "demo model)")
     chat_template: str | None = option(
         None, "a Jinja chat template file, for a checkpoint without one (or to replace its own)")
+    reasoning_parser: str | None = option(
+        None, "split <think>...</think> reasoning out of the answer (reasoning_content, reasoning items, thinking "
+              "blocks): qwen3, deepseek-r1, or auto (from the chat template); None: the output is all answer",
+        choices=REASONING_PARSERS)
     engine: EngineConfig = option(EngineConfig(), "how the engine loads the model, caches prefixes and schedules requests")
     max_queued_requests: int = option(256, "requests accepted beyond --max-running-requests before 429")
     max_tokens_default: int = option(2048, "chat: generate until EOS or the context end, capped by this")
@@ -71,6 +76,8 @@ class ServerConfig:
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
         check_int("replicas", self.replicas, lo=1)
         check_choice("router_policy", self.router_policy, ROUTER_POLICIES)
+        if self.reasoning_parser is not None:
+            check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
         object.__setattr__(self, "engine", self._engine_with_model())

@@ -1,6 +1,7 @@
 """ServerState: what every handler needs (the engine process, config, admission, metrics, token texts)."""
 from __future__ import annotations
 
+import functools
 import os
 import random
 import uuid
@@ -12,6 +13,7 @@ from .engine_client import EngineClient, Job
 from .errors import APIError, bad_request
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
+from .reasoning import ReasoningSplitter, ReasoningSyntax, new_splitter, resolve_syntax
 from .response_store import ResponseStore
 from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
 
@@ -39,6 +41,15 @@ class ServerState:
             return
         raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                        param="model", code="model_not_found")
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningSyntax | None:
+        """The reasoning parser's syntax (`--reasoning-parser`, frontend/reasoning.py); None: no splitting."""
+        return resolve_syntax(self.config.reasoning_parser, self.engine.tokenizer.chat_template)
+
+    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
+        """A reasoning splitter for one choice of a request with this prompt (None without a parser)."""
+        return new_splitter(self.reasoning, self.engine.tokenizer, prompt_ids)
 
     @property
     def structured(self) -> bool:
