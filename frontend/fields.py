@@ -120,6 +120,7 @@ OPENAI_SAMPLING_NAMES = {
     "logprob_start_len": "logprob_start_len",
     "cache_salt": "cache_salt",
     "session_id": "session_id",
+    "priority": "priority",
     "skip_special_tokens": "skip_special_tokens",
     "json_schema": "response_format",
     "structural_tag": "tools",  # built from tools + tool_choice (frontend/tool_grammar.py)
@@ -143,6 +144,7 @@ def read_openai_sampling(reader: FieldReader) -> dict[str, Any]:
         "stop_token_ids": reader.int_list("stop_token_ids"),
         "cache_salt": reader.str("cache_salt"),
         "session_id": reader.str("session_id"),
+        "priority": reader.int("priority", 0, lo=-(2**31), hi=2**31 - 1) or 0,  # vLLM's: lower runs first
         "skip_special_tokens": reader.bool("skip_special_tokens", True),
     }
     if kwargs["top_k"] == 0:

@@ -16,6 +16,9 @@ _IGNORED_KEYS = frozenset({"stream_interval", "custom_params", "dtype"})
 # ebnf are SamplingParams fields, compiled by the engine).
 _CONSTRAINT_KEYS = frozenset({"structural_tag", "logit_bias"})
 _GRAMMAR_KEYS = ("regex", "json_schema", "ebnf")  # need xgrammar in the engine (frontend/structured.py)
+# SamplingParams fields the server sets and a client may not: the tenant comes from the API key; priority is a
+# top-level field of /generate (SGLang's GenerateReqInput.priority).
+_SERVER_FIELDS = frozenset({"tenant", "priority"})
 
 
 @dataclass(frozen=True)
@@ -51,12 +54,15 @@ def parse_generate_request(body: Any, max_n: int = 1, structured: bool = True) -
     text_in_logprobs = reader.bool("return_text_in_logprobs", False)
     stream = reader.bool("stream", False)
     session_id = native_session(body)
+    priority = reader.int("priority", 0, lo=-(2**31), hi=2**31 - 1) or 0
     items = []
     for i, prompt in enumerate(prompts):
         where = f"[{i}]" if is_batch else ""
         kwargs, n = _parse_sampling(sampling[i], where, max_n, structured)
         if session_id is not None:
             kwargs["session_id"] = session_id
+        if priority:
+            kwargs["priority"] = priority
         items.append(NativeItem(
             prompt=prompt,
             sampling=kwargs,
@@ -113,7 +119,8 @@ def _parse_sampling(raw: Any, where: str, max_n: int, structured: bool) -> tuple
         if key == "n" or key in _IGNORED_KEYS:
             continue
         field_name = "seed" if key == "sampling_seed" else key
-        if field_name not in SamplingParams.__dataclass_fields__ and key not in _CONSTRAINT_KEYS:
+        known = field_name in SamplingParams.__dataclass_fields__ and field_name not in _SERVER_FIELDS
+        if not known and key not in _CONSTRAINT_KEYS:
             raise bad_request(f"unknown sampling parameter {name}.{key}", f"{name}.{key}")
         if value is None:  # unset: the one place the native API decides it
             continue

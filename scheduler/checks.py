@@ -101,8 +101,8 @@ def token_id_list(prompt: Any, vocab: int) -> list[int]:
 MAX_SESSION_ID = 256
 
 
-def check_session_id(session_id: Any) -> str:
-    """A session id (scheduler/sessions.py): a non-empty string of at most MAX_SESSION_ID characters."""
+def check_session_id(session_id: Any, name: str = "session_id") -> str:
+    """A session id (scheduler/sessions.py) or tenant name: a non-empty string of at most MAX_SESSION_ID characters."""
     if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID:
-        raise ValueError(f"session_id must be a non-empty string of at most {MAX_SESSION_ID} characters")
+        raise ValueError(f"{name} must be a non-empty string of at most {MAX_SESSION_ID} characters")
     return session_id

@@ -60,6 +60,8 @@ class PolicyConfig:
     max_wait_steps: int = option(256, "aging: steps a request waits before it jumps ahead")
     # SGLang falls back from lpm to fcfs above 128 waiting: 128 x the default window.
     fcfs_queue_len: int = option(128 * 256, "with more requests waiting than this, order by arrival")
+    fair_share: bool = option(True, "order admission by tenant fair share, then priority, then the program's least "
+                                    "attained service, before the cache-aware order (scheduler/fair_share.py)")
 
     def __post_init__(self) -> None:  # names as EngineConfig carries them (flags: --policy-window, ...)
         check_number("policy.overtake_ratio", self.overtake_ratio, lo=0)

@@ -61,6 +61,7 @@ class Planner:
 
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
+        self._preempt_for_priority(step)
         batch = Batch()
         self._reserve_decodes(batch)
         budget = self.config.chunked_prefill_size
@@ -69,6 +70,8 @@ class Planner:
         if not batch.items and self.running:
             # Everyone holds memory and nobody can progress: free the least-progressed.
             self._retract(self._pick_victim(exclude=None))
+        if self.policy.share is not None:  # the service this step gives, as the fair share counts it
+            self.policy.share.charge_batch(batch.items, [(r, r.cached_tokens or 0) for r in admitted])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch, admitted
 
@@ -210,7 +213,36 @@ class Planner:
 
     def _pick_victim(self, exclude: Req | None) -> Req | None:
         candidates = [r for r in self.running if r is not exclude]
+        if self.policy.share is not None:  # the tenant furthest above its share, then the reverse admission order
+            return self.policy.share.victim(candidates)
         return min(candidates, key=_progress) if candidates else None
+
+    def _preempt_for_priority(self, step: int) -> None:
+        """vLLM's priority preemption, within a tenant: while the first waiting request in admission order cannot
+        be admitted (no running slot, or not enough KV room) and its tenant runs work of a worse priority, that work
+        goes back to the queue (the one that would be admitted last first). Another tenant's work is never taken."""
+        share = self.policy.share
+        if share is None or not self.waiting or not self.running:
+            return
+        best = min(self.waiting, key=lambda r: r.params.priority).params.priority
+        if not any(r.params.priority > best for r in self.running):
+            return  # the common case: nothing to preempt for (one pass each over the queues)
+        head = self.policy.order(self.waiting, step, running=self.running)[0]
+        while not self._fits(head):
+            victim = share.preemptible(head, self.running)
+            if victim is None:
+                return
+            logger.info("preempting %s (priority %d) for %s (priority %d)", victim.rid, victim.params.priority,
+                        head.rid, head.params.priority)
+            self._retract(victim)
+
+    def _fits(self, req: Req) -> bool:
+        """Whether admission would take `req` now: a running slot, and KV room for its uncached tokens and its
+        decode estimate beside the running requests' (an estimate: admission decides for real)."""
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        need = req.seq_len - self.policy.cached_len(req) + self._estimate(req)
+        return need <= self.kv.available_slots() - self._decode_room_estimate()
 
     def _retract(self, req: Req) -> None:
         logger.info("retracting %s (%d output tokens) to free KV", req.rid, len(req.output_ids))

@@ -27,6 +27,7 @@ import logging
 from .checks import check_choice
 # PolicyConfig lives with EngineConfig (which carries it); imported from here as well.
 from .config import SCHEDULE_POLICIES, PolicyConfig
+from .fair_share import FairShare
 from .kv_ops import PrefixKV
 from .prefix_groups import PrefixGroups, block_key
 from .req import Req, ReqStatus
@@ -48,6 +49,8 @@ class SchedulePolicy:
         self._groups: tuple | None = None  # (config, window, claims, PrefixGroups) of the last tree
         self._ordered: tuple | None = None  # (groups, epoch, walk order) of the last tree walk
         self.num_urgent = 0  # requests promoted by the starvation rule (for tests and stats)
+        # Tenants, priorities and programs order what the policy ordered (scheduler/fair_share.py).
+        self.share: FairShare | None = FairShare() if self.config.fair_share else None
 
     def order(self, waiting: list[Req], step: int, running: list[Req] | None = None) -> list[Req]:
         """Waiting requests in admission order; may omit requests deferred for prefix dedup.
@@ -58,14 +61,21 @@ class SchedulePolicy:
         requests it saw admitted. A prefill in progress defers waiting requests that share its
         uncached prefix (cache-aware only).
         """
+        order = self._cache_order(waiting, step, running)
+        if self.share is not None:
+            self.share.observe(waiting)
+            order = self.share.order(order)
+        self._last_order = order
+        return order
+
+    def _cache_order(self, waiting: list[Req], step: int, running: list[Req] | None) -> list[Req]:
         retracted = [r for r in waiting if r.num_retractions > 0]
         fresh = [r for r in waiting if r.num_retractions == 0]
         if self.name == "fcfs" or self.kv.tree.disable:
             return retracted + fresh
         self._observe(fresh)
         if len(waiting) > self.config.fcfs_queue_len:
-            self._last_order = retracted + fresh
-            return self._last_order
+            return retracted + fresh
         head, tail = fresh[:self.config.window], fresh[self.config.window:]
         urgent = self._urgent(head, step) if self.name == "cache-aware" else []
         if urgent:
@@ -77,13 +87,12 @@ class SchedulePolicy:
             source = self._left if running is None else running
             claims = [r for r in source if _is_prefilling(r)] if self.name == "cache-aware" else []
             ordered = self._tree_order(head, claims)
-        self._last_order = retracted + urgent + ordered + tail
-        return self._last_order
+        return retracted + urgent + ordered + tail
 
     # -- policies -----------------------------------------------------------------------
 
     def _lpm(self, window: list[Req]) -> list[Req]:
-        match = [self._cached_len(r) for r in window]
+        match = [self.cached_len(r) for r in window]
         idx = sorted(range(len(window)), key=lambda i: -match[i])
         return [window[i] for i in idx]
 
@@ -104,7 +113,7 @@ class SchedulePolicy:
         if done is not None and done[0] is groups and done[1] == epoch:
             picked = done[2]  # nothing the walk reads has changed
         else:
-            cached = groups.cached_per_node(lambda i: self._cached_len(window[i])) if cache_aware else None
+            cached = groups.cached_per_node(lambda i: self.cached_len(window[i])) if cache_aware else None
             picked = groups.dfs_order(cached=cached, dedup_min_tokens=cfg.dedup_min_tokens if cache_aware else None)
             self._ordered = (groups, epoch, picked)
         return [window[i] for i in picked]
@@ -186,7 +195,7 @@ class SchedulePolicy:
             self._keys[req.rid] = key
         return key
 
-    def _cached_len(self, req: Req) -> int:
+    def cached_len(self, req: Req) -> int:
         """Cached prefix admission would reuse now; read-only (no split, no access stamp).
         Memoised per request until the tree's epoch moves."""
         epoch = self.kv.tree.epoch

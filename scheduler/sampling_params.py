@@ -54,6 +54,11 @@ class SamplingParams:
     # The agent session the request belongs to: its cached path stays pinned for the session's next turn
     # (scheduler/sessions.py). Not a sampling setting, but it travels with the request as cache_salt does.
     session_id: str | None = None
+    # Scheduling (scheduler/fair_share.py): the tenant whose fair share the request draws on (set by the server
+    # from the API key, never by the client; None: the default tenant), and its priority within that tenant
+    # (lower runs first, vLLM's meaning; it may preempt the tenant's own running work of a worse priority).
+    tenant: str | None = None
+    priority: int = 0
     skip_special_tokens: bool = True
     # Structured generation (at most one; compiled with xgrammar in the engine, scheduler/grammar.py).
     regex: str | None = None
@@ -139,6 +144,9 @@ class SamplingParams:
             raise ValueError("cache_salt must be a string")
         if self.session_id is not None:
             check_session_id(self.session_id)
+        if self.tenant is not None:
+            check_session_id(self.tenant, "tenant")
+        _check_int(self, "priority", lo=-(2**31), hi=2**31 - 1)
         self._validate_grammar()
 
     @property

@@ -340,3 +340,17 @@ def test_the_choices_of_one_prompt_reach_the_engine_as_one_request():
     asyncio.run(submit())
     assert [(rid, n, index) for rid, _, _, index, n in calls] == [("chat-1", 3, 0), ("chat-2", 1, 3)]
     assert calls[0][1] is prompt and calls[0][2] == 2**63 - 2  # the base seed; choice i adds i
+
+
+def test_priority_is_read_where_each_api_puts_it_and_a_client_cannot_name_a_tenant():
+    """/generate: top-level `priority` (SGLang's GenerateReqInput); chat: `priority` (vLLM's extension). The tenant
+    comes from the API key (scheduler/fair_share.py), so sampling_params.tenant is an unknown parameter."""
+    item = parse_generate_request({"text": "hi", "priority": -3}).items[0]
+    assert item.sampling["priority"] == -3
+    assert _error(parse_generate_request, {"text": "hi", "sampling_params": {"tenant": "other"}}).param \
+        == "sampling_params.tenant"
+    assert _error(parse_generate_request, {"text": "hi", "sampling_params": {"priority": 1}}).param \
+        == "sampling_params.priority"
+    assert _error(parse_generate_request, {"text": "hi", "priority": "high"}).param == "priority"
+    assert parse_chat_request({"messages": USER, "priority": 7}, 4).common.sampling["priority"] == 7
+    assert _error(parse_chat_request, {"messages": USER, "priority": 2**40}, 4).param == "priority"

@@ -43,18 +43,18 @@ def test_cached_length_memo_is_invalidated_by_insert_and_evict(name, monkeypatch
     calls = count_matches(kv, monkeypatch)
     cache(kv, a[:8])
     assert pol.order([ra, rb], 0) == [ra, rb]
-    assert pol._cached_len(rb) == 0 and pol._cached_len(ra) == 8
+    assert pol.cached_len(rb) == 0 and pol.cached_len(ra) == 8
     num = len(calls)
     assert pol.order([ra, rb], 1) == [ra, rb]
     assert len(calls) == num  # nothing changed: no tree walk at all
     cache(kv, b[:40])  # another request's prefix is cached: rb's cached length changes
     assert pol.order([ra, rb], 2) == [rb, ra]
-    assert pol._cached_len(rb) == 40
+    assert pol.cached_len(rb) == 40
     assert len(calls) > num
     kv.tree.evict(8)  # lru: a's prefix (the older one) goes, b's stays
-    assert pol._cached_len(ra) == 0 and pol._cached_len(rb) == 40
+    assert pol.cached_len(ra) == 0 and pol.cached_len(rb) == 40
     kv.tree.evict(10_000)
-    assert pol._cached_len(rb) == 0
+    assert pol.cached_len(rb) == 0
     assert pol.order([ra, rb], 3) == [ra, rb]
 
 

@@ -1,0 +1,205 @@
+"""Tenant fair share, priorities and program-level LAS (scheduler/fair_share.py) through the real Engine on a tiny
+checkpoint: VTC's bound between backlogged tenants, priority preemption within a tenant and never across, and the
+KV identity after every step."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from radixserve.scheduler import Engine, SamplingParams
+from radixserve.scheduler.fair_share import W_IN, W_OUT, FairShare, request_cost
+from radixserve.scheduler.req import Req
+
+from _engine_helpers import make_checkpoint
+
+TENANTS = {"a": 1.0, "b": 1.0, "c": 2.0}
+MAX_PROMPT, MAX_OUT = 48, 12
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "fair")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _engine(ckpt: str, **config) -> Engine:
+    config = dict(num_threads=1, kv_cache_tokens=1024, max_running_requests=4, chunked_prefill_size=64) | config
+    engine = Engine(ckpt, **config)
+    for name, weight in TENANTS.items():
+        engine.planner.policy.share.set_weight(name, weight)
+    return engine
+
+
+def _params(tenant: str | None = None, max_new: int = 4, priority: int = 0, session: str | None = None):
+    return SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, tenant=tenant,
+                          priority=priority, session_id=session)
+
+
+def _req(tenant: str, prompt_len: int = 8, priority: int = 0, session: str | None = None, step: int = 0) -> Req:
+    return Req(rid=f"r{random.random()}", prompt_ids=[1] * prompt_len, params=_params(tenant, priority=priority,
+               session=session), seed=0, arrival_step=step, arrival_time=0.0)
+
+
+# -- the order ----------------------------------------------------------------------------------------------------
+
+def test_one_tenant_one_priority_keeps_the_cache_aware_order():
+    share = FairShare()
+    base = [_req("x", step=i) for i in range(5)]
+    assert share.order(base) is base
+
+
+def test_tenants_interleave_by_counter_and_priority_orders_within_a_tenant():
+    share = FairShare({"heavy": 1.0, "light": 1.0})
+    heavy = [_req("heavy", priority=p) for p in (5, 0, 5)]
+    light = [_req("light") for _ in range(2)]
+    share.observe(heavy + light)
+    share.charge(heavy[0], computed=100)  # heavy has had service: light goes first
+    order = share.order(heavy + light)
+    assert order[0] is light[0]
+    assert [r for r in order if r.params.tenant == "heavy"] == [heavy[1], heavy[0], heavy[2]]  # priority 0 first
+
+
+def test_a_tenant_that_was_idle_does_not_bank_credit():
+    share = FairShare()
+    busy, idle = _req("busy"), _req("idle")
+    share.observe([busy])
+    share.charge(busy, computed=10_000)
+    share.observe([busy, idle])  # idle becomes backlogged: lifted to the backlogged tenants' lowest counter
+    assert share.counter("idle") == share.counter("busy")
+
+
+def test_programs_with_less_attained_service_go_first_within_a_priority():
+    share = FairShare()
+    long_run, short = _req("t", session="long"), _req("t", session="short")
+    share.charge(long_run, computed=10_000)
+    assert share.level(long_run) > share.level(short) == 0
+    assert share.order([long_run, short]) == [short, long_run]
+
+
+# -- VTC's bound, as a state machine over the real engine ---------------------------------------------------------
+
+# The largest weighted cost of one request (w_in x input + w_out x max output), over the smallest weight.
+BOUND = 2 * request_cost(MAX_PROMPT, MAX_OUT) / min(TENANTS.values())
+
+
+class FairShareMachine(RuleBasedStateMachine):
+    ckpt: str = ""
+
+    @initialize()
+    def start(self):
+        self.engine = _engine(self.ckpt)
+        self.share = self.engine.planner.policy.share
+        self.since: dict[tuple[str, str], tuple[float, float]] = {}  # both backlogged since: their counters then
+        self.rng = random.Random(0)
+        self.num = 0
+
+    @rule(tenant=st.sampled_from(sorted(TENANTS)), prompt_len=st.integers(4, MAX_PROMPT),
+          max_new=st.integers(1, MAX_OUT), priority=st.integers(0, 2), burst=st.integers(1, 4))
+    def arrive(self, tenant, prompt_len, max_new, priority, burst):
+        for _ in range(burst):
+            self.num += 1
+            prompt = [self.rng.randrange(5, 500) for _ in range(prompt_len)]
+            self.engine.add_request(prompt, _params(tenant, max_new, priority), rid=f"{tenant}{self.num}")
+
+    @rule(steps=st.integers(1, 6))
+    def run(self, steps):
+        for _ in range(steps):
+            self.engine.step()
+            self._check_bound()
+
+    def _check_bound(self):
+        waiting = {r.params.tenant for r in self.engine.planner.waiting}
+        for f in sorted(waiting):
+            for g in sorted(waiting):
+                if f >= g:
+                    continue
+                now = (self.share.counter(f), self.share.counter(g))
+                start = self.since.setdefault((f, g), now)
+                gap = abs((now[0] - start[0]) - (now[1] - start[1]))
+                assert gap <= BOUND, (f, g, gap, BOUND)
+        self.since = {pair: v for pair, v in self.since.items() if pair[0] in waiting and pair[1] in waiting}
+
+    @invariant()
+    def kv_identity(self):
+        if hasattr(self, "engine"):
+            self.engine.check_integrity()
+
+    def teardown(self):
+        if hasattr(self, "engine"):
+            while self.engine.has_unfinished():
+                self.engine.step()
+            self.engine.check_integrity()
+            self.engine.shutdown()
+
+
+def test_backlogged_tenants_stay_within_vtc_bound_of_each_other(ckpt):
+    FairShareMachine.ckpt = ckpt
+    run_state_machine_as_test(FairShareMachine, settings=settings(
+        max_examples=25, stateful_step_count=30, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+# -- priorities ---------------------------------------------------------------------------------------------------
+
+def _run_all(engine: Engine) -> dict[str, list[int]]:
+    first_token: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.token_ids and delta.rid not in first_token:
+                first_token[delta.rid] = step
+        step += 1
+        assert step < 5_000
+    engine.check_integrity()
+    return first_token
+
+
+def test_a_higher_priority_request_preempts_its_own_tenants_running_work(ckpt):
+    engine = _engine(ckpt, max_running_requests=2)
+    for i in range(2):
+        engine.add_request([7 + i] * 16, _params("a", max_new=40, priority=5), rid=f"low{i}")
+    for _ in range(3):
+        engine.step()
+    engine.add_request([9] * 16, _params("a", max_new=4, priority=0), rid="urgent")
+    first = _run_all(engine)
+    assert engine.planner.num_retractions >= 1
+    assert first["urgent"] <= 5  # admitted at once, not after a low-priority request finished (~40 steps)
+    engine.shutdown()
+
+
+def test_priority_never_takes_from_another_tenant(ckpt):
+    engine = _engine(ckpt, max_running_requests=2)
+    for i in range(2):
+        engine.add_request([7 + i] * 16, _params("a", max_new=40, priority=5), rid=f"a{i}")
+    for _ in range(3):
+        engine.step()
+    engine.add_request([9] * 16, _params("b", max_new=4, priority=-100), rid="b-urgent")
+    first = _run_all(engine)
+    assert engine.planner.num_retractions == 0
+    assert first["b-urgent"] >= 30  # waited for a running slot of its own
+    engine.shutdown()
+
+
+def test_charges_follow_the_batch_the_engine_ran(ckpt):
+    engine = _engine(ckpt)
+    share = engine.planner.policy.share
+    engine.add_request([3] * 20, _params("a", max_new=5), rid="one")
+    _run_all(engine)
+    # 20 prompt tokens computed, 5 outputs sampled (the last one's KV is never computed), nothing cached.
+    assert share.counter("a") == pytest.approx(W_IN * 20 + W_OUT * 5)
+    engine.add_request([3] * 20, _params("c", max_new=1), rid="two")  # weight 2; 19 tokens cached, 1 computed
+    _run_all(engine)
+    # c arrived with nobody backlogged: lifted to the counter of the last tenant that was (a's), no banked credit.
+    assert share.counter("c") == pytest.approx(share.counter("a") + (W_IN * 1 + 0.1 * 19 + W_OUT * 1) / 2)
+    engine.shutdown()
