@@ -10,12 +10,12 @@ Parser kinds (`serve --reasoning-parser`, ServerConfig.reasoning_parser):
 
 Whatever the kind, the rendered prompt decides where the output starts (`prompt_state`): a prompt that ends
 inside an open `<think>` (Qwen3-Thinking, DeepSeek-R1-0528 templates) starts the output in the reasoning; a prompt
-that ends with a closed, empty block (Qwen3 with `enable_thinking: false`) starts it in the answer.
+that ends with a closed block (Qwen3 with `enable_thinking: false`) makes the whole output the answer (no splitter).
 
 Use, per choice of a request (what the OpenAI and Messages handlers do):
 
     syntax = resolve_syntax(config.reasoning_parser, tokenizer.chat_template)   # once per server; None: off
-    splitter = new_splitter(syntax, tokenizer, prompt_ids)                      # None when syntax is None
+    splitter = new_splitter(syntax, tokenizer, prompt_ids)                      # None: all is answer
     for delta in engine deltas:
         reasoning, content = splitter.feed(delta.text, len(delta.token_ids))
     reasoning, content = splitter.finish()
@@ -118,12 +118,15 @@ def prompt_state(prompt_text: str, syntax: ReasoningSyntax) -> str:
 def new_splitter(syntax: ReasoningSyntax | None, tokenizer: Any, prompt_ids: Sequence[int]
                  ) -> "ReasoningSplitter | None":
     """A splitter for one choice of a request whose prompt is `prompt_ids` (its tail is decoded to see where the
-    output starts); None when there is no parser."""
+    output starts); None when there is no parser, or when the prompt closed an empty block (thinking turned off:
+    the output is all answer, tags the model may still write included)."""
     if syntax is None:
         return None
     tail = tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_IDS:]), skip_special_tokens=False)
     state = prompt_state(tail, syntax)
-    return ReasoningSplitter(syntax, in_reasoning=state == "open" or (syntax.forced and state != "closed"))
+    if state == "closed":
+        return None
+    return ReasoningSplitter(syntax, in_reasoning=state == "open" or syntax.forced)
 
 
 def budget_params(syntax: ReasoningSyntax | None, budget: int | None, splitter: "ReasoningSplitter | None"

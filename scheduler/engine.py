@@ -19,6 +19,7 @@ from .metrics import EngineMetrics, engine_stats
 from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
 from .policy import SchedulePolicy
+from .reasoning_budget import ReasoningBudget
 from .req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
 from .sampling_params import SamplingParams, choice_rids, choice_seed
 from .serving import EngineLoop
@@ -71,6 +72,7 @@ class Engine:
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
         self.grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.metrics = EngineMetrics()
+        self.reasoning = ReasoningBudget(self.tokenizer, self.outputs)
         self.constrained = ConstrainedDecoding(self.grammar, self.tokenizer, self.outputs, self.metrics,
                                                self.eos_token_ids, cfg.max_running_requests, self.context_length,
                                                cfg.disable_jump_forward)
@@ -113,6 +115,7 @@ class Engine:
                                            spaces_between_special_tokens=params.spaces_between_special_tokens)
         if compiled is not None:
             self.constrained.attach(req, compiled, params)
+        self.reasoning.attach(req)
         return req
 
     def has_request(self, rid: str) -> bool:
@@ -269,6 +272,7 @@ class Engine:
             if item.sample:
                 if req.grammar is None:
                     self.outputs.append_token(req, out.next_token_id, out.next_logprob)
+                    self.reasoning.after_token(req)  # a spent reasoning budget appends the end tag
                 else:
                     self.constrained.append(req, out.next_token_id, out.next_logprob)
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached

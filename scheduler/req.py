@@ -98,6 +98,8 @@ class Req:
     # sampled token; it survives retraction (output_ids are kept) and is dropped on finish.
     grammar: Any = None
     grammar_ban: Any = None  # a bitmask row ANDed into its mask (GrammarBackend.extra_ban), or None
+    # Its reasoning budget's state while the budget may still apply (scheduler/reasoning_budget.py), else None.
+    reasoning: Any = None
 
     # Text state, owned by the engine's output processor.
     detok: Any = None

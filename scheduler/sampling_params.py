@@ -67,6 +67,11 @@ class SamplingParams:
     # xgrammar's structural tag ({"type": "structural_tag", "format": ...}, a dict or its JSON text):
     # what the OpenAI layer builds for forced tool calls (frontend/tool_grammar.py).
     structural_tag: str | dict[str, Any] | None = None
+    # Reasoning budget (scheduler/reasoning_budget.py): at most reasoning_budget tokens of reasoning, then the
+    # engine appends reasoning_end; reasoning_open: None if the output starts in the reasoning, else its opening tag.
+    reasoning_budget: int | None = None
+    reasoning_end: str | None = None
+    reasoning_open: str | None = None
     # OpenAI logit_bias: token id -> bias in [-100, 100], added to that id's logit before sampling
     # (kernels/sampling.py; -100 effectively bans the id, +100 all but forces it).
     logit_bias: dict[int, float] | None = None
@@ -148,6 +153,7 @@ class SamplingParams:
             check_session_id(self.tenant, "tenant")
         _check_int(self, "priority", lo=-(2**31), hi=2**31 - 1)
         self._validate_grammar()
+        self._validate_reasoning()
 
     @property
     def has_grammar(self) -> bool:
@@ -169,6 +175,16 @@ class SamplingParams:
         tag = self.structural_tag
         if tag is not None and not (isinstance(tag, dict) or (isinstance(tag, str) and tag)):
             raise ValueError("structural_tag must be a JSON object or a non-empty string")
+
+    def _validate_reasoning(self) -> None:
+        for name in ("reasoning_end", "reasoning_open"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a non-empty string")
+        if self.reasoning_budget is not None:
+            _check_int(self, "reasoning_budget", lo=1)
+            if self.reasoning_end is None:
+                raise ValueError("reasoning_budget needs reasoning_end (the text that closes the reasoning)")
 
     def _validate_stop_regex(self) -> None:
         if not all(isinstance(s, str) and s for s in self.stop_regex):

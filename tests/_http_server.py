@@ -26,6 +26,12 @@ SCRIPTS = {
     "story": "once upon a time there was a tiny model that served many clients at once",
     TOOL_RESULT_TRIGGER: "the forecast says sunny",  # once a tool result is in the prompt (a priority trigger)
 }
+# A reasoning model's script (trigger "answer"): its tags cut across tokens, the close tag one character a token.
+THINK_TRIGGER = "answer"
+THINK_REASONING = "Let me plan: two and two make four."
+THINK_ANSWER = "It is four."
+THINK_PIECES = ["<think>", "\n" + THINK_REASONING + "\n", "</", "t", "h", "i", "n", "k", ">", "\n\n", THINK_ANSWER]
+THINK_SCRIPT = "".join(THINK_PIECES)
 MULTIBYTE_TEXT = "世界🚀é"
 EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token per byte
 
@@ -64,8 +70,9 @@ def tiny_model_path() -> str:
 
 def scripted_chains() -> dict:
     """Scripts per trigger word; "emoji" is given as single-byte tokens so that its multi-byte
-    characters are split across tokens (the detokenizer must hold partial characters back)."""
-    return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT))
+    characters are split across tokens (the detokenizer must hold partial characters back); "answer" thinks
+    (THINK_SCRIPT, its tags cut into several tokens)."""
+    return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT), **{THINK_TRIGGER: THINK_PIECES})
 
 
 def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:
@@ -95,3 +102,19 @@ def main_server() -> ServerProcess:
 def scripted_server() -> ServerProcess:
     return shared_server("scripted", ["--model", scripted_model_path(), "--kv-cache-tokens", "32768",
                                       "--max-tokens-default", "256", "--served-model-name", "scripted"])
+
+
+def reasoning_server() -> ServerProcess:
+    """The scripted model behind a Qwen3-style template (enable_thinking, reasoning rendered on assistant turns)
+    with --reasoning-parser qwen3: "... answer ..." prompts think (THINK_SCRIPT) and then answer."""
+    import os
+    import tempfile
+
+    from _tokenizer_variants import qwen3_style_template
+
+    path = os.path.join(tempfile.mkdtemp(prefix="radixserve-qwen3-template-"), "chat_template.jinja")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(qwen3_style_template())
+    return shared_server("reasoning", ["--model", scripted_model_path(), "--kv-cache-tokens", "8192",
+                                       "--max-tokens-default", "128", "--served-model-name", "thinker",
+                                       "--chat-template", path, "--reasoning-parser", "qwen3"])

@@ -50,6 +50,25 @@ SIMPLE_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{
     "{% if add_generation_prompt %}assistant:{% endif %}"
 
 
+def qwen3_style_template() -> str:
+    """The demo ChatML template made Qwen3-like: an assistant turn's reasoning (reasoning_content) is rendered as
+    `<think>...</think>` before its content, and `enable_thinking=False` closes an empty block in the generation
+    prompt (the model then answers without thinking)."""
+    out = CHAT_TEMPLATE.replace(
+        "{{- '<|im_start|>assistant\\n' + text_of(message['content']) -}}",
+        "{{- '<|im_start|>assistant\\n' -}}{%- if message['reasoning_content'] -%}"
+        "{{- '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' -}}{%- endif -%}"
+        "{{- text_of(message['content']) -}}")
+    out = out.replace(
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+        "{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+        "{%- endif -%}")
+    if out.count("enable_thinking") != 2 or "reasoning_content" not in out:
+        raise AssertionError("the demo chat template changed; update qwen3_style_template")
+    return out
+
+
 def _write_json(out: str, name: str, body: dict) -> None:
     with open(os.path.join(out, name), "w", encoding="utf-8") as f:
         json.dump(body, f, indent=2, ensure_ascii=False)

@@ -54,7 +54,7 @@ class _Chain:
 
 def build_scripted_checkpoint(
     out_dir: str,
-    chains: Mapping[str, str | Sequence[int]],
+    chains: Mapping[str, str | Sequence[int] | Sequence[str]],
     *,
     vocab_size: int = 2048,
     max_position_embeddings: int = 4096,
@@ -63,8 +63,9 @@ def build_scripted_checkpoint(
 ) -> str:
     """Write a Llama checkpoint (with the demo tokenizer) that emits chains[trigger] + EOS after a trigger.
 
-    A chain's value is text (tokenized as tokenizer.encode would, no special tokens added) or explicit token ids
-    (e.g. to force a particular split of a multi-byte character). `priority` names triggers that win over every
+    A chain's value is text (tokenized as tokenizer.encode would, no special tokens added), explicit token ids
+    (e.g. to force a particular split of a multi-byte character), or a list of text pieces tokenized one by one
+    (e.g. to cut a `</think>` tag into several tokens). `priority` names triggers that win over every
     other trigger when both are in the prompt (see the module docstring). verify=True teacher-forces every script through
     the built model and raises RuntimeError if the weights do not reproduce it. Returns out_dir.
     """
@@ -103,7 +104,7 @@ def build_scripted_checkpoint(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _parse_chain(tok, trigger: str, value: str | Sequence[int], vocab_size: int, priority: bool) -> _Chain:
+def _parse_chain(tok, trigger: str, value: str | Sequence[int] | Sequence[str], vocab_size: int, priority: bool) -> _Chain:
     forms = {trigger, " " + trigger.lstrip(" ")}
     trigger_ids = sorted({ids[0] for ids in (tok.encode(f, add_special_tokens=False).ids for f in forms) if len(ids) == 1})
     if not trigger_ids:
@@ -112,13 +113,23 @@ def _parse_chain(tok, trigger: str, value: str | Sequence[int], vocab_size: int,
             f"trigger {trigger!r} must be a single token of the demo vocabulary (alone or after a space), but it "
             f"splits into {pieces}; pick one of {', '.join(TRIGGER_WORDS)}"
         )
-    output_ids = tok.encode(value, add_special_tokens=False).ids if isinstance(value, str) else [int(i) for i in value]
+    output_ids = _script_ids(tok, value)
     if not output_ids:
         raise ValueError(f"the script of trigger {trigger!r} is empty")
     bad = [i for i in output_ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"the script of trigger {trigger!r} has token ids outside [0, {vocab_size}): {bad}")
     return _Chain(trigger, tuple(trigger_ids), tuple(output_ids), priority)
+
+
+def _script_ids(tok, value: str | Sequence[int] | Sequence[str]) -> list[int]:
+    """A script's ids: text tokenized as a whole, explicit ids, or text pieces each tokenized on its own (so a
+    tag such as `</think>` can be cut into the tokens a test wants, wherever the tokenizer would merge them)."""
+    if isinstance(value, str):
+        return tok.encode(value, add_special_tokens=False).ids
+    if value and all(isinstance(v, str) for v in value):
+        return [i for piece in value for i in tok.encode(piece, add_special_tokens=False).ids]
+    return [int(i) for i in value]
 
 
 def _check_chains(tok, chains: list[_Chain]) -> None:
