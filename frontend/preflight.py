@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from .config import ServerConfig
+from ..kernels.gguf_file import check_gguf, is_gguf_path
 from ..kernels.kv_budget import DEFAULT_CPU_KV_TOKENS, kv_pool_slots
 from ..scheduler.config import EngineConfig, fit_context_to_pool
 
@@ -94,11 +95,19 @@ def _model_positions(model: str | None) -> int | None:
 
 
 def check_model_dir(model: str) -> None:
-    """A local checkpoint directory, or a one-line reason: missing, a file, or what looks like a hub id."""
+    """A local checkpoint directory or a GGUF file this engine loads, or a one-line reason: missing, another
+    file, what looks like a hub id, or (gguf_file.check_gguf) a GGUF file it cannot load."""
     if os.path.isdir(model):
         return
+    if is_gguf_path(model) and os.path.isfile(model):
+        try:
+            check_gguf(model)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return
     if os.path.exists(model):
-        raise ConfigError(f"--model {model!r} is a file; give the checkpoint directory that holds config.json")
+        raise ConfigError(f"--model {model!r} is a file; give the checkpoint directory that holds config.json, "
+                          "or a .gguf file")
     owner, slash, name = model.partition("/")
     if slash and owner and name and "/" not in name and not model.startswith(".") and not os.path.isabs(model):
         raise ConfigError(f"--model {model!r} looks like a Hugging Face hub id, and there is no such local "

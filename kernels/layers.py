@@ -115,6 +115,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32 for the supported rope types."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (rope.rope_theta ** exponents)  # [head_dim // 2]
+    if rope.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(rope.freq_factors, dtype=torch.float32)
     if rope.rope_type == "default":
         return inv_freq
     if rope.rope_type == "linear":

@@ -1,4 +1,5 @@
-"""Reads the safetensors weights of a Hugging Face checkpoint (single file or sharded index)."""
+"""Reads the safetensors weights of a Hugging Face checkpoint (single file or sharded index), or a GGUF file's
+(gguf_loader.py)."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,8 @@ from typing import Any, BinaryIO, Iterator
 import torch
 from tqdm import tqdm
 
+from .gguf_file import is_gguf_path
+from .gguf_loader import load_gguf_state_dict
 from .model_config import ModelConfig, normalize_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -89,7 +92,9 @@ def safetensors_files(model_path: str) -> list[str]:
 def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name, read and converted
     one at a time (at most one tensor's transient copy). A progress bar (bytes read) shows on a terminal (tqdm
-    stays quiet when stderr is not one)."""
+    stays quiet when stderr is not one). A GGUF file goes to gguf_loader."""
+    if is_gguf_path(model_path):
+        return load_gguf_state_dict(model_path, dtype, device)
     files = safetensors_files(model_path)
     state: dict[str, torch.Tensor] = {}
     total = sum(os.path.getsize(p) for p in files)
@@ -131,8 +136,9 @@ def _safetensors_header(f: BinaryIO, path: str) -> tuple[dict[str, Any], int]:
 
 
 def checkpoint_dtype(model_path: str, config: ModelConfig) -> str:
-    """The dtype the weights are stored in: config.json's when given, else the first tensor's."""
-    if config.dtype != "float32":
+    """The dtype the weights are stored in: config.json's when given, else the first tensor's (a GGUF file's
+    config says it: gguf_file.hf_config)."""
+    if config.dtype != "float32" or is_gguf_path(model_path):
         return config.dtype
     path = safetensors_files(model_path)[0]
     with open(path, "rb") as f:

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .gguf_file import hf_config, is_gguf_path, open_gguf
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -35,6 +37,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int | None = None  # llama3
+    # Divisors of each inverse frequency as a GGUF file stores them (its rope_freqs tensor); None = none
+    freq_factors: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,10 @@ class ModelConfig:
 
 
 def load_model_config(model_path: str) -> ModelConfig:
-    """Reads config.json (+ generation_config.json when present) of a checkpoint directory."""
+    """Reads config.json (+ generation_config.json when present) of a checkpoint directory, or the metadata of a
+    GGUF file (gguf_file.hf_config maps it onto config.json's keys)."""
+    if is_gguf_path(model_path):
+        return parse_model_config(hf_config(open_gguf(model_path)))
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory (expected a Hugging Face "
                          "checkpoint directory with config.json and *.safetensors)")
@@ -172,7 +179,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported (only 1.0)")
     if rope_type == "default":
-        return RopeConfig(rope_type="default", rope_theta=float(theta))
+        factors = params.get("freq_factors")
+        return RopeConfig(rope_type="default", rope_theta=float(theta),
+                          freq_factors=None if factors is None else tuple(float(f) for f in factors))
     if "factor" not in params:
         raise ValueError(f"rope type {rope_type!r} needs a 'factor' in rope_parameters/rope_scaling")
     if rope_type == "linear":

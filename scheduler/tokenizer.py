@@ -22,7 +22,7 @@ Anything else (no tokenizer.json, i.e. sentencepiece only; another model-specifi
 GPT2Tokenizer or a sentencepiece LlamaTokenizer, which transformers rebuilds its own way; remote code) falls back to
 transformers' AutoTokenizer, logged at INFO, and that imports torch. Thread safety: the `tokenizers` Tokenizer is
 configured once at load (no truncation, no padding) and never mutated afterwards, so encode/decode take no lock;
-only the transformers fallback does.
+only the transformers fallback does. A GGUF file's tokenizer is read from the directory gguf_tokenizer.py builds.
 """
 from __future__ import annotations
 
@@ -31,7 +31,9 @@ import os
 import threading
 from typing import Any, Mapping, Sequence
 
+from ..kernels.gguf_file import is_gguf_path
 from .chat_template import ChatRenderer, load_chat_templates, select_template
+from .gguf_tokenizer import gguf_tokenizer_dir
 from .tokenizer_files import declared_class, load_tokenizer_json, pipeline_kind, read_json
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ class Tokenizer:
     """The tokenizer of the checkpoint directory `path`; see the module docstring for what is read from where."""
 
     def __init__(self, path: str) -> None:
+        if is_gguf_path(path):
+            path = gguf_tokenizer_dir(path)
         if not os.path.isdir(path):
             raise ValueError(f"tokenizer path {path!r} is not a directory")
         if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
