@@ -17,6 +17,7 @@ from .access_log import note_error, note_first_token, note_openai_usage
 from .engine_client import Job, Submission, collect
 from .errors import APIError, bad_request
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
+from .reasoning import ReasoningPlan, ReasoningSplitter, split_output
 from .protocol import (
     ChatRequest,
     CommonOptions,
@@ -37,25 +38,28 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     req = parse_chat_request(body, state.config.max_n, state.structured)
     common = req.common
     state.check_model(common.model)
-    prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools)  # off the event loop
+    template_kwargs = req.reasoning.render_kwargs(state.engine.tokenizer.chat_template)
+    prompt_ids = await asyncio.to_thread(state.render_chat, req.messages, req.tools, **template_kwargs)  # off the loop
+    plan = state.reasoning_plan(prompt_ids, req.reasoning.effective_budget())
     names = dict(_CHAT_NAMES, max_new_tokens=common.max_tokens_param)
     max_new = resolve_max_tokens(state, len(prompt_ids), common, names)
     rid = state.new_id("chatcmpl")
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names,
-                           max_new_tokens=max_new, logprobs=common.logprobs)
+                           max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
     head = _head(state, rid, common)
     if common.stream:
-        handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids))
+        handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids), plan)
         return SSEResponse(sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
         return Response(status_code=499)
     for r in results:
         raise_if_failed(r)
-    choices = [_chat_choice(state, req, i, r) for i, r in enumerate(results)]
+    splitters = [plan.splitter() for _ in results]
+    choices = [_chat_choice(state, req, i, r, s) for i, (r, s) in enumerate(zip(results, splitters))]
     settle_turn(state, common.sampling.get("session_id"), any(c["finish_reason"] == "tool_calls" for c in choices))
-    usage = openai_usage([len(prompt_ids)], results, len(jobs))
+    usage = openai_usage([len(prompt_ids)], results, len(jobs), reasoning_tokens(plan, splitters))
     note_openai_usage(request, usage)
     payload = dict(head, object="chat.completion", choices=choices, usage=usage)
     if common.return_token_ids:
@@ -129,17 +133,28 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, common: CommonOption
     return default
 
 
-def openai_usage(prompt_lens: list[int], results: list[GenerateResult], n: int) -> dict[str, Any]:
-    """Prompt tokens count once per prompt (not per choice); cached is the least any choice got."""
+def openai_usage(prompt_lens: list[int], results: list[GenerateResult], n: int,
+                 reasoning: int | None = None) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice); cached is the least any choice got; `reasoning`:
+    the reasoning tokens among the completion tokens (None: no reasoning parser, not reported)."""
     prompt_tokens = sum(prompt_lens)
     cached = 0
     for p in range(len(prompt_lens)):
         group = results[p * n:(p + 1) * n]
         cached += min((r.cached_tokens for r in group), default=0)
     completion_tokens = sum(r.completion_tokens for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
+
+
+def reasoning_tokens(plan: ReasoningPlan, splitters: list[ReasoningSplitter | None]) -> int | None:
+    """The choices' reasoning tokens, or None when the server has no reasoning parser."""
+    if plan.syntax is None:
+        return None
+    return sum(s.reasoning_tokens for s in splitters if s is not None)
 
 
 def _head(state: ServerState, rid: str, common: Any) -> dict[str, Any]:
@@ -156,14 +171,25 @@ def json_response(payload: dict[str, Any]) -> Response:
 # -- chat -----------------------------------------------------------------------------------
 
 
-def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateResult) -> dict[str, Any]:
-    content, calls = parse_tool_calls(r.text, r.cut_short) if req.tools else (r.text, [])
+def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateResult,
+                 splitter: ReasoningSplitter | None) -> dict[str, Any]:
+    text, reasoning = r.text, ""
+    if splitter is not None:
+        reasoning, text = split_output(splitter, r.text, r.output_ids, state.engine.tokenizer)
+    content, calls = parse_tool_calls(text, r.cut_short) if req.tools else (text, [])  # tools: the answer only
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if state.reasoning is not None:
+        message.update(_reasoning_fields(reasoning or None))
     if calls:
         message["tool_calls"] = [c.to_openai() for c in calls]
     logprobs = chat_logprobs(r.logprobs or [], state.texts) if req.common.logprobs is not None else None
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": chat_finish_reason(r, bool(calls)), "matched_stop": r.matched_stop}
+
+
+def _reasoning_fields(text: str | None) -> dict[str, Any]:
+    """Reasoning on a chat message or delta: reasoning_content (DeepSeek's and SGLang's name) and reasoning (vLLM's)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def chat_finish_reason(r: GenerateResult, made_calls: bool) -> str:
@@ -202,10 +228,11 @@ class _ChatStream(_Stream):
     """Turns engine deltas into chat.completion.chunk events (tool calls parsed on the fly)."""
 
     def __init__(self, state: ServerState, req: ChatRequest, head: dict[str, Any], num_choices: int,
-                 prompt_len: int) -> None:
+                 prompt_len: int, plan: ReasoningPlan) -> None:
         super().__init__(head, "chat.completion.chunk", req.common.include_usage)
-        self.state, self.req, self.prompt_len = state, req, prompt_len
+        self.state, self.req, self.prompt_len, self.plan = state, req, prompt_len, plan
         self.parsers = [StreamingToolParser() if req.tools else None for _ in range(num_choices)]
+        self.splitters = [plan.splitter() for _ in range(num_choices)]
         self.results: list[GenerateResult] = []
 
     def chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
@@ -216,11 +243,17 @@ class _ChatStream(_Stream):
         return [self.chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
 
     def on_delta(self, i: int, delta: StreamDelta) -> list[bytes]:
-        parser = self.parsers[i]
-        events = [("content", delta.text)] if parser is None else parser.feed(delta.text)
+        parser, splitter = self.parsers[i], self.splitters[i]
+        reasoning, text = "", delta.text
+        if splitter is not None:  # reasoning split off first: tool calls are parsed in the answer only
+            reasoning, text = splitter.feed(delta.text, len(delta.token_ids))
+            if delta.finished:
+                rest = splitter.finish()
+                reasoning, text = reasoning + rest[0], text + rest[1]
+        events = [("content", text)] if parser is None else parser.feed(text)
         if delta.finished and parser is not None:
             events += parser.finish(delta.result.cut_short)
-        out = []
+        out = [self.chunk(i, _reasoning_fields(reasoning))] if reasoning else []
         logprobs = None
         if self.req.common.logprobs is not None and delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs, self.state.texts)
@@ -242,7 +275,8 @@ class _ChatStream(_Stream):
         return out
 
     def usage(self) -> dict[str, Any]:
-        return openai_usage([self.prompt_len], self.results, len(self.parsers))
+        return openai_usage([self.prompt_len], self.results, len(self.parsers),
+                            reasoning_tokens(self.plan, self.splitters))
 
 
 async def sse_events(sub: Submission, handler: Any, request: Request) -> AsyncIterator[bytes]:

@@ -20,6 +20,7 @@ from .fields import (
     make_sampling_params,
     read_openai_sampling,
 )
+from .reasoning_options import ReasoningOptions, read_chat_reasoning
 from .structured import require as require_structured
 from .tool_grammar import forced_calls_tag, strict_calls_tag
 from ..scheduler.sampling_params import JSON_OBJECT
@@ -52,6 +53,7 @@ class ChatRequest:
     common: CommonOptions
     messages: list[dict[str, Any]]  # roles normalized, content flattened to strings
     tools: list[dict[str, Any]] | None  # None when absent or tool_choice == "none"
+    reasoning: ReasoningOptions = ReasoningOptions()  # reasoning_effort, chat_template_kwargs
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def parse_chat_request(body: Any, max_n: int, structured: bool = True) -> ChatRe
     tools, tool_grammar = _parse_tools(reader, structured)
     common = _parse_common(reader, max_n, max_tokens, top_logprobs if logprobs_on else None, tool_grammar,
                            max_tokens_param, structured)
-    return ChatRequest(common=common, messages=messages, tools=tools)
+    return ChatRequest(common=common, messages=messages, tools=tools, reasoning=read_chat_reasoning(reader))
 
 
 def parse_completion_request(body: Any, max_n: int) -> CompletionRequest:
@@ -244,6 +246,10 @@ def _parse_message(raw: Any, where: str) -> dict[str, Any]:
         value = reader.str(key)
         if value is not None:
             message[key] = value
+    # An earlier turn's reasoning sent back (vLLM's reasoning_content, or reasoning): the template renders it.
+    reasoning = reader.str("reasoning_content") or reader.str("reasoning")
+    if reasoning and role == "assistant":
+        message["reasoning_content"] = reasoning
     if role == "tool" and not message.get("tool_call_id"):
         # Templates pair a tool result with its call by this id (OpenAI requires it too).
         raise bad_request(f"{where}.tool_call_id is required on tool messages", f"{where}.tool_call_id",

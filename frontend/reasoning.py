@@ -21,6 +21,9 @@ Use, per choice of a request (what the OpenAI and Messages handlers do):
     reasoning, content = splitter.finish()
     splitter.reasoning_tokens                                                   # for usage
 
+(`plan_reasoning(syntax, tokenizer, prompt_ids, budget)` does the prompt part once for a request of n choices:
+`plan.splitter()` per choice, `plan.sampling()` the engine's budget fields.)
+
 or, for a finished result at once, `split_output(splitter, text, output_ids, tokenizer)`.
 
 The splitter never hands out part of a tag: text that may still become `<think>` / `</think>` is held back until
@@ -127,6 +130,32 @@ def new_splitter(syntax: ReasoningSyntax | None, tokenizer: Any, prompt_ids: Seq
     if state == "closed":
         return None
     return ReasoningSplitter(syntax, in_reasoning=state == "open" or syntax.forced)
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """One request's reasoning: the syntax (None: no parser, the API reports no reasoning), where its output starts
+    (`starts_in_reasoning`; None: thinking turned off, the output is all answer) and its budget. Build it with
+    plan_reasoning once per prompt; `splitter()` makes one per choice, `sampling()` the engine's budget fields."""
+
+    syntax: ReasoningSyntax | None
+    starts_in_reasoning: bool | None
+    budget: int | None = None
+
+    def splitter(self) -> "ReasoningSplitter | None":
+        if self.syntax is None or self.starts_in_reasoning is None:
+            return None
+        return ReasoningSplitter(self.syntax, self.starts_in_reasoning)
+
+    def sampling(self) -> dict[str, Any]:
+        return budget_params(self.syntax, self.budget, self.splitter())
+
+
+def plan_reasoning(syntax: ReasoningSyntax | None, tokenizer: Any, prompt_ids: Sequence[int],
+                   budget: int | None = None) -> ReasoningPlan:
+    """The plan for a prompt (the prompt's tail decoded once, as new_splitter does)."""
+    probe = new_splitter(syntax, tokenizer, prompt_ids)
+    return ReasoningPlan(syntax, None if probe is None else probe.starts_in_reasoning, budget)
 
 
 def budget_params(syntax: ReasoningSyntax | None, budget: int | None, splitter: "ReasoningSplitter | None"

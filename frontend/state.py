@@ -13,7 +13,7 @@ from .engine_client import EngineClient, Job
 from .errors import APIError, bad_request
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
-from .reasoning import ReasoningSplitter, ReasoningSyntax, new_splitter, resolve_syntax
+from .reasoning import ReasoningPlan, ReasoningSplitter, ReasoningSyntax, new_splitter, plan_reasoning, resolve_syntax
 from .response_store import ResponseStore
 from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
 
@@ -51,6 +51,10 @@ class ServerState:
         """A reasoning splitter for one choice of a request with this prompt (None without a parser)."""
         return new_splitter(self.reasoning, self.engine.tokenizer, prompt_ids)
 
+    def reasoning_plan(self, prompt_ids: list[int], budget: int | None = None) -> ReasoningPlan:
+        """The reasoning of a request with this prompt: splitters per choice, the engine's budget fields."""
+        return plan_reasoning(self.reasoning, self.engine.tokenizer, prompt_ids, budget)
+
     @property
     def structured(self) -> bool:
         """The engine can compile grammars: xgrammar is installed (what changes without: frontend/structured.py)."""
@@ -69,9 +73,12 @@ class ServerState:
         except Exception as exc:  # a tokenizer refusing the text is the client's input problem
             raise bad_request(f"could not tokenize {param}: {exc}", param) from exc
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    **template_kwargs: Any) -> list[int]:
+        """`template_kwargs`: the template's own switches (enable_thinking)."""
         try:
-            ids = self.engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+            ids = self.engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                            **template_kwargs)
         except Exception as exc:  # template errors (e.g. a role order it refuses) are input errors
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
         return list(ids)
