@@ -16,12 +16,15 @@ import argparse
 import json
 import os
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ...kernels.layers import rope_inv_freq
 from ...kernels.loader import load_state_dict
+from ...kernels.model_config import parse_model_config
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -44,6 +47,9 @@ def export_gguf(model_dir: str, out_path: str, qtype: str = "F32") -> str:
     writer = gguf.GGUFWriter(out_path, arch)
     _write_config(writer, cfg)
     _write_tokenizer(writer, model_dir)
+    factors = _rope_freq_factors(cfg)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     for name, tensor in load_state_dict(model_dir, torch.float32, torch.device("cpu")).items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -106,7 +112,18 @@ def _permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _rope_freq_factors(cfg: dict) -> np.ndarray | None:
+    """llama.cpp's rope_freqs for a scaled rope other than linear (Llama 3.1's): each inverse frequency's divisor."""
+    config = parse_model_config(cfg)
+    if config.rope.rope_type in ("default", "linear"):
+        return None
+    plain = replace(config.rope, rope_type="default")
+    return (rope_inv_freq(config.head_dim, plain) / rope_inv_freq(config.head_dim, config.rope)).numpy()
+
+
 def _write_config(writer, cfg: dict) -> None:
+    import gguf
+
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -121,6 +138,10 @@ def _write_config(writer, cfg: dict) -> None:
     writer.add_rope_freq_base(float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(cfg["vocab_size"])
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
 
 
 def _write_tokenizer(writer, model_dir: str) -> None:

@@ -1,0 +1,188 @@
+"""GGUF files as a model (kernels/gguf_file.py, gguf_loader.py, scheduler/gguf_tokenizer.py).
+
+- Round trip: tiny checkpoints written as GGUF by bench/checkpoints/gguf_export.py (F32, F16, Q8_0, Q4_0; Llama's q/k
+  rows permuted as llama.cpp does, tied embeddings, Llama 3.1 rope as a rope_freqs tensor) load to exactly the
+  weights of the float checkpoint their dequantized values make, and greedy output through the Engine is the same.
+- The tokenizer transformers builds from the GGUF encodes, decodes and renders chat like the original.
+- tests/fixtures/tiny-llama-q4_k_m.gguf, made once by llama.cpp's llama-quantize (tests/fixtures/make_gguf_q4_k_m.py):
+  its Q4_K / Q6_K / Q5_0 / Q8_0 tensors dequantize in row blocks exactly as the gguf package does, stay close to
+  the seeded weights llama.cpp's converter started from, and the Engine serves it.
+- Bad files: not GGUF, truncated, an unknown or unsupported tensor type, another architecture: one line each, and
+  exit 2 from the CLI before the engine starts.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from radixserve.bench.checkpoints.gguf_export import dequantized_copy, export_gguf
+from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached_checkpoint
+from radixserve.kernels import gguf_loader
+from radixserve.kernels.gguf_file import check_gguf, hf_tensor_name
+from radixserve.kernels.loader import load_state_dict
+from radixserve.scheduler import Engine, SamplingParams
+from radixserve.scheduler.tokenizer import Tokenizer
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "tiny-llama-q4_k_m.gguf")
+TINY = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+            initializer_range=0.1)
+LLAMA3_ROPE = dict(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+PROMPTS = ["Hello there, how are", [5, 6, 7, 8, 9, 10, 11, 12]]
+CPU = torch.device("cpu")
+
+
+def greedy(path: str) -> list[list[int]]:
+    engine = Engine(path, dtype="float32", num_threads=1, kv_cache_tokens=1024)
+    try:
+        return [r.output_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("arch, qtype, extra", [
+    ("llama", "F32", {}), ("llama", "Q8_0", {}), ("llama", "Q4_0", {}), ("qwen2", "Q8_0", {}),
+    ("qwen3", "Q4_0", {}), ("mistral", "F16", {}), ("llama", "Q8_0", {"tie_word_embeddings": True}),
+    ("llama", "F32", LLAMA3_ROPE),
+])
+def test_round_trip_loads_the_dequantized_model(tmp_path, arch, qtype, extra):
+    src = cached_checkpoint(arch, **TINY, **extra)
+    path = export_gguf(src, str(tmp_path / f"{arch}-{qtype}.gguf"), qtype)
+    ref = dequantized_copy(src, str(tmp_path / "ref"), qtype)
+    ours, want = load_state_dict(path, torch.float32, CPU), load_state_dict(ref, torch.float32, CPU)
+    assert sorted(ours) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(ours[name], tensor), name
+    if qtype in ("Q8_0", "Q4_0"):  # the file really is quantized: its weights are not the original's
+        original = load_state_dict(src, torch.float32, CPU)["model.layers.0.mlp.up_proj.weight"]
+        assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], original)
+    assert greedy(path) == greedy(ref)
+
+
+def test_tokenizer_from_the_gguf_round_trips_like_the_original(tmp_path):
+    src = cached_checkpoint("qwen2", **TINY)
+    path = export_gguf(src, str(tmp_path / "qwen2.gguf"), "F32")
+    ours, original = Tokenizer(path), Tokenizer(src)
+    texts = ["Hello world, héllo 123 ünïcode\n\n  x", "  spaces\tand 😀 emoji 12345 ",
+             "<|im_start|>user\nhi<|im_end|><tool_call>{}</tool_call>"]
+    for text in texts:
+        ids = original.encode(text, add_special_tokens=True)
+        assert ours.encode(text, add_special_tokens=True) == ids, text
+        assert ours.decode(ids, skip_special_tokens=False) == original.decode(ids, skip_special_tokens=False) == text
+        assert ours.decode(ids) == original.decode(ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert ours.render_chat(messages) == original.render_chat(messages)
+    assert ours.eos_token_ids == original.eos_token_ids and ours.vocab_size == original.vocab_size
+    cache = tmp_path / "cache"  # a fresh cache: the tokenizer is built in a child process, torch never imported
+    code = ("import sys; from radixserve.scheduler.tokenizer import Tokenizer; "
+            f"t = Tokenizer({path!r}); print(t.encode('Hello world', add_special_tokens=True), "
+            "'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "RADIXSERVE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == [*str(original.encode("Hello world")).split(), "False", "False"]
+
+
+def test_q4_k_m_fixture_dequantizes_as_the_gguf_package_does(monkeypatch):
+    monkeypatch.setattr(gguf_loader, "BLOCK_ELEMENTS", 3000)  # several row blocks per tensor
+    reader = GGUFReader(FIXTURE)
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= {t.tensor_type.name for t in reader.tensors}
+    report = gguf_loader.DequantReport(torch.float32)
+    for t in reader.tensors:
+        ours = gguf_loader.tensor_weight(t, torch.float32, report)
+        theirs = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        assert torch.equal(ours, torch.from_numpy(theirs).reshape(ours.shape)), t.name
+    assert report.tensors["Q4_K"] > 0 and report.max_rel_error == 0.0  # float32: no rounding at all
+
+
+def test_q4_k_m_fixture_is_near_its_seeded_weights_and_serves(tmp_path, caplog):
+    # the seeded checkpoint llama.cpp's converter started from (make_gguf_q4_k_m.py's arguments)
+    src = build_checkpoint(str(tmp_path / "src"), "llama", seed=7, vocab_size=512, hidden_size=256, num_layers=2,
+                           num_heads=4, num_kv_heads=2, intermediate_size=128, initializer_range=0.1,
+                           max_position_embeddings=512)
+    original = load_state_dict(src, torch.float32, CPU)
+    state = load_state_dict(FIXTURE, torch.float32, CPU)
+    assert sorted(state) == sorted(original)
+    for name, tensor in state.items():  # names, shapes and q / k row order all as the HF checkpoint's
+        err = ((tensor - original[name]).norm() / original[name].norm()).item()
+        assert err < 0.12, (name, err)
+    ref = tmp_path / "ref"
+    shutil.copytree(src, ref)
+    os.remove(ref / "model.safetensors")
+    save_file(state, str(ref / "model.safetensors"))
+    assert greedy(FIXTURE) == greedy(str(ref))
+    with caplog.at_level(logging.INFO, logger="radixserve.kernels.gguf_loader"):
+        load_state_dict(FIXTURE, torch.bfloat16, CPU)
+    line = next(r.getMessage() for r in caplog.records if "dequantized" in r.getMessage())
+    assert all(kind in line for kind in ("Q4_K", "Q6_K", "Q5_0", "Q8_0")) and "to bfloat16" in line
+    assert 0 < float(re.search(r"max relative error .* ([0-9.e+-]+) over", line).group(1)) <= 2 ** -8
+
+
+def _patched(tmp_path, name: str, edit) -> str:
+    with open(FIXTURE, "rb") as f:
+        data = bytearray(f.read())
+    edit(data)
+    path = tmp_path / name
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
+def _set_first_type(type_id: int):
+    def edit(data: bytearray) -> None:
+        t = GGUFReader(FIXTURE).tensors[0]  # type: after the name (u64 length + bytes), n_dims and the dims
+        at = t.field.offset + 8 + len(t.name) + 4 + 8 * len(t.shape)
+        assert int.from_bytes(data[at:at + 4], "little") == t.tensor_type.value
+        data[at:at + 4] = type_id.to_bytes(4, "little")
+    return edit
+
+
+def _set_architecture(data: bytearray) -> None:
+    key = b"general.architecture" + (8).to_bytes(4, "little") + (5).to_bytes(8, "little")
+    at = data.index(key + b"llama") + len(key)
+    data[at:at + 5] = b"gemma"
+
+
+BAD_FILES = [
+    ("not-gguf.gguf", lambda d: d.__setitem__(slice(0, 4), b"GGML"), "is not a GGUF file"),
+    ("cut-data.gguf", lambda d: d.__delitem__(slice(len(d) // 2, None)), "is truncated or corrupt: its metadata or tensors"),
+    ("cut-header.gguf", lambda d: d.__delitem__(slice(3000, None)), "is truncated or corrupt: its metadata or tensors"),
+    ("cut-early.gguf", lambda d: d.__delitem__(slice(40, None)), "is truncated or corrupt: its metadata or tensors"),
+    ("unknown-type.gguf", _set_first_type(99), "unknown tensor type 99; supported: F32, F16, BF16, Q8_0"),
+    ("q2_k.gguf", _set_first_type(10), "type Q2_K, which radixserve does not load; supported: F32"),
+    ("gemma.gguf", _set_architecture, "unsupported GGUF architecture 'gemma'; supported: llama (Llama, Mistral)"),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_gguf_files_fail_in_one_line(tmp_path, name, edit, message):
+    path = _patched(tmp_path, name, edit)
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        check_gguf(path)
+    assert "\n" not in str(info.value) and path in str(info.value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(path, num_threads=1, kv_cache_tokens=256)
+
+
+def test_cli_refuses_a_bad_gguf_before_loading(tmp_path):
+    path = _patched(tmp_path, "q2_k.gguf", _set_first_type(10))
+    r = subprocess.run([sys.executable, "-m", "radixserve.frontend.cli", "serve", "--port", "0", "--model", path],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Q2_K" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_tensor_names_outside_the_forward_are_refused():
+    assert hf_tensor_name("blk.3.ffn_down.weight") == "model.layers.3.mlp.down_proj.weight"
+    assert hf_tensor_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="'blk.0.ffn_gate_exps.weight' has no counterpart"):
+        hf_tensor_name("blk.0.ffn_gate_exps.weight")
