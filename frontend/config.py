@@ -29,6 +29,9 @@ class ServerConfig:
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(30000, "port to listen on (0: any free port, printed in the ready line)")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (health endpoints stay open)")
+    api_keys: str | None = option(
+        None, "a JSON or TOML file mapping API keys to tenants: name, fair-share weight, admin flag, limits (README "
+              "\"Tenants\"); beside --api-key, an admin key of the tenant \"default\"")
     served_model_name: str | None = option(
         None, f"the model name clients send (None: the checkpoint directory's name, or {DEMO_MODEL_NAME} for the "
               "demo model)")
@@ -38,6 +41,9 @@ class ServerConfig:
         None, "split <think>...</think> reasoning out of the answer (reasoning_content, reasoning items, thinking "
               "blocks): qwen3, deepseek-r1, or auto (from the chat template); None: the output is all answer",
         choices=REASONING_PARSERS)
+    thinking_key: str | None = option(
+        None, "the HMAC key that signs /v1/messages thinking blocks, so a block sent back is verified (replicas "
+              "behind one router must share it); None: $RADIXSERVE_THINKING_KEY, else a random key per start")
     engine: EngineConfig = option(EngineConfig(), "how the engine loads the model, caches prefixes and schedules requests")
     max_queued_requests: int = option(256, "requests accepted beyond --max-running-requests before 429")
     max_tokens_default: int = option(2048, "chat: generate until EOS or the context end, capped by this")
@@ -78,8 +84,9 @@ class ServerConfig:
         check_choice("router_policy", self.router_policy, ROUTER_POLICIES)
         if self.reasoning_parser is not None:
             check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("api_key must not be empty")
+        for secret in ("api_key", "thinking_key"):
+            if getattr(self, secret) == "":
+                raise ValueError(f"{secret} must not be empty")
         object.__setattr__(self, "engine", self._engine_with_model())
 
     def _engine_with_model(self) -> EngineConfig:
@@ -104,11 +111,12 @@ class ServerConfig:
         return os.path.basename(os.path.normpath(self.model)) or self.model  # ./m and ./m/ are both "m"
 
     def public_dict(self) -> dict[str, Any]:
-        """Server and engine settings as one flat dict for /get_server_info, the API key masked."""
+        """Server and engine settings as one flat dict for /get_server_info, the keys masked."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
         engine = asdict(self.engine)
         del engine["model_path"]  # == model
         out.update(engine)
-        if out["api_key"] is not None:
-            out["api_key"] = "***"
+        for secret in ("api_key", "thinking_key"):
+            if out[secret] is not None:
+                out[secret] = "***"
         return out

@@ -1,4 +1,6 @@
-"""OpenAI-format errors: `{"error": {"message", "type", "param", "code"}}` with a fitting HTTP status.
+"""Errors in the API's own format, with a fitting HTTP status: OpenAI's `{"error": {"message", "type", "param",
+"code"}}` everywhere but under /v1/messages, where it is Anthropic's `{"type": "error", "error": {"type",
+"message"}}` (`anthropic_path`: the one rule, applied wherever an error is rendered).
 
 Every error the server sends has this body: APIError raised by handlers, Starlette's own 404 / 405
 (`exception_handlers()`), and whatever escapes an endpoint or is cancelled at a forced shutdown
@@ -28,6 +30,24 @@ _ERROR_TYPES = {
     500: "internal_error",
     503: "service_unavailable",
 }
+# Anthropic's error types (docs.anthropic.com/en/api/errors); any other 4xx is an invalid_request_error. A 503
+# (draining, no engine) keeps its status and is typed as Anthropic's 529: temporary, retry.
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def anthropic_path(path: str) -> bool:
+    """Errors on this path are rendered in Anthropic's format (the Messages API and anything under it)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
 class APIError(Exception):
@@ -50,9 +70,15 @@ class APIError(Exception):
             "code": self.code if self.code is not None else self.status,
         }}
 
-    def response(self) -> Response:
-        return Response(orjson.dumps(self.body()), status_code=self.status,
-                        media_type="application/json", headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> Response:
+        """The error as a response; `path` (the request's) picks the format (`anthropic_path`)."""
+        body = self.anthropic_body() if anthropic_path(path) else self.body()
+        return Response(orjson.dumps(body), status_code=self.status, media_type="application/json",
+                        headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
@@ -84,7 +110,7 @@ def exception_handlers(on_error: Callable[[int], None] | None = None) -> dict[An
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if on_error is not None:
             on_error(exc.status_code)
-        return _http_error(request, exc).response()
+        return _http_error(request, exc).response(request.url.path)
 
     return {HTTPException: http_error}
 
@@ -113,7 +139,7 @@ class ErrorGuard:
             await self.app(scope, receive, send_tracking)
         except BaseException as exc:
             if not started:
-                await _send_quietly(_guard_error(exc), scope, receive, send)
+                await _send_quietly(_guard_error(exc), scope, receive, send, scope.get("path", ""))
             if isinstance(exc, asyncio.CancelledError):  # a forced stop: said at the stop, no traceback per request
                 logger.info("%s %s cancelled by the stop", scope["method"], scope["path"])
                 return
@@ -142,8 +168,8 @@ def _guard_error(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {exc!r}", code="internal_error")
 
 
-async def _send_quietly(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+async def _send_quietly(error: APIError, scope: Scope, receive: Receive, send: Send, path: str) -> None:
     try:
-        await error.response()(scope, receive, send)
+        await error.response(path)(scope, receive, send)
     except Exception:  # the connection is already gone
         logger.debug("could not send the error response", exc_info=True)

@@ -22,7 +22,7 @@ from .fields import (
 )
 from .reasoning_options import ReasoningOptions, read_chat_reasoning
 from .structured import require as require_structured
-from .tool_grammar import forced_calls_tag, strict_calls_tag
+from .tool_grammar import calls_grammar
 from ..scheduler.sampling_params import JSON_OBJECT
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -293,7 +293,6 @@ def _parse_message_tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 
 
 TOOL_CHOICE_MODES = ("auto", "none", "required")
-_AUTO_INSTEAD = 'send tool_choice "auto" (the model may then answer without a call)'
 
 
 def _parse_tools(reader: FieldReader, structured: bool
@@ -320,7 +319,7 @@ def _parse_tools(reader: FieldReader, structured: bool
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].function.name is required", f"tools[{i}].function.name")
-        _check_function_schema(fn, f"tools[{i}].function")
+        check_function_schema(fn, f"tools[{i}].function")
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise bad_request(f"tools[{i}].function.strict must be a boolean", f"tools[{i}].function.strict")
         tools.append({"type": "function", "function": fn})
@@ -329,18 +328,11 @@ def _parse_tools(reader: FieldReader, structured: bool
             raise bad_request(f"tool_choice {'required' if named is None else repr(named)} needs tools, and none "
                               "were given", "tool_choice")
         return None, None
-    if named is not None:
-        if named not in {t["function"]["name"] for t in tools}:
-            known = ", ".join(t["function"]["name"] for t in tools)
-            raise bad_request(f"tool_choice names the function {named!r}, which is not in tools ({known})",
-                              "tool_choice")
-        require_structured(structured, "tool_choice", f"tool_choice naming the function {named!r}", _AUTO_INSTEAD)
-        return tools, (forced_calls_tag(tools, [named], parallel=False), True)
-    if choice == "required":
-        require_structured(structured, "tool_choice", 'tool_choice "required"', _AUTO_INSTEAD)
-        return tools, (forced_calls_tag(tools, None, parallel=parallel), True)
-    tag = strict_calls_tag(tools) if structured else None
-    return tools, ((tag, False) if tag is not None else None)
+    if named is not None and named not in {t["function"]["name"] for t in tools}:
+        known = ", ".join(t["function"]["name"] for t in tools)
+        raise bad_request(f"tool_choice names the function {named!r}, which is not in tools ({known})", "tool_choice")
+    what = 'tool_choice "required"' if named is None else f"tool_choice naming the function {named!r}"
+    return tools, calls_grammar(tools, named, choice == "required", parallel, structured, what)
 
 
 def _tool_choice_name(choice: Any) -> str | None:
@@ -359,24 +351,26 @@ def _tool_choice_name(choice: Any) -> str | None:
     return fn["name"]
 
 
-def _check_function_schema(fn: dict[str, Any], where: str) -> None:
-    """The shape templates rely on: a string description, parameters as a JSON Schema object
-    (its properties an object, its required list names). The schema itself is not enforced."""
+def check_function_schema(fn: dict[str, Any], where: str, key: str = "parameters") -> None:
+    """The shape templates rely on: a string description, the `key` field (OpenAI's parameters, Anthropic's
+    input_schema) a JSON Schema object (its properties an object, its required list names). The schema itself is
+    not enforced."""
     description = fn.get("description")
     if description is not None and not isinstance(description, str):
         raise bad_request(f"{where}.description must be a string", f"{where}.description")
-    params = fn.get("parameters")
+    params = fn.get(key)
+    where = f"{where}.{key}"
     if params is None:
         return
     if not isinstance(params, dict):
-        raise bad_request(f"{where}.parameters must be a JSON Schema object", f"{where}.parameters")
+        raise bad_request(f"{where} must be a JSON Schema object", where)
     if "type" in params and not isinstance(params["type"], (str, list)):
-        raise bad_request(f"{where}.parameters.type must be a string", f"{where}.parameters.type")
+        raise bad_request(f"{where}.type must be a string", f"{where}.type")
     if "properties" in params and not isinstance(params["properties"], dict):
-        raise bad_request(f"{where}.parameters.properties must be an object", f"{where}.parameters.properties")
+        raise bad_request(f"{where}.properties must be an object", f"{where}.properties")
     required = params.get("required")
     if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-        raise bad_request(f"{where}.parameters.required must be a list of strings", f"{where}.parameters.required")
+        raise bad_request(f"{where}.required must be a list of strings", f"{where}.required")
 
 
 def _parse_prompts(raw: Any) -> list[str | list[int]]:

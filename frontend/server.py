@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import native_api, openai_api, responses_api, sessions_api, tokenize_api
+from . import anthropic_api, native_api, openai_api, responses_api, sessions_api, tokenize_api
 from .access_log import AccessLog, note_probe
 from .config import ServerConfig
 from .engine_client import EngineClient, Job, engine_call
@@ -23,6 +23,7 @@ from .logprobs import TokenTexts, token_bytes_fn
 from .metrics import ServerMetrics
 from .response_store import ResponseStore
 from .state import ServerState
+from .tenants import Tenants
 from ..scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 Handler = Callable[[ServerState, Request, Any], Awaitable[Any]]
 
 
-def build_state(engine: Any, config: ServerConfig) -> ServerState:
-    """`engine` is a started frontend.engine_proc.EngineProcess."""
+def build_state(engine: Any, config: ServerConfig, tenants: Tenants | None = None) -> ServerState:
+    """`engine` is a started frontend.engine_proc.EngineProcess; `tenants` the keys (None: read from `config`)."""
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
     _use_chat_template(tokenizer, config.chat_template)
@@ -42,7 +43,8 @@ def build_state(engine: Any, config: ServerConfig) -> ServerState:
                        metrics=metrics, model_name=config.model_name(), texts=texts,
                        created=int(time.time()),
                        responses=ResponseStore(config.response_store, config.response_store_max_items,
-                                               config.response_store_ttl_s))
+                                               config.response_store_ttl_s),
+                       tenants=tenants if tenants is not None else Tenants.from_config(config.api_key, config.api_keys))
 
 
 def _use_chat_template(tokenizer: Any, path: str | None) -> None:
@@ -68,6 +70,8 @@ def build_app(state: ServerState) -> Starlette:
         route("/v1/responses/{response_id}", responses_api.get_response, ["GET"]),
         route("/v1/responses/{response_id}", responses_api.delete_response, ["DELETE"]),
         route("/v1/responses/{response_id}/input_items", responses_api.input_items, ["GET"]),
+        route("/v1/messages", anthropic_api.create_message, ["POST"], body=True),
+        route("/v1/messages/count_tokens", anthropic_api.count_tokens, ["POST"], body=True),
         route("/v1/models", _list_models, ["GET"]),
         route("/v1/models/{model:path}", _get_model, ["GET"]),
         route("/generate", native_api.generate, ["POST"], body=True),
@@ -110,13 +114,13 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
             payload = sessions_api.apply_header(request, payload)
             response = await handler(state, request, payload)
         except APIError as exc:
-            response = exc.response()
+            response = exc.response(request.url.path)
         except ClientDisconnect:  # the client left while sending its body: nobody to answer
             logger.info("client disconnected while sending %s", request.url.path)
             response = Response(status_code=499)
         except Exception as exc:  # a bug in one request must not take the server down
             logger.exception("unhandled error in %s", request.url.path)
-            response = APIError(500, f"internal error: {exc}").response()
+            response = APIError(500, f"internal error: {exc}").response(request.url.path)
         if isinstance(response, (dict, list)):
             response = Response(orjson.dumps(response), media_type="application/json")
         state.metrics.observe_response(getattr(response, "status_code", 200))
@@ -126,12 +130,13 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
 
 
 def _check_api_key(api_key: str | None, request: Request) -> None:
+    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), on every path."""
     if api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    given = [bearer if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
+    if not any(hmac.compare_digest(token.strip().encode(), api_key.encode()) for token in given if token):
+        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 

@@ -20,9 +20,10 @@ logger = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
-def sse_event(payload: Any) -> bytes:
-    """One `data: {json}` event."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
+def sse_event(payload: Any, name: str | None = None) -> bytes:
+    """One `data: {json}` event; `name` adds its `event:` line (Anthropic's streams name every event)."""
+    head = b"event: " + name.encode() + b"\n" if name is not None else b""
+    return head + b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class SSEResponse:

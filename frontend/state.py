@@ -15,6 +15,8 @@ from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .reasoning import ReasoningPlan, ReasoningSplitter, ReasoningSyntax, new_splitter, plan_reasoning, resolve_syntax
 from .response_store import ResponseStore
+from .tenants import Tenants
+from .thinking_signature import signing_key
 from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
 
 # sglang-router 0.3.2 re-serializes a request that names no model with this one: absent, as on a single server.
@@ -31,6 +33,7 @@ class ServerState:
     texts: TokenTexts
     created: int
     responses: ResponseStore  # stored /v1/responses
+    tenants: Tenants = field(default_factory=Tenants)  # API keys -> tenants (no keys: everyone is "default")
     rng: random.Random = field(default_factory=random.Random)
 
     def check_model(self, model: str | None) -> None:
@@ -72,6 +75,11 @@ class ServerState:
             return list(self.engine.tokenizer.encode(text, add_special_tokens=True))
         except Exception as exc:  # a tokenizer refusing the text is the client's input problem
             raise bad_request(f"could not tokenize {param}: {exc}", param) from exc
+
+    @functools.cached_property
+    def thinking_key(self) -> bytes:
+        """The key signing /v1/messages thinking blocks (frontend/thinking_signature.py), fixed at start-up."""
+        return signing_key(self.config.thinking_key)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     **template_kwargs: Any) -> list[int]:

@@ -21,9 +21,28 @@ from __future__ import annotations
 
 from typing import Any
 
+from .structured import require as require_structured
 from .tool_parser import TOOL_CALL_SYNTAX, ToolCallSyntax
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_AUTO_INSTEAD = 'send tool_choice "auto" (the model may then answer without a call)'
+
+
+def calls_grammar(tools: list[dict[str, Any]], named: str | None, forced: bool, parallel: bool, structured: bool,
+                  what: str) -> tuple[dict[str, Any], bool] | None:
+    """(structural tag, forced) of a tool choice, whatever the API that spelled it (OpenAI's tool_choice
+    required / a named function / auto, Anthropic's any / tool / auto): exactly one call to `named`; or, when
+    `forced`, one or more calls to any tool (exactly one unless `parallel`); or free text whose calls are
+    constrained once begun when some tool is strict (None when none is, or without structured generation).
+    A forced choice on a server without xgrammar is a 400 naming tool_choice (`what`: the choice, as the client
+    sent it)."""
+    if named is not None or forced:
+        require_structured(structured, "tool_choice", what, _AUTO_INSTEAD)
+        if named is not None:
+            return forced_calls_tag(tools, [named], parallel=False), True
+        return forced_calls_tag(tools, None, parallel=parallel), True
+    tag = strict_calls_tag(tools) if structured else None
+    return (tag, False) if tag is not None else None
 
 
 def forced_calls_tag(tools: list[dict[str, Any]], names: list[str] | None, parallel: bool,

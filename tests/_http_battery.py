@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from radixserve.bench.soak_checks import held_by_requests
+from radixserve.frontend.errors import anthropic_path
 
 NEVER = frozenset({500, 502, 504})  # a bug whatever the input
 _CODE_LINE = re.compile(r'^radixserve_http_responses_total\{code="(\d+)"\} (\d+)$', re.MULTILINE)
@@ -131,8 +132,31 @@ def assert_openai_error(response: Any) -> dict[str, Any]:
     return error
 
 
+def assert_anthropic_error(response: Any) -> dict[str, Any]:
+    """The body is `{"type": "error", "error": {"type", "message"}}` with a non-empty message (/v1/messages)."""
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        raise AssertionError(f"{response.status_code}: the error body is not JSON: {response.content[:300]!r}")
+    assert isinstance(body, dict) and set(body) == {"type", "error"} and body["type"] == "error", body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, error
+    assert isinstance(error["message"], str) and error["message"].strip(), error
+    assert "application/json" in response.headers.get("content-type", ""), response.headers
+    return error
+
+
+def _path(response: Any) -> str:
+    """The request path of an httpx response ("" for a raw-socket one)."""
+    try:
+        return response.request.url.path
+    except (AttributeError, RuntimeError):
+        return ""
+
+
 def assert_answer(response: Any, expect: int | tuple[int, ...], allow_503: bool = False) -> dict[str, Any] | None:
-    """Status as expected, never a 5xx bug, and every error in OpenAI's format; the error if any."""
+    """Status as expected, never a 5xx bug, and every error in the API's format (Anthropic's under /v1/messages,
+    else OpenAI's); the error if any."""
     status = response.status_code
     assert status not in NEVER, f"{status}: {response.content[:500]!r}"
     assert status != 503 or allow_503, f"503 outside overload/draining: {response.content[:300]!r}"
@@ -143,7 +167,7 @@ def assert_answer(response: Any, expect: int | tuple[int, ...], allow_503: bool 
     if 300 <= status < 400:  # a redirect (trailing slash) carries no error body, but must say where
         assert response.headers.get("location"), response.headers
         return None
-    return assert_openai_error(response)
+    return assert_anthropic_error(response) if anthropic_path(_path(response)) else assert_openai_error(response)
 
 
 # -- the guard ------------------------------------------------------------------------------
