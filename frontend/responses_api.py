@@ -23,6 +23,7 @@ from .engine_client import collect
 from .errors import APIError, bad_request
 from .fields import FieldReader
 from .logprobs import chat_logprobs
+from .reasoning import ReasoningPlan, reasoning_token_count
 from .openai_api import (
     json_response,
     openai_usage,
@@ -41,6 +42,7 @@ from .responses_protocol import (
 from .sse import SSEResponse
 from .sessions_api import settle_turn
 from .state import ServerState
+from .tenants import current as current_tenant
 from ..scheduler.req import GenerateResult, StreamDelta
 
 # incomplete_details.reason of a response whose generation ended for this finish_reason (an abort asked for
@@ -63,14 +65,15 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     except APIError as exc:  # the chat template's refusals name the chat's `messages`
         exc.param = rename_param(exc.param)
         raise
+    plan = state.reasoning_plan(prompt_ids, req.chat.reasoning.effective_budget())
     max_new = resolve_max_tokens(state, len(prompt_ids), common, _NAMES)
     rid = state.new_id("resp").replace("-", "_")
     if (session := _chain_session(req, prev, rid)) is not None:
         common.sampling["session_id"] = session
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, max_new_tokens=max_new,
-                           logprobs=common.logprobs)
+                           logprobs=common.logprobs, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
-    turn = _Turn(state, req, rid, prompt_ids, prev)
+    turn = _Turn(state, req, rid, prompt_ids, prev, plan)
     if common.stream:
         return SSEResponse(sse_events(sub, _Stream(turn), request), on_close=sub.close)
     results = await collect(request, sub)
@@ -90,7 +93,7 @@ async def get_response(state: ServerState, request: Request, body: Any) -> dict[
 
 async def delete_response(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
     response_id = request.path_params["response_id"]
-    if not await asyncio.to_thread(state.responses.delete, response_id):
+    if not await asyncio.to_thread(state.responses.delete, response_id, current_tenant().name):
         raise _not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
@@ -122,13 +125,16 @@ class _Turn:
     """What one response needs beyond the engine's result: its output builder, and what to store."""
 
     def __init__(self, state: ServerState, req: ResponsesRequest, rid: str, prompt_ids: list[int],
-                 prev: StoredResponse | None) -> None:
+                 prev: StoredResponse | None, plan: ReasoningPlan) -> None:
         self.state, self.req, self.rid, self.prompt_ids, self.prev = state, req, rid, prompt_ids, prev
+        self.plan = plan
+        self.tenant = current_tenant().name  # the stored response is its (another tenant's lookups get 404)
         self.created_at = int(time.time())
         base = {"id": rid, "object": "response", "created_at": self.created_at, "model": state.model_name,
                 "error": None, "incomplete_details": None, "previous_response_id": req.previous_response_id,
                 "store": req.store, "background": False, **req.echo}
-        self.builder = ResponseBuilder(base, parse_tools=bool(req.chat.tools))
+        self.builder = ResponseBuilder(base, parse_tools=bool(req.chat.tools), splitter=plan.splitter(),
+                                       summary=req.echo["reasoning"]["summary"] is not None)
         self.chat_usage: dict[str, Any] = openai_usage([len(prompt_ids)], [], 1)
 
     def logprobs(self, entries: Any) -> list[dict[str, Any]] | None:
@@ -138,16 +144,27 @@ class _Turn:
 
     def finish(self, r: GenerateResult) -> list[dict[str, Any]]:
         """The closing events; the response is stored (when asked) before they are sent."""
-        self.chat_usage = openai_usage([len(self.prompt_ids)], [r], 1)
+        reasoning = self._reasoning_tokens(r)
+        self.chat_usage = openai_usage([len(self.prompt_ids)], [r], 1, reasoning)
         usage = {"input_tokens": len(self.prompt_ids),
                  "input_tokens_details": {"cached_tokens": r.cached_tokens},
-                 "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": r.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning or 0},
                  "total_tokens": len(self.prompt_ids) + r.completion_tokens}
         reason = _INCOMPLETE_REASONS.get(r.finish_reason)
         events = self.builder.finish("incomplete" if reason else "completed", usage, reason)
         if self.req.store:
             self.state.responses.put(self._stored(r))
         return events
+
+    def _reasoning_tokens(self, r: GenerateResult) -> int | None:
+        """Output tokens up to the end of the reasoning (None without a parser), the same streamed or not."""
+        splitter = self.builder.splitter
+        if self.plan.syntax is None:
+            return None
+        if splitter is None or not splitter.entered:
+            return 0
+        return reasoning_token_count(splitter.syntax, splitter.starts_in_reasoning, r.output_ids,
+                                     self.state.engine.tokenizer)
 
     def settle(self) -> None:
         """A session's turn that ended without a function call keeps its pin only briefly (sessions_api)."""
@@ -165,7 +182,8 @@ class _Turn:
         return StoredResponse(id=self.rid, created_at=time.time(), response=self.builder.final,
                               input_items=self.req.input_items, conversation=conversation,
                               context_key=_context_key(self.req), prompt_ids=self.prompt_ids,
-                              output_ids=list(r.output_ids), session_id=self.req.chat.common.sampling.get("session_id"))
+                              output_ids=list(r.output_ids), session_id=self.req.chat.common.sampling.get("session_id"),
+                              tenant=self.tenant)
 
 
 class _Stream:
@@ -207,29 +225,31 @@ def _prompt_ids(state: ServerState, req: ResponsesRequest, prev: StoredResponse 
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     history = prev.conversation if prev is not None else []
     tools = req.chat.tools
+    kwargs = req.chat.reasoning.render_kwargs(state.engine.tokenizer.chat_template)  # the thinking switch
     ids = None
     if prev is not None and prev.context_key == _context_key(req):
         ids = continuation_ids(state.engine.tokenizer, system + history, req.conversation, tools,
-                               prev.prompt_ids + prev.output_ids, prev.output_ids)
+                               prev.prompt_ids + prev.output_ids, prev.output_ids, kwargs)
     conversation = history + req.conversation
     if ids is None:
-        ids = state.render_chat(system + conversation, tools)
+        ids = state.render_chat(system + conversation, tools, **kwargs)
     if req.truncation == "auto":  # drop the oldest messages until the prompt leaves room to answer
         while len(ids) >= state.client.context_length and len(conversation) > 1:
             conversation = _drop_oldest_turn(conversation)
-            ids = state.render_chat(system + conversation, tools)
+            ids = state.render_chat(system + conversation, tools, **kwargs)
     return ids
 
 
 def continuation_ids(tokenizer: Any, history: list[dict[str, Any]], new: list[dict[str, Any]],
-                     tools: list[dict[str, Any]] | None, past_ids: list[int], output_ids: list[int]
-                     ) -> list[int] | None:
+                     tools: list[dict[str, Any]] | None, past_ids: list[int], output_ids: list[int],
+                     template_kwargs: dict[str, Any] | None = None) -> list[int] | None:
     """past_ids (the previous prompt + output, exactly) + the tokens of what the template writes after the
     previous assistant turn; None when the template does not extend the history by appending (then the
     caller renders the whole conversation)."""
+    kwargs = template_kwargs or {}
     try:
-        before = tokenizer.render_chat(history, tools, add_generation_prompt=False)
-        full = tokenizer.render_chat(history + new, tools, add_generation_prompt=True)
+        before = tokenizer.render_chat(history, tools, add_generation_prompt=False, **kwargs)
+        full = tokenizer.render_chat(history + new, tools, add_generation_prompt=True, **kwargs)
     except Exception:
         return None
     ended = bool(output_ids) and output_ids[-1] in tokenizer.eos_token_ids
@@ -270,7 +290,7 @@ def _chain_session(req: ResponsesRequest, prev: StoredResponse | None, rid: str)
 async def _previous(state: ServerState, response_id: str | None) -> StoredResponse | None:
     if response_id is None:
         return None
-    stored = await asyncio.to_thread(state.responses.get, response_id)
+    stored = await asyncio.to_thread(state.responses.get, response_id, current_tenant().name)
     if stored is None:
         raise APIError(404, f"no stored response with id {response_id!r} (it was never stored, was deleted, or "
                        "expired)", param="previous_response_id", code="response_not_found")
@@ -278,7 +298,7 @@ async def _previous(state: ServerState, response_id: str | None) -> StoredRespon
 
 
 async def _stored(state: ServerState, response_id: str) -> StoredResponse:
-    stored = await asyncio.to_thread(state.responses.get, response_id)
+    stored = await asyncio.to_thread(state.responses.get, response_id, current_tenant().name)
     if stored is None:
         raise _not_found(response_id)
     return stored

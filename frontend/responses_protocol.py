@@ -9,8 +9,10 @@ back to this API's parameters.
 
 What the official clients send and means nothing here (`include` values other than output logprobs,
 `service_tier`, `safety_identifier`, `stream_options`, `prompt_cache_retention`, ...) is accepted and
-ignored; what cannot be honoured (built-in tools, `background`, a `reasoning` effort, `conversation`,
-prompt templates) is a 400, never silence.
+ignored; what cannot be honoured (built-in tools, `background`, `conversation`, prompt templates) is a 400,
+never silence. `reasoning.effort` becomes chat's `reasoning_effort` (frontend/reasoning_options.py); `reasoning`
+input items (what the openai SDK and the Agents SDK send back) become the reasoning of the assistant turn they
+belong to, which the chat template renders as it renders reasoning (or drops).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from .protocol import ChatRequest, parse_chat_request
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+REASONING_SUMMARIES = ("auto", "concise", "detailed")
 MAX_METADATA = 16  # OpenAI's bound: 16 pairs, keys <= 64 and values <= 512 characters
 # Refused when present (not null): what they ask for has no meaning this server can honour.
 REFUSED_FIELDS = {
@@ -40,7 +43,7 @@ PASSTHROUGH_FIELDS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty
                       "logit_bias", "session_id", "priority")
 # Parameter names of the chat request -> this API's (for the refusals of the shared parser).
 RENAMED_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
-                  "tools": "tools", "logprobs": "include"}
+                  "tools": "tools", "logprobs": "include", "reasoning_effort": "reasoning.effort"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ def parse_responses_request(body: Any, structured: bool = True) -> ResponsesRequ
     """`structured`: as parse_chat_request's (the engine can compile grammars)."""
     reader = FieldReader(body)
     _refuse(reader)
+    effort, summary = _reasoning(reader)
     items = parse_input_items(reader.raw("input"))
     instructions = reader.str("instructions")
     tools = _tools(reader)
@@ -76,7 +80,7 @@ def parse_responses_request(body: Any, structured: bool = True) -> ResponsesRequ
         "tools": [_chat_tool(t) for t in tools] or None, "tool_choice": _chat_tool_choice(tool_choice),
         "parallel_tool_calls": reader.raw("parallel_tool_calls"), "max_tokens": reader.raw("max_output_tokens"),
         "temperature": reader.raw("temperature"), "top_p": reader.raw("top_p"), "stream": reader.raw("stream"),
-        "response_format": _response_format(text_format),
+        "response_format": _response_format(text_format), "reasoning_effort": effort,
     }
     top_logprobs = reader.int("top_logprobs", 0, lo=0, hi=20)
     if LOGPROBS_INCLUDE in include:
@@ -90,7 +94,7 @@ def parse_responses_request(body: Any, structured: bool = True) -> ResponsesRequ
         "metadata": _metadata(reader), "user": reader.str("user"), "prompt_cache_key": reader.str("prompt_cache_key"),
         "safety_identifier": reader.str("safety_identifier"), "service_tier": reader.str("service_tier", "auto"),
         "top_logprobs": top_logprobs, "truncation": truncation, "tool_choice": tool_choice, "tools": tools,
-        "text": {"format": text_format}, "reasoning": {"effort": None, "summary": None},
+        "text": {"format": text_format}, "reasoning": {"effort": effort, "summary": summary},
     }
     return ResponsesRequest(chat=chat, input_items=items, conversation=conversation, instructions=instructions,
                             tools=tools, tool_choice=tool_choice, text_format=text_format,
@@ -103,10 +107,19 @@ def _refuse(reader: FieldReader) -> None:
         value = reader.raw(name)
         if value is not None and value is not False:
             raise bad_request(why, name, code="unsupported_parameter")
+
+
+def _reasoning(reader: FieldReader) -> tuple[str | None, str | None]:
+    """reasoning.effort (checked by the chat parser as reasoning_effort) and reasoning.summary (or its older name
+    generate_summary): with a summary asked for, a reasoning item's summary is its whole reasoning text."""
     reasoning = reader.obj("reasoning")
-    if reasoning is not None and (reasoning.raw("effort") not in (None, "none") or reasoning.raw("summary")):
-        raise bad_request("reasoning is not supported: this model does not reason (send no reasoning effort)",
-                          "reasoning", code="unsupported_parameter")
+    if reasoning is None:
+        return None, None
+    summary = reasoning.str("summary") or reasoning.str("generate_summary")
+    if summary is not None and summary not in REASONING_SUMMARIES:
+        raise bad_request(f"reasoning.summary must be one of {', '.join(REASONING_SUMMARIES)}, got {summary!r}",
+                          "reasoning.summary")
+    return reasoning.raw("effort"), summary
 
 
 def _include(reader: FieldReader) -> list[str]:
@@ -163,10 +176,31 @@ def _input_item(raw: Any, where: str) -> dict[str, Any]:
         return {"type": "function_call_output", "id": reader.str("id") or new_item_id("fco"),
                 "call_id": _required_str(reader, "call_id"), "output": output, "status": "completed"}
     if kind == "reasoning":
-        raise bad_request(f"{where}: reasoning items are not supported (this model does not reason)", where,
-                          code="unsupported_parameter")
-    raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call or "
-                      "function_call_output items", f"{where}.type", code="unsupported_parameter")
+        return _reasoning_item(reader, where)
+    raise bad_request(f"{where}.type {kind!r} is not supported; send message, function_call, "
+                      "function_call_output or reasoning items", f"{where}.type", code="unsupported_parameter")
+
+
+def _reasoning_item(reader: FieldReader, where: str) -> dict[str, Any]:
+    """A reasoning item sent back: its summary and content parts kept as given (encrypted_content, which this
+    server never makes, is ignored)."""
+    parts = {}
+    for key, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
+        raw = reader.raw(key, [])
+        if not isinstance(raw, list) or not all(isinstance(p, dict) and p.get("type") == part_type
+                                                and isinstance(p.get("text"), str) for p in raw):
+            raise bad_request(f"{where}.{key} must be an array of {{\"type\": \"{part_type}\", \"text\": ...}} parts",
+                              f"{where}.{key}")
+        parts[key] = [{"type": part_type, "text": p["text"]} for p in raw]
+    reader.str("encrypted_content")
+    return {"type": "reasoning", "id": reader.str("id") or new_item_id("rs"), "summary": parts["summary"],
+            "content": parts["content"], "status": "completed"}
+
+
+def reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning content, else its summary."""
+    parts = item.get("content") or item.get("summary") or []
+    return "\n\n".join(p["text"] for p in parts)
 
 
 def _required_str(reader: FieldReader, key: str) -> str:
@@ -203,10 +237,17 @@ def new_item_id(prefix: str) -> str:
 
 
 def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: consecutive function calls join the assistant message before them."""
+    """Items as chat messages: consecutive function calls join the assistant message before them, and a reasoning
+    item opens the assistant message that its turn's message and calls then fill."""
     messages: list[dict[str, Any]] = []
     for item in items:
-        if item["type"] == "message":
+        last = messages[-1] if messages else None
+        if item["type"] == "reasoning":
+            messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning_text(item)})
+        elif item["type"] == "message" and item["role"] == "assistant" and last is not None \
+                and "reasoning_content" in last and not last["content"] and not last.get("tool_calls"):
+            last["content"] = "".join(p["text"] for p in item["content"])
+        elif item["type"] == "message":
             text = "".join(p["text"] for p in item["content"])
             messages.append({"role": "system" if item["role"] == "developer" else item["role"], "content": text})
         elif item["type"] == "function_call":

@@ -26,8 +26,8 @@ SCRIPTS = {
     "story": "once upon a time there was a tiny model that served many clients at once",
     TOOL_RESULT_TRIGGER: "the forecast says sunny",  # once a tool result is in the prompt (a priority trigger)
 }
-# A reasoning model's script (trigger "answer"): its tags cut across tokens, the close tag one character a token.
-THINK_TRIGGER = "answer"
+# A reasoning model's script (trigger "count"): its tags cut across tokens, the close tag one character a token.
+THINK_TRIGGER = "count"  # not "answer": the tool prompt of the template says "answer"
 THINK_REASONING = "Let me plan: two and two make four."
 THINK_ANSWER = "It is four."
 THINK_PIECES = ["<think>", "\n" + THINK_REASONING + "\n", "</", "t", "h", "i", "n", "k", ">", "\n\n", THINK_ANSWER]
@@ -70,7 +70,7 @@ def tiny_model_path() -> str:
 
 def scripted_chains() -> dict:
     """Scripts per trigger word; "emoji" is given as single-byte tokens so that its multi-byte
-    characters are split across tokens (the detokenizer must hold partial characters back); "answer" thinks
+    characters are split across tokens (the detokenizer must hold partial characters back); "count" thinks
     (THINK_SCRIPT, its tags cut into several tokens)."""
     return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT), **{THINK_TRIGGER: THINK_PIECES})
 
@@ -106,7 +106,7 @@ def scripted_server() -> ServerProcess:
 
 def reasoning_server() -> ServerProcess:
     """The scripted model behind a Qwen3-style template (enable_thinking, reasoning rendered on assistant turns)
-    with --reasoning-parser qwen3: "... answer ..." prompts think (THINK_SCRIPT) and then answer."""
+    with --reasoning-parser qwen3: "... count ..." prompts think (THINK_SCRIPT) and then answer."""
     import os
     import tempfile
 

@@ -13,7 +13,7 @@ from radixserve.bench.demo_kit.tokenizer import tokenizer_json
 from radixserve.frontend.reasoning import EFFORT_BUDGETS
 
 MODEL = "thinker"
-ASK = [{"role": "user", "content": "What is the answer?"}]
+ASK = [{"role": "user", "content": "Please count to four."}]
 
 
 def _reasoning_token_count() -> int:
@@ -100,6 +100,85 @@ def test_reasoning_sent_back_is_rendered(client):
 def test_bad_reasoning_options_are_400s(server, body, param):
     guard = Guard(server)
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    guard.check()
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+
+def test_responses_reasoning_item(client):
+    r = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    item = r.output[0]
+    assert item.content[0].type == "reasoning_text" and item.content[0].text == THINK_REASONING
+    assert item.summary == [] and item.status == "completed" and item.id.startswith("rs_")
+    assert r.output_text == THINK_ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS < r.usage.output_tokens
+    summarized = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0,
+                                         reasoning={"effort": "high", "summary": "auto"})
+    assert [s.text for s in summarized.output[0].summary] == [THINK_REASONING]
+    assert summarized.reasoning.effort == "high" and summarized.reasoning.summary == "auto"
+
+
+def test_responses_stream_reasoning_events(client):
+    events = list(client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == THINK_REASONING and len(deltas) > 3
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == THINK_ANSWER
+    for piece in deltas:
+        assert piece.strip() not in TAG_PIECES and "<think" not in piece and "</" not in piece
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == THINK_REASONING and done.output_index == 0
+    # The reasoning item closes before the message opens; sequence numbers increase.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [e.sequence_number for e in events] == sorted({e.sequence_number for e in events})
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS
+    with client.responses.stream(model=MODEL, input=ASK[0]["content"], temperature=0) as stream:
+        got = stream.get_final_response()  # the SDK's own accumulation accepts the sequence
+    assert got.output[0].content[0].text == THINK_REASONING and got.output_text == THINK_ANSWER
+
+
+def test_responses_effort_none_turns_thinking_off(client):
+    r = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0, reasoning={"effort": "none"})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == THINK_ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_responses_reasoning_items_round_trip(client):
+    """The SDK's manual-context pattern: the previous output (reasoning item included) sent back as input."""
+    first = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0, store=False)
+    again = {"role": "user", "content": "And again?"}
+    with_items = client.responses.create(model=MODEL, input=[ASK[0], *first.output, again], temperature=0,
+                                         max_output_tokens=1)
+    without = client.responses.create(model=MODEL, input=[ASK[0], first.output[1], again], temperature=0,
+                                      max_output_tokens=1)
+    assert with_items.usage.input_tokens > without.usage.input_tokens + 5  # the reasoning was rendered
+    summary_only = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": THINK_REASONING}],
+                    "encrypted_content": None}
+    by_summary = client.responses.create(model=MODEL, input=[ASK[0], summary_only, first.output[1], again],
+                                         temperature=0, max_output_tokens=1)
+    assert by_summary.usage.input_tokens == with_items.usage.input_tokens
+    chained = client.responses.create(model=MODEL, input="And again?", temperature=0, max_output_tokens=1,
+                                      previous_response_id=client.responses.create(
+                                          model=MODEL, input=ASK[0]["content"], temperature=0).id)
+    # The stored turn kept its reasoning (its exact output ids: the model cut </think> finer than the template does).
+    assert chained.usage.input_tokens >= with_items.usage.input_tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": 1}}, "reasoning.summary"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text"}]}]}, "input[0].summary"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": "x"}]}, "input[0].content"),
+])
+def test_bad_responses_reasoning_is_400(server, body, param):
+    guard = Guard(server)
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "x", **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     guard.check()

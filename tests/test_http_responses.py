@@ -152,9 +152,11 @@ def test_what_the_sdk_sends_is_accepted_and_echoed(server):
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),
+    ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": "x"}]}, "input[0].summary"),
+    ({"input": [{"type": "reasoning", "summary": [], "content": [{"type": "text", "text": "x"}]}]}, "input[0].content"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),

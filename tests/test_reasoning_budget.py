@@ -9,7 +9,7 @@ from radixserve.bench.soak_checks import idle_violations
 from radixserve.frontend.reasoning import FORCED_CLOSE, OPEN_TAG, ReasoningSplitter, resolve_syntax
 from radixserve.scheduler import Engine, SamplingParams
 
-PROMPT = "<|im_start|>user\nWhat is the answer?<|im_end|>\n<|im_start|>assistant\n"
+PROMPT = "<|im_start|>user\nPlease count to four.<|im_end|>\n<|im_start|>assistant\n"
 QWEN3 = resolve_syntax("qwen3", None)
 
 
