@@ -2,6 +2,8 @@
 
     127.0.0.1:51234 "POST /v1/chat/completions" 200 prompt_tokens=12 cached_tokens=8 completion_tokens=16 ttft=0.031s latency=0.205s
 
+On a server with API keys the line ends with the key's tenant (`tenant="acme"`, before any error part).
+
 `AccessLog` is a pure ASGI middleware (BaseHTTPMiddleware would buffer streams): it puts an
 `AccessRecord` into the request's scope, watches the status and body messages go out and logs
 once the app returned, i.e. after the whole body was sent (for SSE: after the stream ended).
@@ -46,6 +48,7 @@ class AccessRecord:
     cached_tokens: int = 0
     completion_tokens: int = 0
     probe: bool = False  # a health probe: its passing answers are logged at DEBUG
+    tenant: str | None = None  # the key's tenant, on a server with keys (frontend/tenants.py)
     complete: bool = False  # the last body message went out
     client_gone: bool = False  # the client disconnected before that
     error: dict[str, Any] | None = None  # the OpenAI error object the client got
@@ -69,7 +72,10 @@ class AccessRecord:
             first = self.first_token or self.first_byte
         ttft = f"{first - self.start:.3f}s" if first is not None else "-"
         return (f'{who} "{scope["method"]} {scope["path"]}" {self.shown_status() or "-"} {tokens} '
-                f"ttft={ttft} latency={end - self.start:.3f}s{self._why()}")
+                f"ttft={ttft} latency={end - self.start:.3f}s{self._tenant()}{self._why()}")
+
+    def _tenant(self) -> str:
+        return "" if self.tenant is None else " tenant=" + orjson.dumps(self.tenant).decode()
 
     def _why(self) -> str:
         error = self.error if self.error is not None else _error_of(bytes(self.error_body))
@@ -110,6 +116,13 @@ def note_error(request: Request, error: dict[str, Any]) -> None:
     record = _record(request)
     if record is not None:
         record.error = error
+
+
+def note_tenant(request: Request, tenant: str) -> None:
+    """The request's tenant, named in its line (on a server with keys; never the key)."""
+    record = _record(request)
+    if record is not None:
+        record.tenant = tenant
 
 
 def note_probe(request: Request) -> None:

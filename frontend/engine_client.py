@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from starlette.requests import ClientDisconnect, Request
@@ -21,6 +21,8 @@ from .engine_proc import EngineDead
 from .errors import APIError, bad_request
 from .metrics import ServerMetrics
 from .sse import run_watching_disconnect
+from .tenant_limits import TenantLimiter
+from .tenants import current as current_tenant, engine_session
 from ..scheduler.errors import RequestError
 from ..scheduler.req import GenerateResult, StreamDelta
 from ..scheduler.sampling_params import SamplingParams
@@ -85,6 +87,8 @@ class EngineClient:
         self.page_size: int = info.page_size
         self._idle = asyncio.Event()
         self._idle.set()
+        self.limiter = TenantLimiter(engine, self.max_running, config.max_queued_requests, self.total_slots)
+        self.owners: dict[str, str] = {}  # open engine request id (a choice's) -> its tenant
 
     def default_max_tokens(self, prompt_len: int, cap: int, param: str) -> int:
         """Until the end of the context (and KV pool), capped by `cap`; 400 if there is no room at all."""
@@ -99,8 +103,9 @@ class EngineClient:
     # -- admission ------------------------------------------------------------------------
 
     def reserve(self, num: int, param: str | None = "n") -> "Lease":
-        """Admit `num` engine requests or raise 503 (draining, no engine), 429 (full) or 400 (never
-        fits; naming `param`, what made the count: n, or None for a batch of prompts)."""
+        """Admit `num` engine requests of the current tenant (frontend/tenants.py) or raise 503 (draining, no
+        engine), 429 (full, or the tenant over a limit: frontend/tenant_limits.py) or 400 (never fits; naming
+        `param`, what made the count: n, or None for a batch of prompts)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="server_shutting_down")
         if self.engine.dead:
@@ -111,11 +116,14 @@ class EngineClient:
         if self.num_in_flight + num > self.capacity:
             raise APIError(429, f"the server is at capacity ({self.num_in_flight} requests queued or running); "
                            f"retry later", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        tenant = current_tenant()
+        self.limiter.admit(tenant, num, param)
         self.num_in_flight += num
         self._idle.clear()
-        return Lease(self, num)
+        return Lease(self, num, tenant.name)
 
-    def _release(self, num: int) -> None:
+    def _release(self, num: int, tenant: str) -> None:
+        self.limiter.release(tenant, num)
         self.num_in_flight -= num
         if self.num_in_flight <= 0:
             self.num_in_flight = 0
@@ -137,8 +145,9 @@ class EngineClient:
         take seconds to compile) raises ClientDisconnect, and its jobs are aborted: the engine
         drops a held one right after its admission instead of running it."""
         sub = Submission(self, jobs, lease)
+        self.owners.update((job.rid, lease.tenant) for job in jobs)
         firsts = [i for i, job in enumerate(jobs) if job.group is None or i == 0 or jobs[i - 1].group != job.group]
-        adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i) for i in firsts), return_exceptions=True)
+        adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i, lease.tenant) for i in firsts), return_exceptions=True)
         if request is None:
             outcomes = await adds
         else:
@@ -156,27 +165,35 @@ class EngineClient:
             raise engine_unavailable(error) from error
         raise error
 
-    def _add(self, job: Job, queue: asyncio.Queue, index: int) -> Any:
-        """One engine request: a job, or the n choices of a group (whose first job this is)."""
+    def _add(self, job: Job, queue: asyncio.Queue, index: int, tenant: str) -> Any:
+        """One engine request: a job, or the n choices of a group (whose first job this is). The one place the
+        HTTP side hands the engine a request: it is the tenant's (fair share), and so is its session."""
         rid, n = job.group if job.group is not None else (job.rid, 1)
-        return self.engine.add(rid, job.prompt_ids, job.params, queue, index, n=n)
+        session = job.params.session_id
+        params = replace(job.params, tenant=tenant,
+                         session_id=engine_session(session, tenant) if session is not None else None)
+        return self.engine.add(rid, job.prompt_ids, params, queue, index, n=n)
 
     async def generate(self, jobs: list[Job], lease: "Lease") -> list[GenerateResult]:
         """Submit and wait for every result (closing the lease in the end)."""
         sub = await self.submit(jobs, lease)
         return await sub.results()
 
-    def abort_matching(self, rid: str) -> int:
-        """Abort the engine requests of HTTP request `rid` (its jobs are rid or rid-...)."""
-        hits = [r for r in self.engine.open_rids() if r == rid or r.startswith(rid + "-")]
+    def abort_matching(self, rid: str | None, tenant: str | None) -> int:
+        """Abort the engine requests of HTTP request `rid` (its jobs are rid or rid-...; None: every one), of
+        `tenant` only (None: anyone's, an admin's abort)."""
+        hits = [r for r in self.engine.open_rids() if (rid is None or r == rid or r.startswith(rid + "-"))
+                and (tenant is None or self.owners.get(r) == tenant)]
         for r in hits:
             self.engine.abort(r)
         return len(hits)
 
-    def observe(self, result: GenerateResult | None) -> None:
+    def observe(self, result: GenerateResult | None, tenant: str) -> None:
         if result is not None:
+            self.limiter.charge(tenant, result.prompt_tokens + result.completion_tokens)
             self.metrics.observe_result(result.ttft_s, result.e2e_s, result.completion_tokens,
                                         result.finish_reason)
+            self.metrics.observe_tenant(tenant, result)
 
 
 class Submission:
@@ -200,8 +217,9 @@ class Submission:
                     raise item if isinstance(item, APIError) else engine_unavailable(item)
                 if item.finished:
                     self._open[idx] = False
+                    self.client.owners.pop(self.jobs[idx].rid, None)
                     self.lease.release_one()
-                    self.client.observe(item.result)
+                    self.client.observe(item.result, self.lease.tenant)
                 yield idx, item
         finally:
             self.close()
@@ -219,24 +237,27 @@ class Submission:
             if self._open[idx]:
                 self._open[idx] = False
                 self.client.engine.abort(job.rid)
+            self.client.owners.pop(job.rid, None)
         self.lease.close()
 
 
 class Lease:
-    """Admitted engine requests of one HTTP request; each is given back once (close() is idempotent)."""
+    """Admitted engine requests of one HTTP request, of one tenant; each is given back once (close() is
+    idempotent)."""
 
-    def __init__(self, client: EngineClient, num: int) -> None:
+    def __init__(self, client: EngineClient, num: int, tenant: str) -> None:
         self._client = client
         self._num_held = num
+        self.tenant = tenant
 
     def release_one(self) -> None:
         if self._num_held > 0:
             self._num_held -= 1
-            self._client._release(1)
+            self._client._release(1, self.tenant)
 
     def close(self) -> None:
         if self._num_held > 0:
-            self._client._release(self._num_held)
+            self._client._release(self._num_held, self.tenant)
             self._num_held = 0
 
 

@@ -42,7 +42,8 @@ class EngineDead(RuntimeError):
 
 class EngineProcess:
     def __init__(self, model: str | None, engine_kwargs: dict[str, Any], log_level: str = "info",
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, tenants: dict[str, dict[str, Any]] | None = None) -> None:
+        """`tenants`: the tenants' scheduling settings the engine applies at start (Tenants.engine_settings)."""
         self._dir = tempfile.mkdtemp(prefix="radixserve-ipc-")  # mode 0700: only this user
         self._ctx = zmq.Context()
         requests_addr, events_addr = socket_paths(self._dir)
@@ -54,7 +55,7 @@ class EngineProcess:
         self._events.setsockopt(zmq.RCVHWM, 0)
         self._events.bind(events_addr)
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: torch loads only there
-        self.proc = spawn.Process(target=engine_main, args=(model, engine_kwargs, self._dir, log_level),
+        self.proc = spawn.Process(target=engine_main, args=(model, engine_kwargs, self._dir, log_level, tenants),
                                   name="radixserve-engine", daemon=True)
         self.proc.start()
         self.dead = False
@@ -66,6 +67,7 @@ class EngineProcess:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self.num_steps = 0
+        self.tenant_slots: dict[str, int] = {}  # KV slots each tenant's running requests held after the last step
         self.num_messages = 0  # EngineEvents received (one per engine step at most, plus admissions)
         self.last_progress = time.monotonic()
         try:
@@ -222,6 +224,8 @@ class EngineProcess:
                 continue
             self.last_progress = time.monotonic()
             self.num_steps = events.num_steps
+            if events.tenant_slots is not None:
+                self.tenant_slots = events.tenant_slots
             self.num_messages += 1
             for rid in events.accepted:
                 _resolve(self._admissions.pop(rid, None), None)

@@ -32,6 +32,7 @@ from .engine_proc import EngineProcess
 from .errors import APIError
 from .server import build_app, build_state
 from .state import ServerState
+from .tenants import Tenants
 
 logger = logging.getLogger("radixserve.frontend")
 
@@ -163,8 +164,10 @@ def run_server(config: ServerConfig) -> int:
         _route_signals(_interrupt)
         engine: EngineProcess | None = None
         try:
-            engine = EngineProcess(config.model, config.engine_kwargs(), log_level=config.log_level)
-            state = build_state(engine, config)
+            tenants = Tenants.from_config(config.api_key, config.api_keys)
+            engine = EngineProcess(config.model, config.engine_kwargs(), log_level=config.log_level,
+                                   tenants=tenants.engine_settings())
+            state = build_state(engine, config, tenants)
         except BaseException as exc:
             sock.close()
             if engine is not None:

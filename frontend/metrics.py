@@ -1,4 +1,5 @@
-"""Prometheus text exposition for /metrics: engine gauges and counters, latency histograms.
+"""Prometheus text exposition for /metrics: engine gauges and counters, latency histograms, and per tenant
+(frontend/tenants.py; "default" on a server without keys) its requests, tokens, queue time, KV slots held and 429s.
 
 Latency histograms (the engine's Histogram type, HTTP-side buckets) are fed by each finished
 request's GenerateResult as the server sees it.
@@ -47,6 +48,7 @@ class ServerMetrics:
         self.e2e = Histogram(LATENCY_BUCKETS)
         self.finish_reasons: Counter[str] = Counter()
         self.http_responses: Counter[int] = Counter()
+        self.tenants: dict[str, Counter[str]] = {}  # tenant -> _TENANT_COUNTERS key -> total
 
     def observe_result(self, ttft_s: float | None, e2e_s: float | None, completion_tokens: int,
                        finish_reason: str) -> None:
@@ -59,11 +61,25 @@ class ServerMetrics:
                 if ttft_s is not None and completion_tokens > 1:
                     self.tpot.observe(max(e2e_s - ttft_s, 0.0) / (completion_tokens - 1))
 
+    def observe_tenant(self, tenant: str, result: Any) -> None:
+        """A finished engine request (a GenerateResult) of `tenant`."""
+        with self._lock:
+            totals = self.tenants.setdefault(tenant, Counter())
+            totals["requests"] += 1
+            totals["prompt_tokens"] += result.prompt_tokens
+            totals["cached_tokens"] += result.cached_tokens
+            totals["generation_tokens"] += result.completion_tokens
+            if result.queue_s is not None:
+                totals["queue_time_seconds_sum"] += result.queue_s
+                totals["queue_time_seconds_count"] += 1
+
     def observe_response(self, status: int) -> None:
         with self._lock:
             self.http_responses[status] += 1
 
-    def render(self, stats: dict[str, Any], num_in_flight: int) -> str:
+    def render(self, stats: dict[str, Any], num_in_flight: int,
+               refused: dict[tuple[str, str], int] | None = None) -> str:
+        """`refused`: (tenant, limit) -> 429s (TenantLimiter.refused)."""
         lines: list[str] = []
         for key, name, kind, help_text in _ENGINE_METRICS:
             if key in stats and isinstance(stats[key], (int, float)):
@@ -81,7 +97,43 @@ class ServerMetrics:
                       dict(self.finish_reasons))
             _labelled(lines, "http_responses_total", "HTTP responses by status code.", "code",
                       {str(k): v for k, v in self.http_responses.items()})
+            _tenant_lines(lines, self.tenants, stats.get("tenant_slots", {}), refused or {})
         return "\n".join(lines) + "\n"
+
+
+# Per-tenant series: name suffix -> (type, help); queue time is a summary (its _sum and _count).
+_TENANT_COUNTERS = (
+    ("requests", "counter", "Engine requests finished, by tenant."),
+    ("prompt_tokens", "counter", "Prompt tokens of finished requests, by tenant."),
+    ("cached_tokens", "counter", "Prompt tokens served from the radix cache, by tenant."),
+    ("generation_tokens", "counter", "Tokens generated, by tenant."),
+)
+
+
+def _tenant_lines(lines: list[str], totals: dict[str, Counter[str]], slots: dict[str, int],
+                  refused: dict[tuple[str, str], int]) -> None:
+    for key, kind, help_text in _TENANT_COUNTERS:
+        full = f"{PREFIX}tenant_{key}_total"
+        lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+        lines += [f'{full}{{tenant="{_label(t)}"}} {totals[t][key]}' for t in sorted(totals)]
+    full = PREFIX + "tenant_queue_time_seconds"
+    lines += [f"# HELP {full} Time from arrival to first admission in the engine, by tenant.",
+              f"# TYPE {full} summary"]
+    for t in sorted(totals):
+        lines.append(f'{full}_sum{{tenant="{_label(t)}"}} {_fmt(totals[t]["queue_time_seconds_sum"])}')
+        lines.append(f'{full}_count{{tenant="{_label(t)}"}} {totals[t]["queue_time_seconds_count"]}')
+    full = PREFIX + "tenant_kv_slots"
+    lines += [f"# HELP {full} KV cache slots held by the tenant's running requests.", f"# TYPE {full} gauge"]
+    lines += [f'{full}{{tenant="{_label(t)}"}} {slots[t]}' for t in sorted(slots)]
+    full = PREFIX + "tenant_rate_limited_total"
+    lines += [f"# HELP {full} Requests refused (429) for a tenant limit, by tenant and limit.",
+              f"# TYPE {full} counter"]
+    lines += [f'{full}{{tenant="{_label(t)}",limit="{limit}"}} {n}' for (t, limit), n in sorted(refused.items())]
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _scalar(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:

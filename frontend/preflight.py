@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from .config import ServerConfig
+from .tenants import Tenants
 from ..kernels.gguf_file import check_gguf, is_gguf_path
 from ..kernels.kv_budget import DEFAULT_CPU_KV_TOKENS, kv_pool_slots
 from ..scheduler.config import EngineConfig, fit_context_to_pool
@@ -61,6 +62,10 @@ def check_before_load(config: ServerConfig) -> None:
         raise ConfigError(f"--chat-template {config.chat_template!r} is not a file (give a Jinja template file)")
     check_device_and_backend(config.engine)
     check_context_fits_pool(config)
+    try:
+        Tenants.from_config(config.api_key, config.api_keys)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_context_fits_pool(config: ServerConfig) -> None:

@@ -20,6 +20,8 @@ from typing import Any
 
 import orjson
 
+from ..scheduler.fair_share import DEFAULT_TENANT
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -43,6 +45,7 @@ class StoredResponse:
     prompt_ids: list[int]
     output_ids: list[int]
     session_id: str | None = None  # the chain's session: its turns keep the history pinned between them
+    tenant: str = DEFAULT_TENANT  # who made it (frontend/tenants.py): only its own lookups find it
 
 
 LOCK_TIMEOUT_S = 10.0
@@ -77,7 +80,7 @@ class ResponseStore:
     def put(self, r: StoredResponse) -> None:
         body = orjson.dumps({"response": r.response, "input_items": r.input_items,
                              "conversation": r.conversation, "context_key": r.context_key,
-                             "session_id": r.session_id})
+                             "session_id": r.session_id, "tenant": r.tenant})
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -89,23 +92,38 @@ class ResponseStore:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
+        """The stored response, or None (none, expired, or made by another tenant than `tenant`; None: anyone's)."""
         with self._lock:
             row = self._db.execute("SELECT id, created_at, body, prompt_ids, output_ids FROM responses "
                                    "WHERE id = ? AND created_at >= ?", (response_id, self._oldest())).fetchone()
         if row is None:
             return None
         body = orjson.loads(row[2])
+        owner = body.get("tenant", DEFAULT_TENANT)
+        if tenant is not None and owner != tenant:
+            return None
         return StoredResponse(id=row[0], created_at=row[1], response=body["response"],
                               input_items=body["input_items"], conversation=body["conversation"],
                               context_key=body["context_key"], prompt_ids=_unpack(row[3]), output_ids=_unpack(row[4]),
-                              session_id=body.get("session_id"))
+                              session_id=body.get("session_id"), tenant=owner)
 
-    def delete(self, response_id: str) -> bool:
+    def delete(self, response_id: str, tenant: str | None = None) -> bool:
+        """Delete it if it is there and `tenant`'s (None: anyone's); whether it was."""
         with self._lock:
-            cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND created_at >= ?",
-                                      (response_id, self._oldest()))
-        return cursor.rowcount > 0
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT body FROM responses WHERE id = ? AND created_at >= ?",
+                                       (response_id, self._oldest())).fetchone()
+                mine = row is not None and (tenant is None
+                                            or orjson.loads(row[0]).get("tenant", DEFAULT_TENANT) == tenant)
+                if mine:
+                    self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return mine
 
     def __len__(self) -> int:
         with self._lock:

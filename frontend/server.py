@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -14,8 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_api, native_api, openai_api, responses_api, sessions_api, tokenize_api
-from .access_log import AccessLog, note_probe
+from . import anthropic_api, native_api, openai_api, responses_api, sessions_api, tenants, tokenize_api
+from .access_log import AccessLog, note_probe, note_tenant
 from .config import ServerConfig
 from .engine_client import EngineClient, Job, engine_call
 from .errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
@@ -60,8 +59,9 @@ def _use_chat_template(tokenizer: Any, path: str | None) -> None:
 
 def build_app(state: ServerState) -> Starlette:
     def route(path: str, handler: Handler, methods: list[str], auth: bool = True, body: bool = False,
-              health: bool = False) -> Route:
-        return Route(path, _endpoint(state, handler, auth=auth, body=body, health=health), methods=methods)
+              health: bool = False, admin: bool = False) -> Route:
+        return Route(path, _endpoint(state, handler, auth=auth, body=body, health=health, admin=admin),
+                     methods=methods)
 
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"], body=True),
@@ -77,14 +77,14 @@ def build_app(state: ServerState) -> Starlette:
         route("/generate", native_api.generate, ["POST"], body=True),
         route("/get_model_info", _model_info, ["GET"]),
         route("/model_info", _model_info, ["GET"]),  # SGLang's newer names, probed first by sglang-router
-        route("/get_server_info", _server_info, ["GET"]),
-        route("/server_info", _server_info, ["GET"]),
+        route("/get_server_info", _server_info, ["GET"], admin=True),
+        route("/server_info", _server_info, ["GET"], admin=True),
         route("/get_load", _get_load, ["GET"]),
-        route("/flush_cache", _flush_cache, ["POST", "GET"]),
+        route("/flush_cache", _flush_cache, ["POST", "GET"], admin=True),
         route("/abort_request", _abort_request, ["POST"], body=True),
         route("/open_session", sessions_api.open_session, ["POST"], body=True),
         route("/close_session", sessions_api.close_session, ["POST"], body=True),
-        route("/metrics", _metrics, ["GET"]),
+        route("/metrics", _metrics, ["GET"], admin=True),
         route("/health", _health, ["GET"], auth=False, health=True),
         route("/health_generate", _health_generate, ["GET"], auth=False, health=True),
         route("/tokenize", tokenize_api.tokenize, ["POST"], body=True),
@@ -100,14 +100,14 @@ def build_app(state: ServerState) -> Starlette:
     return app
 
 
-def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, health: bool
+def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, health: bool, admin: bool
               ) -> Callable[[Request], Awaitable[Any]]:
     async def endpoint(request: Request) -> Any:
         if health:
             note_probe(request)
         try:
             if auth:
-                _check_api_key(state.config.api_key, request)
+                _authenticate(state, request, admin)
             if state.client.draining and not health:
                 raise shutting_down()
             payload = await read_json(request, state.config.max_body_bytes) if body else None
@@ -129,15 +129,16 @@ def _endpoint(state: ServerState, handler: Handler, auth: bool, body: bool, heal
     return endpoint
 
 
-def _check_api_key(api_key: str | None, request: Request) -> None:
-    """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), on every path."""
-    if api_key is None:
-        return
-    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-    given = [bearer if scheme.lower() == "bearer" else "", request.headers.get("x-api-key", "")]
-    if not any(hmac.compare_digest(token.strip().encode(), api_key.encode()) for token in given if token):
-        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>, or x-api-key: <key>)",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+def _authenticate(state: ServerState, request: Request, admin: bool) -> None:
+    """The one key check, on every path but the health checks: the key's tenant becomes the request's
+    (frontend/tenants.py: `Authorization: Bearer` or `x-api-key`; 401 without a known key), and an admin
+    endpoint needs an admin key (403)."""
+    tenant = state.tenants.authenticate(request.headers)
+    tenants.enter(tenant)
+    if state.tenants.keyed:
+        note_tenant(request, tenant.name)
+    if admin:
+        tenants.require_admin(tenant, request.url.path)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -241,14 +242,13 @@ async def _abort_request(state: ServerState, request: Request, body: Any) -> dic
     rid, abort_all = body.get("rid"), body.get("abort_all", False)
     if not isinstance(abort_all, bool):
         raise bad_request("abort_all must be a boolean", "abort_all")
+    tenant = tenants.current()
+    owner = None if tenant.admin else tenant.name  # a tenant aborts its own requests only; an admin key anyone's
     if abort_all:
-        rids = state.engine.open_rids()
-        for r in rids:
-            state.engine.abort(r)
-        return {"aborted": len(rids)}
+        return {"aborted": state.client.abort_matching(None, owner)}
     if not isinstance(rid, str) or not rid:
         raise bad_request("rid must be a non-empty string", "rid")
-    return {"aborted": state.client.abort_matching(rid)}
+    return {"aborted": state.client.abort_matching(rid, owner)}
 
 
 async def _not_supported(state: ServerState, request: Request, body: Any) -> Response:
@@ -259,7 +259,8 @@ async def _not_supported(state: ServerState, request: Request, body: Any) -> Res
 
 
 async def _metrics(state: ServerState, request: Request, body: Any) -> Response:
-    text = state.metrics.render(await engine_call(state.engine, "stats"), state.client.num_in_flight)
+    text = state.metrics.render(await engine_call(state.engine, "stats"), state.client.num_in_flight,
+                                dict(state.client.limiter.refused))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -7,11 +7,14 @@ or an `x-session-id` header. A request naming a session that is not open opens i
 after the engine's idle timeout. SGLang's token-level continuation (`session_params.rid`, `offset`, `replace`,
 `drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached. A chat
 turn that ends with a final answer rather than a tool call shortens its pin's time to live (`settle_turn`).
+A session is its tenant's (frontend/tenants.py): the engine knows it by `engine_session(id, tenant)`, so another
+tenant naming the same id opens, continues and closes a session of its own.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from typing import Any
 
 import orjson
@@ -21,7 +24,9 @@ from starlette.responses import Response
 from .engine_client import engine_call
 from .errors import bad_request
 from .state import ServerState
+from .tenants import current as current_tenant, engine_session
 from ..scheduler.checks import check_session_id
+from ..scheduler.fair_share import DEFAULT_TENANT
 
 logger = logging.getLogger(__name__)
 HEADER = "x-session-id"
@@ -73,8 +78,13 @@ async def open_session(state: ServerState, request: Request, body: Any) -> Respo
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise bad_request("capacity_of_str_len must be a non-negative integer", "capacity_of_str_len")
     sid = body.get("session_id")
-    opened = await engine_call(state.engine, "open_session", (None if sid is None else checked(sid, "session_id"),))
-    return Response(orjson.dumps(opened), media_type="application/json")  # the id as a JSON string, as SGLang
+    tenant = current_tenant().name
+    if sid is None and tenant != DEFAULT_TENANT:
+        sid = uuid.uuid4().hex  # named here, so that the engine's name can be the tenant's (engine_session)
+    named = None if sid is None else engine_session(checked(sid, "session_id"), tenant)
+    opened = await engine_call(state.engine, "open_session", (named,))
+    # the id as a JSON string, as SGLang; the client's name, not the engine's
+    return Response(orjson.dumps(opened if sid is None else sid), media_type="application/json")
 
 
 async def close_session(state: ServerState, request: Request, body: Any) -> dict[str, Any]:
@@ -82,7 +92,8 @@ async def close_session(state: ServerState, request: Request, body: Any) -> dict
     if not isinstance(body, dict) or body.get("session_id") is None:
         raise bad_request("the body must be a JSON object with \"session_id\"", "session_id")
     sid = checked(body["session_id"], "session_id")
-    return {"session_id": sid, "closed": await engine_call(state.engine, "close_session", (sid,))}
+    named = engine_session(sid, current_tenant().name)  # another tenant's session of that name is not this one
+    return {"session_id": sid, "closed": await engine_call(state.engine, "close_session", (named,))}
 
 
 def settle_turn(state: ServerState, session_id: str | None, tool_call: bool) -> None:
@@ -91,6 +102,7 @@ def settle_turn(state: ServerState, session_id: str | None, tool_call: bool) -> 
     it."""
     if session_id is None or tool_call:
         return
+    session_id = engine_session(session_id, current_tenant().name)
 
     async def send() -> None:
         try:

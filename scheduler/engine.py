@@ -15,7 +15,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import RequestError
 from .grammar import GrammarBackend
 from .kv_ops import PrefixKV
-from .metrics import EngineMetrics, engine_stats
+from .metrics import EngineMetrics, engine_stats, slots_by_tenant
 from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
 from .policy import SchedulePolicy
@@ -214,6 +214,7 @@ class Engine:
         self.kv.sessions.expire()
         batch, admitted = self.planner.schedule(self.step_index)
         for req in admitted:
+            req.admit_time = t0
             self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
                                          prefix_only=req.params.max_new_tokens == 0)
         t1 = self._mark = time.perf_counter()  # outputs are timed from _mark to the end of the step
@@ -353,6 +354,20 @@ class Engine:
         """A snapshot between steps (safe from any thread: with the loop running it is taken
         on the loop thread; computed on demand, never per step)."""
         return self._on_loop(self._stats_now)
+
+    def set_tenants(self, settings: dict[str, dict[str, Any]]) -> None:
+        """Tenants' scheduling settings (the server's keys file, frontend/tenants.py), applied once at start: per
+        tenant its fair-share `weight` and `max_running_requests` (None: no cap of its own)."""
+        for name, tenant in settings.items():
+            if self.policy.share is not None:
+                self.policy.share.set_weight(name, tenant.get("weight", 1.0))
+            cap = tenant.get("max_running_requests")
+            if cap is not None:
+                self.planner.tenant_caps[name] = check_int(f"tenant {name!r}: max_running_requests", cap, lo=1)
+
+    def tenant_slots(self) -> dict[str, int]:
+        """KV slots held by each tenant's running requests (between steps)."""
+        return slots_by_tenant(self.planner.running)
 
     def _stats_now(self) -> dict[str, Any]:
         return engine_stats(self.kv, self.planner, self.metrics)

@@ -46,8 +46,9 @@ def socket_paths(ipc_dir: str) -> tuple[str, str]:
     return f"ipc://{os.path.join(ipc_dir, 'requests')}", f"ipc://{os.path.join(ipc_dir, 'events')}"
 
 
-def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, log_level: str) -> None:
-    """Entry point of the spawned engine process."""
+def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, log_level: str,
+                tenants: dict[str, dict[str, Any]] | None = None) -> None:
+    """Entry point of the spawned engine process; `tenants`: Engine.set_tenants's settings (the keys file's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C reaches the process group: the HTTP side decides
     _die_with_parent()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,7 +61,7 @@ def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, 
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(events_addr)
     try:
-        engine = _load(model, engine_kwargs, outbox)
+        engine = _load(model, engine_kwargs, outbox, tenants or {})
         if engine is not None:
             EngineServer(engine, inbox, outbox, parent).run()
     finally:
@@ -69,11 +70,12 @@ def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, 
         ctx.term()
 
 
-def _load(model: str | None, engine_kwargs: dict[str, Any], outbox: zmq.Socket):
+def _load(model: str | None, engine_kwargs: dict[str, Any], outbox: zmq.Socket, tenants: dict[str, dict[str, Any]]):
     from .engine import Engine
 
     try:
         engine = Engine(model, **engine_kwargs)
+        engine.set_tenants(tenants)
         _install_fault(engine, os.environ.get(FAULT_ENV, ""))
     except ValueError as exc:  # a bad checkpoint or setting: one line for the user
         outbox.send(msg.dumps(msg.LoadFailed(str(exc).splitlines()[0] if str(exc) else repr(exc))))
@@ -124,6 +126,7 @@ class EngineServer:
                 break
             if engine.has_unfinished():
                 events.deltas = engine.step()
+                events.tenant_slots = engine.tenant_slots()
                 now = time.monotonic()
                 if events.deltas or now - self._last_sent >= PROGRESS_EVERY_S:
                     self._send(events)

@@ -102,6 +102,9 @@ class EngineEvents:
     deltas: list[StreamDelta] = field(default_factory=list)
     replies: list[Reply] = field(default_factory=list)
     num_steps: int = 0  # the engine's step counter: progress for the watchdog
+    # After a step: KV slots held by each tenant's running requests (Engine.tenant_slots; the HTTP side's
+    # max_kv_share limit reads the latest); None in a message sent between steps.
+    tenant_slots: dict[str, int] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.accepted or self.rejected or self.deltas or self.replies)

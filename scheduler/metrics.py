@@ -8,6 +8,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fair_share import tenant_of
+
 # Seconds; wide enough for CPU runs of tiny models and real GPU serving alike.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -68,6 +70,16 @@ class EngineMetrics:
         return self.num_cached_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
+def slots_by_tenant(running: list[Any]) -> dict[str, int]:
+    """KV slots each tenant's running requests hold (their cached prefixes included, so a prefix two tenants
+    share counts for both)."""
+    held: dict[str, int] = {}
+    for req in running:
+        tenant = tenant_of(req)
+        held[tenant] = held.get(tenant, 0) + len(req.kv_slots)
+    return held
+
+
 def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
     """Engine.stats(): the KV identity's parts, the queues, the counters and the sessions' pins."""
     tree = kv.tree
@@ -89,5 +101,6 @@ def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
         "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
         "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
         "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
+        "tenant_slots": slots_by_tenant(planner.running),
         **kv.sessions.stats(),
     }

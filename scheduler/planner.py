@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import EngineConfig
+from .fair_share import tenant_of
 from .kv_ops import PrefixKV
 from .policy import SchedulePolicy
 from .req import Req, ReqStatus
@@ -58,6 +59,7 @@ class Planner:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self.tenant_caps: dict[str, int] = {}  # tenant -> most requests running at once (Engine.set_tenants)
 
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
@@ -122,15 +124,21 @@ class Planner:
         shields = self._shield_prefixes(order, decode_room, budget)
         try:
             for req in order:
+        running = self._running_per_capped_tenant()
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
                 first_admission = req.cached_tokens is None
                 if not self._try_admit(req, batch, budget, decode_room, shields.get(id(req))):
+                tenant = tenant_of(req)
+                if tenant in running and running[tenant] >= self.tenant_caps[tenant]:
+                    continue  # its tenant runs its most already: it waits, others go on
                     break  # head-of-line: smaller requests must not starve a big one
                 decode_room += self._estimate(req)
                 budget -= batch.items[-1].num_tokens
                 if first_admission:
                     admitted.append(req)
+                if tenant in running:
+                    running[tenant] += 1
         finally:
             for _, node in shields.values():
                 self.kv.tree.unlock(node)
@@ -138,6 +146,15 @@ class Planner:
 
     def _shield_prefixes(self, order: list[Req], decode_room: int,
                          budget: int) -> dict[int, tuple[list[int], Any]]:
+    def _running_per_capped_tenant(self) -> dict[str, int]:
+        """Running requests of each tenant with a cap of its own (tenant_caps)."""
+        running = dict.fromkeys(self.tenant_caps, 0)
+        for req in self.running:
+            tenant = tenant_of(req)
+            if tenant in running:
+                running[tenant] += 1
+        return running
+
         """Match and lock the cached prefixes of the leading candidates that fit together, before any of
         them allocates: the evictor picks leaves by priority, not by who waits, so admitting one
         candidate could otherwise evict the prefix the next one was ordered to reuse (its effect on the hit

@@ -28,6 +28,7 @@ class GenerateResult:
     error: str | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+    queue_s: float | None = None  # from arrival to first admission (None: never admitted)
 
     @property
     def cut_short(self) -> bool:
@@ -88,6 +89,7 @@ class Req:
     num_retractions: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
+    admit_time: float | None = None  # first admission (perf_counter)
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
@@ -162,9 +164,10 @@ class Req:
         e2e = (self.finish_time - self.arrival_time) if self.finish_time else None
         ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
         return GenerateResult(
+        queue = (self.admit_time - self.arrival_time) if self.admit_time else None
             rid=self.rid, text=self.text, output_ids=list(self.output_ids),
             prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
             completion_tokens=len(self.output_ids), finish_reason=self.finish_reason or "abort",
             matched_stop=self.matched_stop, logprobs=list(self.output_logprobs) if want_lp else None,
             prompt_logprobs=list(self.prompt_logprobs) if self.params.logprob_start_len is not None else None,
-            error=self.error, ttft_s=ttft, e2e_s=e2e)
+            error=self.error, ttft_s=ttft, e2e_s=e2e, queue_s=queue)
