@@ -122,30 +122,28 @@ class Planner:
         # else changes it within _admit: outputs, the ratio and the others stay as they are).
         decode_room = self._decode_room_estimate()
         shields = self._shield_prefixes(order, decode_room, budget)
+        running = self._running_per_capped_tenant()
         try:
             for req in order:
-        running = self._running_per_capped_tenant()
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
-                first_admission = req.cached_tokens is None
-                if not self._try_admit(req, batch, budget, decode_room, shields.get(id(req))):
                 tenant = tenant_of(req)
                 if tenant in running and running[tenant] >= self.tenant_caps[tenant]:
                     continue  # its tenant runs its most already: it waits, others go on
+                first_admission = req.cached_tokens is None
+                if not self._try_admit(req, batch, budget, decode_room, shields.get(id(req))):
                     break  # head-of-line: smaller requests must not starve a big one
                 decode_room += self._estimate(req)
                 budget -= batch.items[-1].num_tokens
-                if first_admission:
-                    admitted.append(req)
                 if tenant in running:
                     running[tenant] += 1
+                if first_admission:
+                    admitted.append(req)
         finally:
             for _, node in shields.values():
                 self.kv.tree.unlock(node)
         return admitted
 
-    def _shield_prefixes(self, order: list[Req], decode_room: int,
-                         budget: int) -> dict[int, tuple[list[int], Any]]:
     def _running_per_capped_tenant(self) -> dict[str, int]:
         """Running requests of each tenant with a cap of its own (tenant_caps)."""
         running = dict.fromkeys(self.tenant_caps, 0)
@@ -155,6 +153,8 @@ class Planner:
                 running[tenant] += 1
         return running
 
+    def _shield_prefixes(self, order: list[Req], decode_room: int,
+                         budget: int) -> dict[int, tuple[list[int], Any]]:
         """Match and lock the cached prefixes of the leading candidates that fit together, before any of
         them allocates: the evictor picks leaves by priority, not by who waits, so admitting one
         candidate could otherwise evict the prefix the next one was ordered to reuse (its effect on the hit

@@ -88,8 +88,8 @@ class Req:
     cached_tokens: int | None = None  # from the first admission only (§12)
     num_retractions: int = 0
     first_token_time: float | None = None
-    finish_time: float | None = None
     admit_time: float | None = None  # first admission (perf_counter)
+    finish_time: float | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     error: str | None = None
@@ -163,8 +163,8 @@ class Req:
         want_lp = self.params.logprobs is not None
         e2e = (self.finish_time - self.arrival_time) if self.finish_time else None
         ttft = (self.first_token_time - self.arrival_time) if self.first_token_time else None
-        return GenerateResult(
         queue = (self.admit_time - self.arrival_time) if self.admit_time else None
+        return GenerateResult(
             rid=self.rid, text=self.text, output_ids=list(self.output_ids),
             prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached_tokens or 0,
             completion_tokens=len(self.output_ids), finish_reason=self.finish_reason or "abort",
