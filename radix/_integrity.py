@@ -15,7 +15,7 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
     allocator.check_integrity()
     owner: dict[int, str] = {}  # slot id -> who holds it, to name both sides of a double ownership
     evictable = locked = pinned = 0
-    expected_leaves: dict[tuple[float, int], TreeNode] = {}
+    expected_leaves: dict[tuple[int, float, int], TreeNode] = {}
     for salt, root in cache._roots.items():
         assert root.is_root and root.parent is None and root.namespace == salt, (
             f"namespace {salt!r}: its root is not a root node")
@@ -41,7 +41,7 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
             else:
                 evictable += len(node.value)
             if not node.children and not node.lock_ref:
-                expected_leaves[(cache._priority(node), node.node_id)] = node
+                expected_leaves[cache.evict_key(node)] = node
     _check_leaf_index(cache, expected_leaves)
     assert evictable == cache.evictable_size, (
         f"evictable_size is {cache.evictable_size} but the tree holds {evictable} unlocked slots")
@@ -57,15 +57,18 @@ def check_cache_integrity(cache: RadixCache, in_flight_slots: int | Collection[i
 
 
 def _check_children(cache: RadixCache, node: TreeNode, salt: str | None) -> None:
-    child_locks = 0
+    child_locks = child_hints = 0
     for child_key, child in node.children.items():
         assert child.parent is node, f"{child!r} (salt {salt!r}) does not point back to its parent"
         assert child_key == cache._child_key(child.key, 0), (
             f"{child!r} (salt {salt!r}) is filed under {child_key!r}, not its first token/page")
         child_locks += child.lock_ref
+        child_hints += child.hint_ref
     if not node.is_root:
         assert node.lock_ref >= child_locks, (
             f"{node!r} (salt {salt!r}): lock_ref {node.lock_ref} < children's sum {child_locks}")
+        assert node.hint_ref == node.hint_own + child_hints >= 0 <= node.hint_own, (
+            f"{node!r} (salt {salt!r}): hint_ref {node.hint_ref} != own {node.hint_own} + children's {child_hints}")
 
 
 def _check_node(cache: RadixCache, node: TreeNode, salt: str | None) -> None:
@@ -86,7 +89,7 @@ def _check_node(cache: RadixCache, node: TreeNode, salt: str | None) -> None:
             f"{node!r} was touched more recently or more often than its parent {parent!r}")
 
 
-def _check_leaf_index(cache: RadixCache, expected: dict[tuple[float, int], TreeNode]) -> None:
+def _check_leaf_index(cache: RadixCache, expected: dict[tuple[int, float, int], TreeNode]) -> None:
     index = cache._evictable_leaves
     assert len(index) == len(expected), (
         f"evictable-leaf index has {len(index)} entries, the tree has {len(expected)} unlocked leaves")

@@ -10,7 +10,9 @@ their keys/values. Children are keyed by their first token (page_size 1) or firs
 Invariants (checked by check_integrity):
 - lock_ref(node) = locks taken on the node itself + sum of lock_ref of its children, so a locked node's
   whole path to the root is locked and eviction (leaves only) can never reach it.
-- The evictable-leaf index holds exactly the unlocked leaves, keyed by (priority, node_id).
+- hint_ref(node) likewise counts hints (expected uses: a waiting request will match the path) on the node and below.
+- The evictable-leaf index holds exactly the unlocked leaves, keyed by (hinted, priority, node_id): a hinted
+  leaf goes only when no unhinted one is left (a preference, never a ban).
 - A parent's last_access and hit_count are >= its descendants' (every touch stamps the whole path),
   so a parent never outranks its own leaves for eviction.
 - free + evictable + locked + in-flight == total slots.
@@ -19,26 +21,24 @@ Invariants (checked by check_integrity):
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Collection, Sequence
 
 from sortedcontainers import SortedDict
 
 from ._integrity import check_cache_integrity
 from .allocator import KVAllocator
+from .eviction_order import DEFAULT_REUSE_BONUS, EVICTION_POLICIES, EvictionOrder
 
 logger = logging.getLogger(__name__)
 
-EVICTION_POLICIES = ("lru", "lru-reuse")
-# One doubling of a node's hit count is worth this many logical clock ticks of recency (lru-reuse).
-DEFAULT_REUSE_BONUS = 64.0
 
 
 class TreeNode:
     """One edge of the tree: `key` token ids and the KV `value` slot ids that back them."""
 
     __slots__ = (
-        "key", "value", "children", "parent", "lock_ref", "pin_ref", "last_access", "hit_count",
+        "key", "value", "children", "parent", "lock_ref", "pin_ref", "hint_ref", "hint_own", "forward",
+        "last_access", "hit_count",
         "node_id", "evict_key", "is_root", "namespace",
     )
 
@@ -50,10 +50,13 @@ class TreeNode:
         self.parent = parent  # None for a root and for an evicted (detached) node
         self.lock_ref = 0
         self.pin_ref = 0  # those of lock_ref that are pins (lock(pin=True)): held for a session, not a request
+        self.hint_ref = 0  # expected uses (hint): on the node itself + its children's, like lock_ref
+        self.hint_own = 0  # those of hint_ref placed on this node itself
+        self.forward: TreeNode | None = None  # once evicted: the parent its own hints moved to
         self.last_access = 0  # logical clock of the last match/insert touching this node
         self.hit_count = 0  # number of match_prefix calls whose match covered this node
         self.node_id = node_id  # creation order; breaks priority ties deterministically
-        self.evict_key: tuple[float, int] | None = None  # set while in the evictable-leaf index
+        self.evict_key: tuple[int, float, int] | None = None  # set while in the evictable-leaf index
         self.is_root = is_root
         self.namespace: str | None = None  # the salt, on roots only
 
@@ -72,7 +75,7 @@ class TreeNode:
                 f"last_access={self.last_access}, hit_count={self.hit_count})")
 
 
-class RadixCache:
+class RadixCache(EvictionOrder):
     """Prefix cache over a KVAllocator; see ARCHITECTURE.md §4 for the contract."""
 
     def __init__(self, allocator: KVAllocator, page_size: int = 1, disable: bool = False,
@@ -241,6 +244,10 @@ class RadixCache:
             freed_slot_ids.extend(leaf.value)
             self._evictable_size -= len(leaf.value)
             parent = leaf.parent
+            if leaf.hint_own:  # its hints move to the parent (the path's counts above stay as they are)
+                leaf.forward = parent  # a root keeps no counts: the hint ends there
+                if not parent.is_root:
+                    parent.hint_own += leaf.hint_own
             del parent.children[self._child_key(leaf.key, 0)]
             leaf.parent = None
             leaf.value = []
@@ -374,6 +381,7 @@ class RadixCache:
         upper = TreeNode(node.key[:split_len], node.value[:split_len], parent, self._num_nodes_created)
         upper.lock_ref = node.lock_ref
         upper.pin_ref = node.pin_ref
+        upper.hint_ref = node.hint_ref
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         node.key = node.key[split_len:]
@@ -404,29 +412,6 @@ class RadixCache:
                 node.hit_count += 1
             node = node.parent
         self._sync_leaf_index(deepest)
-
-    def _priority(self, node: TreeNode) -> float:
-        """Lower is evicted first.
-
-        lru: the logical time of the last access.
-        lru-reuse: last access + reuse_bonus * log2(1 + hit_count). A prefix that has been hit h times
-        is treated as if it had been used reuse_bonus * log2(1 + h) ticks later than it was: reuse
-        buys extra lifetime, with diminishing returns so a once-hot prefix still ages out (each
-        doubling of hits adds a fixed amount of time rather than an unbounded frequency count).
-        """
-        if self.eviction_policy == "lru":
-            return float(node.last_access)
-        return node.last_access + self.reuse_bonus * math.log2(1 + node.hit_count)
-
-    def _sync_leaf_index(self, node: TreeNode) -> None:
-        """Make the evictable-leaf index exact for node: present (with its current priority) iff it
-        is an unlocked, attached, non-root leaf."""
-        if node.evict_key is not None:
-            del self._evictable_leaves[node.evict_key]
-            node.evict_key = None
-        if not node.children and node.lock_ref == 0 and not node.is_root and node.parent is not None:
-            node.evict_key = (self._priority(node), node.node_id)
-            self._evictable_leaves[node.evict_key] = node
 
     def _iter_nodes(self):
         """Every non-root node of every namespace (parents before children)."""

@@ -64,6 +64,26 @@ class PrefixKV:
         tokens = req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]  # no concatenation
         return self.tree.match_prefix(tokens, salt=req.params.cache_salt, record_hit=record_hit)
 
+    def hint(self, waiting: list[Req]) -> None:
+        """Waiting requests expect to use their cached prefixes: eviction takes every path nobody waits for first
+        (RadixCache.hint; a preference, never a ban). Once per stay in the queue (`admit` and `unhint` end it), one
+        walk for all the choices of a prompt."""
+        if self.tree.disable:
+            return
+        walked: dict[tuple, TreeNode] = {}
+        for req in waiting:
+            if req.hint_node is None:
+                key = (id(req.prompt_ids), req.params.cache_salt, self.match_cap(req))
+                if key not in walked:
+                    walked[key] = self.match(req, record_hit=False)[1]
+                req.hint_node = walked[key]
+                self.tree.hint(req.hint_node)
+
+    def unhint(self, req: Req) -> None:
+        if req.hint_node is not None:
+            self.tree.unhint(req.hint_node)
+            req.hint_node = None
+
     def admit(self, req: Req, matched: tuple[list[int], TreeNode] | None = None) -> int:
         """Lock the request's cached prefix and give it a table row; returns the prefix's length. `matched`: the
         planner's match of this step (its node still locked), so the tree is walked once per candidate."""
@@ -73,6 +93,7 @@ class PrefixKV:
             slots, node = matched
             self.tree.record_hit(node)
         self.tree.lock(node)
+        self.unhint(req)  # the lock holds what the hint asked for
         self.sessions.take(req.params.session_id)  # the request's lock holds what its session's pin kept
         req.last_node = node
         self.rows.assign(req.slot_row, slots)

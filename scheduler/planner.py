@@ -64,6 +64,7 @@ class Planner:
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
         self._preempt_for_priority(step)
+        self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
         self._reserve_decodes(batch)
         budget = self.config.chunked_prefill_size
@@ -82,6 +83,7 @@ class Planner:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.kv.unhint(req)
 
     # -- step parts -------------------------------------------------------------------
 

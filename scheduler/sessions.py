@@ -156,6 +156,8 @@ class Sessions:
         if pin is None:
             return False
         self._tree.unlock(pin.node, pin=True)
+        if reason in ("closed", "expired"):  # nobody is expected back: its own path is the first to evict
+            self._tree.demote(pin.node)
         if reason is not None:
             self.counts[reason] += 1
         return True

@@ -99,6 +99,13 @@ def main_server() -> ServerProcess:
                                   "--max-tokens-default", "32", "--served-model-name", "tiny"])
 
 
+def tools_server() -> ServerProcess:
+    """The tiny random model with room for tool prompts (a 1,024-token context): it never calls a tool on its own, so
+    every call it makes is a grammar's (tool_choice)."""
+    return shared_server("tools", ["--model", tiny_model_path(), "--context-length", "1024",
+                                   "--kv-cache-tokens", "8192", "--served-model-name", "tiny"])
+
+
 def scripted_server() -> ServerProcess:
     return shared_server("scripted", ["--model", scripted_model_path(), "--kv-cache-tokens", "32768",
                                       "--max-tokens-default", "256", "--served-model-name", "scripted"])

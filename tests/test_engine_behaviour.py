@@ -247,9 +247,16 @@ def test_n_choices_are_one_request_sharing_the_prompt(ckpt):
     expected = [alone.generate([prompt], dict(params, seed=77 + i))[0].output_ids for i in range(3)]
 
     engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, chunked_prefill_size=4096)
-    matches = []
-    real_match = engine.kv.tree.match_prefix
-    engine.kv.tree.match_prefix = lambda *a, **k: matches.append(engine.step_index) or real_match(*a, **k)
+    matches, hints = [], []
+    real_match, real_hint = engine.kv.tree.match_prefix, engine.kv.hint
+    walks = {"now": matches}
+    engine.kv.tree.match_prefix = lambda *a, **k: walks["now"].append(engine.step_index) or real_match(*a, **k)
+
+    def hint(waiting):  # the queue's eviction hints walk apart from admission, once per stay in the queue
+        walks["now"] = hints
+        real_hint(waiting)
+        walks["now"] = matches
+    engine.kv.hint = hint
     rids = engine.add_choices(prompt, params, n=3, rid="x")
     assert rids == ["x-0", "x-1", "x-2"]
     reqs = [engine.planner.waiting[i] for i in range(3)]
@@ -263,6 +270,7 @@ def test_n_choices_are_one_request_sharing_the_prompt(ckpt):
     prompt_pages = len(prompt) - 1
     assert sorted(results[r].cached_tokens for r in rids) == [0, prompt_pages, prompt_pages]  # computed once
     assert matches and len(matches) == len(set(matches))  # never two walks for the choices in one step
+    assert hints == [0]  # one hint walk for the three choices
 
     engine.add_request([5, 6, 7], dict(params, max_new_tokens=1), rid="z-1")
     with pytest.raises(ValueError, match="'z-1' is already in use"):

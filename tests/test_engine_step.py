@@ -279,6 +279,14 @@ def test_one_tree_walk_per_candidate_and_per_prefill_chunk(tmp_path_factory):
             calls[_name] += 1
             return _real(*args, **kwargs)
         setattr(tree, name, counted)
+    hint_walks = [0]
+    real_hint = engine.kv.hint
+
+    def hint(waiting):  # the queue's eviction hints: one walk per request's stay in the queue, apart from admission
+        before = calls["match_prefix"]
+        real_hint(waiting)
+        hint_walks[0] += calls["match_prefix"] - before
+    engine.kv.hint = hint
     shared = [7] * 20
     for i in range(3):
         engine.add_request(shared + [30 + i] * (10 + 5 * i), dict(GREEDY, max_new_tokens=3))
@@ -287,7 +295,8 @@ def test_one_tree_walk_per_candidate_and_per_prefill_chunk(tmp_path_factory):
         chunks += sum(1 for r in engine.planner.running if r.kv_len < len(r.prompt_ids))
         engine.step()
         chunks += sum(1 for r in engine.planner.running if not r.output_ids)  # admitted and prefilling
-    assert calls["match_prefix"] == 3  # one per request: the planner's, which admission reused
+    assert calls["match_prefix"] - hint_walks[0] == 3  # one per request: the planner's, which admission reused
+    assert hint_walks[0] == 3
     assert 0 < calls["insert_path"] <= chunks + 3 + 3  # a chunk's pages, and each request's last pages at release
     assert calls["_walk"] == calls["match_prefix"] + calls["insert_path"]
     engine.check_integrity()

@@ -56,6 +56,7 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             self.model: dict[tuple, tuple[int, ...]] = {}
             self.requests: list[Req] = []
             self.pins: list[tuple[str | None, list[int], TreeNode]] = []  # (salt, pinned prefix, node)
+            self.hints: list[tuple[str | None, list[int], TreeNode]] = []  # (salt, prompt, node): waiting requests
             self.cache: RadixCache | None = None
 
         @initialize(policy=st.sampled_from(["lru", "lru-reuse"]), reuse_bonus=st.sampled_from([0.0, 4.0, 64.0]))
@@ -104,6 +105,19 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                 self.cache.unlock(req.node)
                 return
             self.finish(req, pin=action == "pin")
+
+        @rule(tokens=prompts, salt=salts, drop=st.booleans(), data=st.data())
+        def wait_or_leave(self, tokens, salt, drop, data):
+            """A request waits (its cached prefix hinted: expected to be used) or a waiting one leaves (unhint)."""
+            if drop and self.hints:
+                _, _, node = self.hints.pop(data.draw(st.integers(0, len(self.hints) - 1), label="hint_idx"))
+                self.cache.unhint(node)
+                return
+            _, node = self.cache.match_prefix(tokens, salt, record_hit=False)
+            if not node.is_root:
+                self.cache.hint(node)
+                self.hints.append((salt, list(tokens), node))
+                note("prefix hinted")
 
         @precondition(lambda self: self.pins)
         @rule(data=st.data())
@@ -172,15 +186,38 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             evictable_before = self.cache.evictable_size
             if self.cache.locked_size and num_tokens and evictable_before:
                 note(LOCKED_EVICTION)
+            hinted = self.hinted_keys()
+            unhinted = sum(1 for key in self.model if key not in hinted and key not in self.locked_keys()) * page_size
             num_freed = self.cache.evict(num_tokens)
             assert min(num_tokens, evictable_before) <= num_freed <= evictable_before
             gone = [key for key, slots in self.model.items() if self.allocator.is_free(slots[0])]
+            # Hints are a preference: a hinted page goes only once every unhinted evictable page has gone.
+            if any(key in hinted for key in gone):
+                note("hinted prefix evicted (nothing else left)")
+                assert num_freed >= unhinted, f"a hinted page went while {unhinted} unhinted slots were evictable"
             assert len(gone) * page_size == num_freed, "evict's count disagrees with the allocator"
             for key in gone:
                 del self.model[key]
             for salt, prefix in self.model:
                 assert len(prefix) == page_size or (salt, prefix[:-page_size]) in self.model, (
                     "eviction left a cached prefix without its parent")
+
+        def hinted_keys(self) -> set:
+            """Cached pages on the matched path of a waiting request (what it will use if nothing evicts it)."""
+            keys = set()
+            for salt, tokens, _ in self.hints:
+                for end in range(page_size, len(tokens) + 1, page_size):
+                    if (salt, tuple(tokens[:end])) not in self.model:
+                        break
+                    keys.add((salt, tuple(tokens[:end])))
+            return keys
+
+        def locked_keys(self) -> set:
+            keys = {(r.salt, tuple(r.tokens[:end])) for r in self.requests for end in range(page_size, r.num_cached + 1,
+                                                                                          page_size)}
+            keys |= {(salt, tuple(tokens[:end])) for salt, tokens, _ in self.pins
+                     for end in range(page_size, len(tokens) + 1, page_size)}
+            return keys
 
         def model_match(self, tokens, salt) -> list[int]:
             slot_ids: list[int] = []

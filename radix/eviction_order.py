@@ -1,0 +1,92 @@
+"""The eviction order of the radix tree's unlocked leaves (ARCHITECTURE §4): the policy's priority (LRU, or
+lru-reuse's hit bonus) within two tiers, unhinted before hinted. A hint marks a path a waiting request will match
+(`hint` / `unhint`, counted along the path like locks, moving to the parent when eviction takes the hinted leaf);
+`demote` puts a path nobody will continue (a closed session's) first in its tier. RadixCache inherits this; it keeps
+the index exact on every change, never rebuilding it."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sortedcontainers import SortedDict
+
+    from .radix_cache import TreeNode
+
+EVICTION_POLICIES = ("lru", "lru-reuse")
+# One doubling of a node's hit count is worth this many logical clock ticks of recency (lru-reuse).
+DEFAULT_REUSE_BONUS = 64.0
+
+
+class EvictionOrder:
+    eviction_policy: str
+    reuse_bonus: float
+    _evictable_leaves: SortedDict
+
+    def hint(self, node: TreeNode) -> None:
+        """Mark node's path as expected to be used again (a waiting request will match it): eviction takes every
+        unhinted leaf first. Counted; pair with unhint. Unlike a lock it never keeps a slot from being evicted."""
+        if node.is_evicted:
+            raise ValueError("hint: the node was evicted; match_prefix again and hint the new node")
+        self._count_hint(node, +1)
+
+    def unhint(self, node: TreeNode) -> None:
+        """Drop a hint. When eviction took the hinted node meanwhile, its hints had moved to its parent (the
+        waiting request still matches that much): the hint is dropped there."""
+        while node.forward is not None:
+            node = node.forward
+        if node.is_root or node.is_evicted:
+            return  # the whole path went (a hint reaching a root protects nothing)
+        if node.hint_own <= 0:
+            raise ValueError(f"unhint: {node!r} has no hint (unhint without a matching hint)")
+        self._count_hint(node, -1)
+
+    def demote(self, node: TreeNode) -> None:
+        """Make node, and the ancestors only its path uses, the first candidates of their hint tier (a closed
+        session's history: nobody is expected to continue it). Ancestors shared with other paths keep their rank, and
+        so does a node with children (a longer path uses it)."""
+        if node.children:
+            return
+        while not node.is_root and node.parent is not None:
+            node.last_access, node.hit_count = 0, 0
+            self._sync_leaf_index(node)
+            node = node.parent
+            if node.is_root or len(node.children) > 1:
+                return
+
+    def _count_hint(self, node: TreeNode, delta: int) -> None:
+        if node.is_root:
+            return
+        node.hint_own += delta
+        deepest = node
+        while not node.is_root:
+            node.hint_ref += delta
+            node = node.parent
+        self._sync_leaf_index(deepest)
+
+    def _priority(self, node: TreeNode) -> float:
+        """Lower is evicted first.
+
+        lru: the logical time of the last access.
+        lru-reuse: last access + reuse_bonus * log2(1 + hit_count). A prefix that has been hit h times
+        is treated as if it had been used reuse_bonus * log2(1 + h) ticks later than it was: reuse
+        buys extra lifetime, with diminishing returns so a once-hot prefix still ages out (each
+        doubling of hits adds a fixed amount of time rather than an unbounded frequency count).
+        """
+        if self.eviction_policy == "lru":
+            return float(node.last_access)
+        return node.last_access + self.reuse_bonus * math.log2(1 + node.hit_count)
+
+    def evict_key(self, node: TreeNode) -> tuple[int, float, int]:
+        """A leaf's place in the eviction order: unhinted before hinted, then priority, then age."""
+        return (int(node.hint_ref > 0), self._priority(node), node.node_id)
+
+    def _sync_leaf_index(self, node: TreeNode) -> None:
+        """Make the evictable-leaf index exact for node: present (with its current priority) iff it
+        is an unlocked, attached, non-root leaf."""
+        if node.evict_key is not None:
+            del self._evictable_leaves[node.evict_key]
+            node.evict_key = None
+        if not node.children and node.lock_ref == 0 and not node.is_root and node.parent is not None:
+            node.evict_key = self.evict_key(node)
+            self._evictable_leaves[node.evict_key] = node

@@ -1,0 +1,69 @@
+"""Eviction that looks ahead (issue 38 item 4): what a waiting request will match is evicted last, and a closed
+session's own path first. Both are preferences in the radix tree's eviction order (RadixCache.hint / demote); the
+radix state machine (tests/test_radix_stateful.py) checks that a hinted page goes only when nothing unhinted is
+left, and the KV identity, after every step."""
+from __future__ import annotations
+
+import pytest
+
+from _engine_helpers import make_checkpoint
+from radixserve.scheduler import Engine
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "lookahead")
+
+
+def _prompt(seed: int, length: int = 100) -> list[int]:
+    return [(seed * 37 + 11 * j) % 400 + 20 for j in range(length)]
+
+
+def _cache(engine: Engine, prompt: list[int], **params) -> None:
+    engine.generate([prompt], dict(GREEDY, max_new_tokens=1, **params))
+
+
+def _run_until_done(engine: Engine) -> dict:
+    results = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                results[delta.rid] = delta.result
+    engine.check_integrity()
+    return results
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_a_waiting_requests_prefix_outlives_older_and_newer_paths_nobody_waits_for(ckpt, lookahead):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256, max_running_requests=1)
+    if not lookahead:
+        engine.kv.hint = lambda waiting: None  # today's LRU alone: the control
+    wanted, other = _prompt(1), _prompt(2)
+    _cache(engine, wanted)  # older
+    _cache(engine, other)  # newer: LRU would evict `wanted` first
+    engine.add_request(_prompt(3, 20), dict(GREEDY, max_new_tokens=60), rid="long")  # needs ~80 of 56 free slots
+    engine.step()
+    engine.add_request(wanted + [7, 8], dict(GREEDY, max_new_tokens=2), rid="continuation")  # waits for the slot
+    results = _run_until_done(engine)
+    hit = results["continuation"].cached_tokens
+    if lookahead:
+        assert hit == len(wanted), hit  # the whole prefix survived: the unhinted path went instead
+        assert engine.kv.tree.match_length(other + [0], None) < len(other)
+    else:
+        assert hit < len(wanted), hit  # the control: without the hint the older path is what LRU evicts
+
+
+def test_a_closed_sessions_path_goes_before_older_paths(ckpt):
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256)
+    engine.kv.sessions._clock = lambda: 0.0
+    older, session_path = _prompt(4), _prompt(5)
+    _cache(engine, older)
+    engine.open_session("s")
+    _cache(engine, session_path, session_id="s")
+    assert engine.close_session("s")  # nobody will continue it: its path is demoted
+    engine.generate([_prompt(6, 60)], dict(GREEDY, max_new_tokens=30))  # needs more than the free slots
+    engine.check_integrity()
+    assert engine.kv.tree.match_length(older + [0], None) == len(older)
+    assert engine.kv.tree.match_length(session_path + [0], None) < len(session_path)
