@@ -172,9 +172,9 @@ def _block(raw: Any, where: str, role: str) -> dict[str, Any]:
     required = {"text": ("text",), "thinking": ("thinking", "signature"), "redacted_thinking": ("data",),
                 "tool_use": ("id", "name"), "tool_result": ("tool_use_id",)}[kind]
     for key in required:
-        if not isinstance(raw.get(key), str) or (key in ("id", "name", "tool_use_id") and not raw[key]):
-            raise bad_request(f"{where}.{key} is required (a{'' if key == 'text' else ' non-empty'} string)",
-                              f"{where}.{key}")
+        named = key in ("id", "name", "tool_use_id")  # these must name something
+        if not isinstance(raw.get(key), str) or (named and not raw[key]):
+            raise bad_request(f"{where}.{key} is required (a{' non-empty' if named else ''} string)", f"{where}.{key}")
     if kind == "tool_use" and not isinstance(raw.get("input"), dict):
         raise bad_request(f"{where}.input must be an object", f"{where}.input")
     if kind == "tool_result":

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
-from _http_server import shared_server, tiny_model_path  # noqa: E402
+from _http_server import tiny_model_path, tools_server  # noqa: E402
 from radixserve.frontend.tool_parser import TOOL_CALL_SYNTAX, parse_tool_calls  # noqa: E402
 
 TOOLS = [
@@ -80,8 +80,7 @@ def check_calls(calls, names=None):
 @pytest.fixture(scope="module")
 def server():
     # main_server()'s checkpoint with the model's whole context: three tools in the prompt are ~780 tokens.
-    return shared_server("tools", ["--model", tiny_model_path(), "--context-length", "1024",
-                                   "--kv-cache-tokens", "8192", "--served-model-name", "tiny"])
+    return tools_server()
 
 
 def _post(server, path, body):
