@@ -1,9 +1,9 @@
 """A GGUF file (llama.cpp's format) as a checkpoint: what it holds, checked and mapped onto Hugging Face terms.
 
-Torch-free (numpy and the `gguf` package), so the CLI's preflight can check a file before the engine starts, and
-the model config is read through the same validator as config.json (`model_config.parse_model_config`): `hf_config`
-maps the file's metadata onto config.json's keys. `hf_tensor_name` maps llama.cpp's tensor names onto the HF names
-the forward takes (kernels/gguf_loader.py reads the tensors). `check_gguf` refuses, in one line each, a file that is
+Torch-free (numpy, gguf_header.py and the `gguf` package's type table), so the CLI's preflight can check a file
+before the engine starts, and the model config is read through the same validator as config.json
+(`model_config.parse_model_config`): `hf_config` maps the file's metadata onto config.json's keys. `hf_tensor_name`
+maps llama.cpp's tensor names onto the HF names the forward takes (kernels/gguf_loader.py reads the tensors). `check_gguf` refuses, in one line each, a file that is
 not GGUF, is truncated, holds a tensor type or architecture this engine does not load, before anything large is read.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import re
 from typing import Any
 
 import numpy as np
+
+from .gguf_header import GGUFHeader
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> config.json's architecture (llama.cpp writes Mistral's dense models as "llama")
@@ -41,22 +43,14 @@ def is_gguf_path(path: str) -> bool:
     return path.lower().endswith(GGUF_SUFFIX) and not os.path.isdir(path)
 
 
-def open_gguf(path: str) -> Any:
-    """The file's gguf.GGUFReader (a memory map: nothing is read but the header and metadata), checked by
-    check_reader; ValueError with one line naming what is wrong."""
-    from gguf import GGUFReader
-
+def open_gguf(path: str) -> GGUFHeader:
+    """The file's metadata and tensor table (gguf_header.GGUFHeader: nothing else is read), checked by
+    check_header; ValueError with one line naming what is wrong."""
     if not os.path.isfile(path):
         raise ValueError(f"--model {path!r}: no such GGUF file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic)")
-    try:
-        reader = GGUFReader(path, "r")
-    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, MemoryError) as exc:
-        raise ValueError(_header_error(path, exc)) from None
-    check_reader(reader, path)
-    return reader
+    header = GGUFHeader(path)
+    check_header(header)
+    return header
 
 
 def check_gguf(path: str) -> None:
@@ -64,29 +58,31 @@ def check_gguf(path: str) -> None:
     open_gguf(path)
 
 
-def check_reader(reader: Any, path: str) -> None:
-    """The architecture and every tensor's type are ones this engine loads (GGUFReader has checked that every
-    tensor lies in the file: it refuses a cut file)."""
-    arch = field(reader, "general.architecture")
+def check_header(header: GGUFHeader) -> None:
+    """The architecture and every tensor's type are ones this engine loads, and every tensor lies in the file."""
+    path = header.path
+    arch = field(header, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {SUPPORTED_ARCHS_TEXT}")
-    for t in reader.tensors:
-        if t.tensor_type.name not in SUPPORTED_TYPES:
-            raise ValueError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which radixserve does not "
-                             f"load; supported: {', '.join(SUPPORTED_TYPES)}")
+    for t in header.tensors:
+        kind = getattr(t.tensor_type, "name", None)
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"{path}: tensor {t.name!r} has type {kind or f'{t.tensor_type} (unknown)'}, which "
+                             f"radixserve does not load; supported: {', '.join(SUPPORTED_TYPES)}")
+        if t.data_offset + t.n_bytes > header.size():
+            raise ValueError(f"{path} is truncated: tensor {t.name!r} ends past the end of the file")
 
 
-def field(reader: Any, key: str, default: Any = None) -> Any:
+def field(header: GGUFHeader, key: str, default: Any = None) -> Any:
     """A metadata value (str, int, float, bool or list), or `default` when the key is absent."""
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return header.fields.get(key, default)
 
 
-def hf_config(reader: Any) -> dict[str, Any]:
+def hf_config(header: GGUFHeader) -> dict[str, Any]:
     """config.json's keys (and generation_config's eos ids) for the model the file holds."""
-    arch = field(reader, "general.architecture")
-    a = lambda key, default=None: field(reader, f"{arch}.{key}", default)  # noqa: E731
-    names = {t.name for t in reader.tensors}
+    arch = field(header, "general.architecture")
+    a = lambda key, default=None: field(header, f"{arch}.{key}", default)  # noqa: E731
+    names = {t.name for t in header.tensors}
     hidden, heads = int(a("embedding_length")), a("attention.head_count")
     if isinstance(heads, list) or isinstance(a("attention.head_count_kv"), list):
         raise ValueError("per-layer head counts (a GGUF array) are not supported")
@@ -101,15 +97,15 @@ def hf_config(reader: Any) -> dict[str, Any]:
         "max_position_embeddings": int(a("context_length") or 2048),
         "rms_norm_eps": float(f"{a('attention.layer_norm_rms_epsilon', 1e-6):.7g}"),  # stored as float32
         "rope_theta": float(a("rope.freq_base", 10000.0)),
-        "vocab_size": int(a("vocab_size") or _rows(reader, "token_embd.weight")),
+        "vocab_size": int(a("vocab_size") or _rows(header, "token_embd.weight")),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
         "partial_rotary_factor": int(a("rope.dimension_count") or head_dim) / head_dim,
-        "torch_dtype": _stored_dtype(reader),
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")],
+        "torch_dtype": _stored_dtype(header),
+        "bos_token_id": field(header, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": [field(header, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")],
     }
-    raw["rope_scaling"] = _rope_scaling(reader, arch)
+    raw["rope_scaling"] = _rope_scaling(header, arch)
     return raw
 
 
@@ -125,35 +121,27 @@ def hf_tensor_name(name: str) -> str | None:
     raise ValueError(f"GGUF tensor {name!r} has no counterpart in the Llama-family forward")
 
 
-def _rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
-    kind = field(reader, f"{arch}.rope.scaling.type", "none")
-    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+def _rope_scaling(header: GGUFHeader, arch: str) -> dict[str, Any] | None:
+    kind = field(header, f"{arch}.rope.scaling.type", "none")
+    freqs = next((t for t in header.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:  # the divisors as stored: exact whatever scaling produced them
-        return {"rope_type": "default", "freq_factors": [float(x) for x in np.asarray(freqs.data, np.float32)]}
+        factors = np.asarray(header.data(freqs), np.float32)
+        return {"rope_type": "default", "freq_factors": [float(x) for x in factors]}
     if kind == "none":
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": field(reader, f"{arch}.rope.scaling.factor")}
-    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": field(header, f"{arch}.rope.scaling.factor")}
+    original = field(header, f"{arch}.rope.scaling.original_context_length")
     if original:
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
 
 
-def _stored_dtype(reader: Any) -> str:
+def _stored_dtype(header: GGUFHeader) -> str:
     """The checkpoint dtype --dtype auto starts from: float32 for an all-F32 file, float16 for F16 weights,
     else bfloat16 (BF16 weights, and quantized ones, which are dequantized)."""
-    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) > 1}
+    kinds = {t.tensor_type.name for t in header.tensors if len(t.shape) > 1}
     return "float32" if kinds <= {"F32"} else "float16" if kinds <= {"F32", "F16"} else "bfloat16"
 
 
-def _rows(reader: Any, name: str) -> int:
-    return next(int(t.shape[-1]) for t in reader.tensors if t.name == name)
-
-
-def _header_error(path: str, exc: Exception) -> str:
-    text = str(exc)
-    if "GGMLQuantizationType" in text:
-        type_id = re.sub(r"\D", "", text.split(" is not")[0].removeprefix("np.uint32"))
-        return f"{path}: unknown tensor type {type_id}; supported: {', '.join(SUPPORTED_TYPES)}"
-    why = text.splitlines()[0] if text else type(exc).__name__  # numpy's words for a cut file vary
-    return f"{path} is truncated or corrupt: its metadata or tensors run past the end of the file ({why})"
+def _rows(header: GGUFHeader, name: str) -> int:
+    return next(int(t.dims[-1]) for t in header.tensors if t.name == name)

@@ -12,7 +12,7 @@ Qwen2 / Qwen3 files keep HF order (llama.cpp runs them with NeoX rotary).
 from __future__ import annotations
 
 import logging
-import mmap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,14 +23,15 @@ from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
 
 logger = logging.getLogger(__name__)
 
-BLOCK_ELEMENTS = 1 << 22  # elements dequantized at a time (16 MB of float32)
+BLOCK_ELEMENTS = 1 << 20  # elements dequantized at a time by one thread (4 MB of float32)
+SAMPLE_ELEMENTS = 1 << 16  # elements of each quantized tensor the error report compares
 _FLOAT_NUMPY = {"F32": np.float32, "F16": np.float16}
 
 
 @dataclass
 class DequantReport:
     """What dequantizing did: the types met, tensors and elements per type, and the largest relative error of the
-    engine dtype's values against the float32 dequantized ones (over each tensor's first block)."""
+    engine dtype's values against the float32 dequantized ones (over each tensor's first SAMPLE_ELEMENTS)."""
 
     dtype: torch.dtype
     tensors: dict[str, int] = field(default_factory=dict)
@@ -56,56 +57,66 @@ class DequantReport:
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """All weights of the GGUF file in `dtype` on `device`, keyed by HF name (model.CausalLM takes them)."""
-    reader = open_gguf(path)  # checked: architecture, tensor types, sizes
-    arch = gguf_field(reader, "general.architecture")
-    heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    kv_heads = int(gguf_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    header = open_gguf(path)  # checked: architecture, tensor types, sizes
+    arch = gguf_field(header, "general.architecture")
+    heads = int(gguf_field(header, f"{arch}.attention.head_count"))
+    kv_heads = int(gguf_field(header, f"{arch}.attention.head_count_kv") or heads)
     report = DequantReport(dtype)
     state: dict[str, torch.Tensor] = {}
-    total = sum(int(t.n_bytes) for t in reader.tensors)
+    total = sum(int(t.n_bytes) for t in header.tensors)
     with tqdm(total=total, desc="loading GGUF weights", unit="B", unit_scale=True, disable=None) as bar:
-        for t in reader.tensors:
+        for t in header.tensors:
             name = hf_tensor_name(t.name)
             if name is not None:
-                weight = tensor_weight(t, dtype, report)
+                weight = tensor_weight(header.data(t), t.tensor_type, dtype, report)
                 if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                     weight = unpermute_rows(weight, heads)
                 elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                     weight = unpermute_rows(weight, kv_heads)
                 state[name] = weight.to(device)
-            _drop_pages(reader, t)
+            header.drop_pages(t)
             bar.update(int(t.n_bytes))
     logger.info(report.line())
     logger.info("loaded %d tensors from %s", len(state), path)
     return state
 
 
-def tensor_weight(t, dtype: torch.dtype, report: DequantReport) -> torch.Tensor:
-    """One GGUF tensor (a gguf.ReaderTensor) as a `dtype` tensor of its numpy shape ([rows, row length]): float
-    types converted, quantized ones dequantized in row blocks; `report` records the quantized ones."""
-    kind = t.tensor_type.name
-    data = t.data
-    if kind == "BF16":  # the reader gives raw bytes [rows, 2 * row length]
+def tensor_weight(data: np.ndarray, qtype, dtype: torch.dtype, report: DequantReport) -> torch.Tensor:
+    """One GGUF tensor (its stored data as gguf_header.GGUFHeader.data gives it, and its GGMLQuantizationType) as a
+    `dtype` tensor [rows, row length]: float types converted, quantized ones dequantized in row blocks; `report`
+    records the quantized ones."""
+    kind = qtype.name
+    if kind == "BF16":  # the header gives raw bytes [rows, 2 * row length]
         raw = torch.from_numpy(np.array(data).view(np.int16))
         return raw.view(torch.bfloat16).to(dtype)
     if kind in _FLOAT_NUMPY:
         return torch.from_numpy(np.array(data, dtype=_FLOAT_NUMPY[kind])).to(dtype)
-    return _dequantize_rows(data, t.tensor_type, dtype, report)
+    return _dequantize_rows(data, qtype, dtype, report)
 
 
 def _dequantize_rows(data: np.ndarray, qtype, dtype: torch.dtype, report: DequantReport) -> torch.Tensor:
+    """Row blocks dequantized to float32 by the gguf package and cast into one `dtype` tensor, on as many threads
+    as torch uses (numpy releases the GIL); the report compares the first SAMPLE_ELEMENTS values."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
     rows = data.reshape(-1, data.shape[-1])
-    first = dequantize(np.asarray(rows[:1]), qtype)
-    row_len = first.shape[-1]
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    row_len = rows.shape[1] // block_bytes * block
     out = torch.empty((rows.shape[0], row_len), dtype=dtype)
     step = max(1, BLOCK_ELEMENTS // row_len)
-    for start in range(0, rows.shape[0], step):
-        exact = torch.from_numpy(dequantize(np.asarray(rows[start:start + step]), qtype))
-        out[start:start + step] = exact
-        if start == 0:
-            report.add(qtype.name, exact, out[:step])
+
+    def work(start: int) -> None:
+        out[start:start + step] = torch.from_numpy(dequantize(np.asarray(rows[start:start + step]), qtype))
+
+    starts = range(0, rows.shape[0], step)
+    if len(starts) > 1:
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            list(pool.map(work, starts))
+    else:
+        work(0)
+    sample = max(1, SAMPLE_ELEMENTS // row_len)
+    report.add(qtype.name, torch.from_numpy(dequantize(np.asarray(rows[:sample]), qtype)), out[:sample])
     return out.reshape(*data.shape[:-1], row_len)
 
 
@@ -115,15 +126,3 @@ def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // num_heads // 2
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:]).contiguous()
-
-
-def _drop_pages(reader, t) -> None:
-    """Drop the map's pages that held tensor `t` from this process (they were copied out)."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
-    except (OSError, ValueError):
-        pass

@@ -47,10 +47,9 @@ def build_tokenizer_dir(path: str, out: str) -> None:
     """Builds the tokenizer directory of `path` at `out` (atomically: a temporary directory renamed)."""
     from transformers import AutoTokenizer
 
-    reader = open_gguf(path)
-    eos = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    header = open_gguf(path)
+    eos = [field(header, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     eos = list(dict.fromkeys(int(i) for i in eos if i is not None))
-    del reader
     try:
         tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     except Exception as exc:  # transformers raises many kinds for a vocabulary it cannot build
