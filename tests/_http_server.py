@@ -32,6 +32,11 @@ THINK_REASONING = "Let me plan: two and two make four."
 THINK_ANSWER = "It is four."
 THINK_PIECES = ["<think>", "\n" + THINK_REASONING + "\n", "</", "t", "h", "i", "n", "k", ">", "\n\n", THINK_ANSWER]
 THINK_SCRIPT = "".join(THINK_PIECES)
+# Trigger "greeting": a tool call drafted inside the reasoning (never a call), then a real one in the answer.
+THINK_TOOL_TRIGGER = "greeting"
+THINK_TOOL_REASONING = 'I could send <tool_call>{"arguments":{},"name":"draft"}</tool_call> first.'
+THINK_TOOL_CALL = '<tool_call>{"name": "get_forecast", "arguments": {"city": "Rome"}}</tool_call>'
+THINK_TOOL_PIECES = ["<think>", THINK_TOOL_REASONING, "</", "t", "h", "i", "n", "k", ">", "\n\n", THINK_TOOL_CALL]
 MULTIBYTE_TEXT = "世界🚀é"
 EMOJI_SCRIPT = f"ok {MULTIBYTE_TEXT} done"  # trigger "emoji"; sent as one token per byte
 
@@ -72,7 +77,7 @@ def scripted_chains() -> dict:
     """Scripts per trigger word; "emoji" is given as single-byte tokens so that its multi-byte
     characters are split across tokens (the detokenizer must hold partial characters back); "count" thinks
     (THINK_SCRIPT, its tags cut into several tokens)."""
-    return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT), **{THINK_TRIGGER: THINK_PIECES})
+    return dict(SCRIPTS, emoji=byte_token_ids(EMOJI_SCRIPT), **{THINK_TRIGGER: THINK_PIECES, THINK_TOOL_TRIGGER: THINK_TOOL_PIECES})
 
 
 def byte_token_ids(text: str, vocab_size: int = 2048) -> list[int]:

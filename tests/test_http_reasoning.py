@@ -3,12 +3,14 @@ behind a Qwen3-style template with --reasoning-parser qwen3 (tests/_http_server.
 <think> and </think> are cut across several tokens, so a stream that showed part of a tag would be caught."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
 from _http_battery import Guard
-from _http_server import THINK_ANSWER, THINK_PIECES, THINK_REASONING, reasoning_server
+from _http_server import THINK_ANSWER, THINK_PIECES, THINK_REASONING, THINK_TOOL_REASONING, reasoning_server
 from radixserve.bench.demo_kit.tokenizer import tokenizer_json
 from radixserve.frontend.reasoning import EFFORT_BUDGETS
 
@@ -182,3 +184,29 @@ def test_bad_responses_reasoning_is_400(server, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     guard.check()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_forecast", "description": "Forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+GREET = [{"role": "user", "content": "A greeting, then the forecast for Rome please."}]
+
+
+def test_tool_calls_are_parsed_in_the_answer_only(client):
+    """The reasoning drafts a <tool_call> (kept as reasoning text); the answer's call is the one returned."""
+    out = client.chat.completions.create(model=MODEL, messages=GREET, tools=TOOLS, temperature=0)
+    choice = out.choices[0]
+    assert choice.message.model_dump()["reasoning_content"] == THINK_TOOL_REASONING
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_forecast", {"city": "Rome"})]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    chunks = list(client.chat.completions.create(model=MODEL, messages=GREET, tools=TOOLS, temperature=0,
+                                                 stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_dump().get("reasoning_content") or "" for d in deltas) == THINK_TOOL_REASONING
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("get_forecast", {"city": "Rome"})]
+    r = client.responses.create(model=MODEL, input=GREET[0]["content"], temperature=0,
+                                tools=[{"type": "function", **TOOLS[0]["function"]}])
+    assert [o.type for o in r.output] == ["reasoning", "function_call"]
+    assert r.output[0].content[0].text == THINK_TOOL_REASONING and r.output[1].name == "get_forecast"
