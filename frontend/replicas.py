@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -42,6 +43,7 @@ from .config import ServerConfig
 from .router_proc import POOL_IDLE_S, RouterError, RouterProcess, check_installed, free_port
 from .response_store import ResponseStore
 from .spawn import READY
+from .thinking_signature import KEY_ENV
 
 logger = logging.getLogger("radixserve.replicas")
 
@@ -251,8 +253,10 @@ def worker_argv(config: ServerConfig, gpus: int) -> list[str]:
 
 
 def worker_envs(config: ServerConfig, gpus: int) -> list[dict[str, str]]:
-    """Each worker's environment: one GPU each (CUDA_VISIBLE_DEVICES) when on GPUs."""
+    """Each worker's environment: one GPU each (CUDA_VISIBLE_DEVICES) when on GPUs, and one thinking key for all
+    (frontend/thinking_signature.py: a thinking block one worker signed verifies on the next turn's worker)."""
     base = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    base.setdefault(KEY_ENV, secrets.token_hex(32))  # --thinking-key, when given, wins over it
     if gpus == 0:
         return [dict(base) for _ in range(config.replicas)]
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]

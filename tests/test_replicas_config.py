@@ -13,6 +13,7 @@ from radixserve.frontend import preflight, replicas
 from radixserve.frontend.cli import build_parser
 from radixserve.frontend.flags import config_argv, config_from_args
 from radixserve.frontend.config import ServerConfig
+from radixserve.frontend.thinking_signature import KEY_ENV
 
 
 def parse(*argv: str) -> ServerConfig:
@@ -49,6 +50,15 @@ def test_workers_get_the_config_on_loopback_and_a_share_of_the_cores():
     assert worker.keep_alive_s > 50 and config.keep_alive_s == 5
     longer = parse(*replicas.worker_argv(dataclasses.replace(config, keep_alive_s=120.0), gpus=0))
     assert longer.keep_alive_s == 120.0
+
+
+def test_workers_share_one_thinking_key(monkeypatch):
+    """A thinking block one worker signed must verify on whichever worker the next turn reaches."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    keys = {e[KEY_ENV] for e in replicas.worker_envs(parse("--replicas", "3"), 0)}
+    assert len(keys) == 1 and len(keys.pop()) == 64
+    monkeypatch.setenv(KEY_ENV, "shared-secret")
+    assert {e[KEY_ENV] for e in replicas.worker_envs(parse("--replicas", "2"), 0)} == {"shared-secret"}
 
 
 def test_one_gpu_per_worker(monkeypatch):
