@@ -60,9 +60,7 @@ class PrefixKV:
 
     def match(self, req: Req, record_hit: bool = True) -> tuple[list[int], TreeNode]:
         """The request's cached prefix as admission would take it: (its slots, the node to lock)."""
-        cap = self.match_cap(req)
-        tokens = req.prompt_ids[:cap] if cap <= len(req.prompt_ids) else req.all_ids[:cap]  # no concatenation
-        return self.tree.match_prefix(tokens, salt=req.params.cache_salt, record_hit=record_hit)
+        return self.tree.match_prefix(req.tree_ids(self.match_cap(req)), salt=req.tree_salt, record_hit=record_hit)
 
     def hint(self, waiting: list[Req]) -> None:
         """Waiting requests expect to use their cached prefixes: eviction takes every path nobody waits for first
@@ -151,8 +149,7 @@ class PrefixKV:
         if aligned <= req.tree_len or self.tree.disable:
             return
         own = req.kv_slots
-        num_cached, cached, node = self.tree.insert_path(req.all_ids[:aligned], own[:aligned],
-                                                         salt=req.params.cache_salt)
+        num_cached, cached, node = self.tree.insert_path(req.tree_ids(aligned), own[:aligned], salt=req.tree_salt)
         if num_cached > req.tree_len:
             self.allocator.free(own[req.tree_len:num_cached])
             req.slot_row.adopt(req.tree_len, cached[req.tree_len:num_cached])

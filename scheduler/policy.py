@@ -191,7 +191,7 @@ class SchedulePolicy:
     def _key(self, req: Req) -> tuple:
         key = self._keys.get(req.rid)
         if key is None:
-            key = block_key(req.prompt_ids, req.params.cache_salt, self.config.block_size)
+            key = block_key(req.tree_ids(len(req.prompt_ids)), req.tree_salt, self.config.block_size)
             self._keys[req.rid] = key
         return key
 
@@ -203,8 +203,10 @@ class SchedulePolicy:
         memo = self._matched.get(req.rid)
         if memo is not None and memo[0] is req and memo[1] == epoch and memo[2] == cap:
             return memo[3]
-        tokens = req.prompt_ids if cap <= len(req.prompt_ids) else req.all_ids
-        num = self.kv.tree.match_length(tokens, req.params.cache_salt, limit=cap)
+        tokens = req.prompt_ids if cap <= len(req.prompt_ids) else req.all_ids  # no copy: match_length stops at cap
+        if req.params.cache_salt_after:
+            tokens = req.tree_ids(cap)
+        num = self.kv.tree.match_length(tokens, req.tree_salt, limit=cap)
         self._matched[req.rid] = (req, epoch, cap, num)
         return num
 

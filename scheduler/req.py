@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import enum
+import functools
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.forward_io import RowSampling, TokenLogprob
 from .sampling_params import SamplingParams
 from .slot_row import SlotRow
+
+@functools.lru_cache(maxsize=4096)
+def salt_tag(salt: str) -> int:
+    """The key offset of a salt's private tokens (Req.tree_ids): a 64-bit hash, shifted past every token id."""
+    return (int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little") | 1) << 32
+
 
 # GenerateResult.error of a request its caller aborted (Engine.abort): a normal end, not a failure.
 ABORTED = "aborted"
@@ -133,6 +141,24 @@ class Req:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def tree_salt(self) -> str | None:
+        """The radix tree namespace of the request: its salt, unless the salt starts after a shared part (then the
+        shared namespace, with the private tokens keyed apart by tree_ids)."""
+        p = self.params
+        return None if p.cache_salt_after else p.cache_salt
+
+    def tree_ids(self, end: int) -> list[int]:
+        """all_ids[:end] as the radix tree keys them. With cache_salt_after = b, positions from b on are keyed as
+        token + the salt's 64-bit tag x 2^32 (never a token id of any vocabulary), so only requests with the same
+        salt share them, while positions before b match everyone's. Without it: the ids themselves."""
+        ids = self.prompt_ids[:end] if end <= len(self.prompt_ids) else self.all_ids[:end]
+        start = self.params.cache_salt_after
+        if not start or start >= end:
+            return ids
+        tag = salt_tag(self.params.cache_salt)
+        return ids[:start] + [t + tag for t in ids[start:]]
 
     @property
     def seq_len(self) -> int:

@@ -51,6 +51,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-k count of output logprobs; None = off
     logprob_start_len: int | None = None  # prompt logprobs from this position; None = off
     cache_salt: str | None = None
+    # Where the salt starts (a prompt position): tokens before it are keyed in the shared cache, so tenants share a
+    # common system prompt's KV and nothing after it (Req.tree_ids). None: the whole prompt is salted.
+    cache_salt_after: int | None = None
     # The agent session the request belongs to: its cached path stays pinned for the session's next turn
     # (scheduler/sessions.py). Not a sampling setting, but it travels with the request as cache_salt does.
     session_id: str | None = None
@@ -147,6 +150,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a boolean")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if self.cache_salt_after is not None:
+            _check_int(self, "cache_salt_after", lo=0)
+            if self.cache_salt is None:
+                raise ValueError("cache_salt_after needs a cache_salt")
         if self.session_id is not None:
             check_session_id(self.session_id)
         if self.tenant is not None:
