@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -108,6 +109,18 @@ def test_api_key_openai_sdk(keyed):
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     out = client.completions.create(model=tiny_model_path(), prompt="keyed", max_tokens=2)
     assert out.usage.completion_tokens <= 2
+    guard.check()
+
+
+def test_api_key_anthropic_sdk(keyed):
+    """The anthropic SDK sends its key as x-api-key; a wrong one is its AuthenticationError."""
+    guard = Guard(keyed, AUTH)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        anthropic.Anthropic(base_url=keyed.url, api_key="wrong", max_retries=0).messages.create(
+            model=tiny_model_path(), **messages())
+    assert info.value.body["error"]["type"] == "authentication_error"
+    client = anthropic.Anthropic(base_url=keyed.url, api_key=API_KEY, max_retries=0, timeout=60)
+    assert client.messages.create(model=tiny_model_path(), **messages()).usage.output_tokens <= 2
     guard.check()
 
 

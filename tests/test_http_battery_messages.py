@@ -5,10 +5,11 @@ accepted field (cache_control everywhere, thinking types, metadata, redacted_thi
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
-from _http_battery import Guard, assert_answer
+from _http_battery import Guard, assert_answer, connect, read_until, request_bytes
 from _http_battery_cases import _UNSET, Case, _case
 from _http_server import main_server
 
@@ -171,3 +172,15 @@ def test_bad_input(server, case: Case):
     elif case.check is not None:
         case.check(response.json())
     guard.check()
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server):
+    guard = Guard(server)
+    aborted = guard.stats_before["num_requests_aborted"]
+    body = msg({"role": "user", "content": "stream away"}, max_tokens=400, ignore_eos=True, stream=True)
+    with connect(server.url) as sock:
+        sock.sendall(request_bytes("POST", MSG, json.dumps(body).encode(), headers={"Content-Type": "application/json"}))
+        head = read_until(sock, b"event: content_block_delta", 3)
+        assert head.startswith(b"HTTP/1.1 200") and b"event: message_start" in head, head[:300]
+    stats = guard.check()
+    assert stats["num_requests_aborted"] == aborted + 1
