@@ -25,7 +25,7 @@
 
 
 /* C tiles 0-3, A tiles 4 (and 5), B tiles 5-7 (or 6-7): one configuration per row split. */
-AMX_TARGET static void configure(tile_config *cfg, int rows0, int rows1) {
+AMX_TARGET void rs_tiles_configure(tile_config *cfg, int rows0, int rows1) {
     memset(cfg, 0, sizeof *cfg);
     cfg->palette = 1;
     for (int t = 0; t < 8; ++t) cfg->colsb[t] = 64, cfg->rows[t] = 16;
@@ -38,7 +38,7 @@ AMX_TARGET static void configure(tile_config *cfg, int rows0, int rows1) {
 }
 
 /* y rows [0, rows) of columns [n0, n0 + 16) = bf16(c + bias), c a 16 x 16 fp32 tile image. */
-AMX_TARGET static void put_block(const float *c, int rows, const uint16_t *b, int64_t n0, uint16_t *y, int64_t N) {
+AMX_TARGET void rs_tiles_put_block(const float *c, int rows, const uint16_t *b, int64_t n0, uint16_t *y, int64_t N) {
     const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
                                 _mm256_loadu_si256((const __m256i *)(b + n0))), 16))
                           : _mm512_setzero_ps();
@@ -62,10 +62,10 @@ AMX_TARGET static inline void store_c(float *c) {
     _tile_stored(3, c + 768, 64);
 }
 
-#define B_TILE(blk) (w + ((n0 / 16 + (blk)) * K + k) * 16) /* the 1 KB B operand of block blk at k */
+#define B_TILE(blk) (wg + ((blk) * K + k) * 16) /* the 1 KB B operand of the group's block blk at k */
 
-/* Rows [m, m + rows) x blocks [0, nblk) of the group at n0, one row tile (rows <= 16). */
-AMX_TARGET static void rows16(const uint16_t *x, int rows, const uint16_t *w, int64_t n0, int nblk, int64_t K,
+/* Rows [m, m + rows) x blocks [0, nblk) of the group at n0 (weights from wg), one row tile (rows <= 16). */
+AMX_TARGET static void rows16(const uint16_t *x, int rows, const uint16_t *wg, int64_t n0, int nblk, int64_t K,
                               const uint16_t *b, uint16_t *y, int64_t N, float *c) {
     zero_c();
     for (int64_t k = 0; k < K; k += 32) {
@@ -86,11 +86,11 @@ AMX_TARGET static void rows16(const uint16_t *x, int rows, const uint16_t *w, in
         }
     }
     store_c(c);
-    for (int j = 0; j < nblk; ++j) put_block(c + 256 * j, rows, b, n0 + 16 * j, y, N);
+    for (int j = 0; j < nblk; ++j) rs_tiles_put_block(c + 256 * j, rows, b, n0 + 16 * j, y, N);
 }
 
 /* Rows [m, m + rows0 + rows1) x blocks [blk, blk + nblk) (nblk <= 2), two row tiles (rows0 = 16). */
-AMX_TARGET static void rows32(const uint16_t *x, int rows1, const uint16_t *w, int64_t n0, int nblk, int64_t K,
+AMX_TARGET static void rows32(const uint16_t *x, int rows1, const uint16_t *wg, int64_t n0, int nblk, int64_t K,
                               const uint16_t *b, uint16_t *y, int64_t N, float *c) {
     zero_c();
     for (int64_t k = 0; k < K; k += 32) {
@@ -107,11 +107,35 @@ AMX_TARGET static void rows32(const uint16_t *x, int rows1, const uint16_t *w, i
     }
     store_c(c);
     for (int j = 0; j < nblk; ++j) {
-        put_block(c + 256 * j, 16, b, n0 + 16 * j, y, N);
-        put_block(c + 512 + 256 * j, rows1, b, n0 + 16 * j, y + 16 * N, N);
+        rs_tiles_put_block(c + 256 * j, 16, b, n0 + 16 * j, y, N);
+        rs_tiles_put_block(c + 512 + 256 * j, rows1, b, n0 + 16 * j, y + 16 * N, N);
     }
 }
 #undef B_TILE
+
+/* Rows [r0, r1) of x (M rows in all) times the column group at n0 (nblk <= GROUP blocks of 16 columns),
+ * whose packed weights start at wg ([nblk][K / 32][16][16][2]), into y. `st`: the calling thread's tile
+ * configuration (reloaded when the row split changes) and accumulator image. Also run by cpu_quant.c over a
+ * panel of weights it dequantized. */
+AMX_TARGET void rs_tiles_group(const uint16_t *x, int64_t M, int64_t r0, int64_t r1, const uint16_t *wg, int64_t n0,
+                               int nblk, int64_t K, const uint16_t *b, uint16_t *y, int64_t N, tile_state *st) {
+    for (int64_t m = r0; m < r1; m += M <= 16 ? 16 : 32) {
+        const int left = (int)(r1 - m < 32 ? r1 - m : 32);
+        const int rows0 = M <= 16 || left < 16 ? left : 16;
+        const int rows1 = M <= 16 || left < 16 ? 0 : left - 16;
+        if (st->loaded != rows0 * 64 + rows1) {
+            rs_tiles_configure(&st->cfg, rows0, rows1);
+            _tile_loadconfig(&st->cfg);
+            st->loaded = rows0 * 64 + rows1;
+        }
+        if (rows1 == 0)
+            rows16(x + m * K, rows0, wg, n0, nblk, K, b, y + m * N, N, st->c);
+        else
+            for (int j = 0; j < nblk; j += 2)
+                rows32(x + m * K, rows1, wg + j * K * 16, n0 + 16 * j, nblk - j < 2 ? nblk - j : 2, K, b, y + m * N,
+                       N, st->c);
+    }
+}
 
 AMX_TARGET static void linear_tiles(const uint16_t *x, int64_t M, const uint16_t *w, int64_t N, int64_t K,
                                     const uint16_t *b, uint16_t *y, int num_threads) {
@@ -121,32 +145,16 @@ AMX_TARGET static void linear_tiles(const uint16_t *x, int64_t M, const uint16_t
     const int64_t fit = X_BLOCK_BYTES / (2 * K) / 32 * 32, rb = M * 2 * K <= X_BLOCK_BYTES ? M : (fit > 32 ? fit : 32);
 #pragma omp parallel num_threads(num_threads) if (groups > 1)
     {
-        float c[4 * 256] __attribute__((aligned(64)));
-        tile_config saved __attribute__((aligned(64))), cfg __attribute__((aligned(64)));
-        int loaded = -1; /* the row split `cfg` holds: rows0 * 64 + rows1 */
+        tile_state st __attribute__((aligned(64)));
+        tile_config saved __attribute__((aligned(64)));
+        st.loaded = -1;
         _tile_storeconfig(&saved);
         for (int64_t r0 = 0; r0 < M; r0 += rb) {
             const int64_t r1 = M - r0 < rb ? M : r0 + rb;
 #pragma omp for schedule(static)
             for (int64_t g = 0; g < groups; ++g) {
-                const int64_t n0 = g * GROUP * 16;
                 const int nblk = blocks - g * GROUP < GROUP ? (int)(blocks - g * GROUP) : GROUP;
-                for (int64_t m = r0; m < r1; m += M <= 16 ? 16 : 32) {
-                    const int left = (int)(r1 - m < 32 ? r1 - m : 32);
-                    const int rows0 = M <= 16 || left < 16 ? left : 16;
-                    const int rows1 = M <= 16 || left < 16 ? 0 : left - 16;
-                    if (loaded != rows0 * 64 + rows1) {
-                        configure(&cfg, rows0, rows1);
-                        _tile_loadconfig(&cfg);
-                        loaded = rows0 * 64 + rows1;
-                    }
-                    if (rows1 == 0)
-                        rows16(x + m * K, rows0, w, n0, nblk, K, b, y + m * N, N, c);
-                    else
-                        for (int j = 0; j < nblk; j += 2)
-                            rows32(x + m * K, rows1, w, n0 + 16 * j, nblk - j < 2 ? nblk - j : 2, K, b, y + m * N,
-                                   N, c);
-                }
+                rs_tiles_group(x, M, r0, r1, w + g * GROUP * K * 16, g * GROUP * 16, nblk, K, b, y, N, &st);
             }
         }
         amx_end(&saved);

@@ -46,6 +46,20 @@ AMX_TARGET static inline void amx_end(const tile_config *saved) {
     else
         _tile_release();
 }
+/* A thread's state for cpu_linear_amx.c's rs_tiles_group: the tile configuration loaded (`loaded` names
+ * its row split, -1 none yet) and the image of the four 16 x 16 fp32 accumulators. */
+typedef struct {
+    tile_config cfg __attribute__((aligned(64)));
+    int loaded;
+    float c[4 * 256] __attribute__((aligned(64)));
+} tile_state;
+
+/* cpu_linear_amx.c's tile plumbing for linears: a configuration with C tiles 0-3, A 4 (and 5), B the rest, for
+ * one row tile of rows0 (rows1 = 0) or two; and y rows [0, rows) of columns [n0, n0 + 16) = bf16(c + bias). */
+AMX_TARGET void rs_tiles_configure(tile_config *cfg, int rows0, int rows1);
+AMX_TARGET void rs_tiles_put_block(const float *c, int rows, const uint16_t *b, int64_t n0, uint16_t *y, int64_t N);
+AMX_TARGET void rs_tiles_group(const uint16_t *x, int64_t M, int64_t r0, int64_t r1, const uint16_t *wg, int64_t n0,
+                               int nblk, int64_t K, const uint16_t *b, uint16_t *y, int64_t N, tile_state *st);
 #else
 #define HAVE_AMX 0
 static inline int amx_ready(void) { return 0; }

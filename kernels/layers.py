@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, quant
 from .model_config import RopeConfig
 
 NATIVE_MAX_ROWS = 2  # rows of an unpacked bf16 weight that take the native kernel (see Linear)
@@ -26,14 +26,20 @@ class Linear:
     (``pack=False``: a tied LM head, whose rows the embedding lookup reads) in bf16 takes the native
     row kernel (``native.linear_bf16``) for a step of at most ``NATIVE_MAX_ROWS`` rows, where it
     streams the weight faster than ``F.linear`` (and beyond which it falls behind); otherwise
-    ``F.linear``."""
+    ``F.linear``. A quantized weight (``quant.QuantWeight``, from ``--quantization``) is packed for the
+    quantized tile kernel (``quant.pack`` / ``quant.linear``)."""
 
-    __slots__ = ("weight", "bias", "tiles", "packed", "native")
+    __slots__ = ("weight", "bias", "tiles", "packed", "native", "quant")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool = True, tiles: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | quant.QuantWeight, bias: torch.Tensor | None, pack: bool = True, tiles: bool = True) -> None:
         """``tiles=False`` packs for oneDNN even where the tile kernel could run (bench/decode_floor.py's
         side-by-side)."""
         self.bias = bias
+        self.quant = quant.pack(weight) if isinstance(weight, quant.QuantWeight) else None
+        if self.quant is not None:
+            self.tiles = self.packed = self.weight = None
+            self.native = False
+            return
         self.tiles = native.pack_tiles(weight) if pack and tiles and native.tiles_supported(weight) else None
         self.packed = _prepack(weight, bias) if pack and self.tiles is None else None
         self.native = not self.is_packed and native.linear_bf16_supported(weight)
@@ -42,10 +48,12 @@ class Linear:
     @property
     def is_packed(self) -> bool:
         """Whether the layer holds its own packed copy of the weight (not the tensor it was given)."""
-        return self.tiles is not None or self.packed is not None
+        return self.tiles is not None or self.packed is not None or self.quant is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.quant is not None:
+            return quant.linear(x, self.quant, self.bias)
         if self.tiles is not None:  # no per-shape state: any row count runs as it is
             return native.linear_tiles(x, self.tiles, self.bias)
         if self.native and rows <= NATIVE_MAX_ROWS:
@@ -132,10 +140,13 @@ def pair_interleave(head_dim: int) -> torch.Tensor:
     return torch.stack((torch.arange(half), torch.arange(half) + half), dim=1).flatten()
 
 
-def interleave_rotary_pairs(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+def interleave_rotary_pairs(t: torch.Tensor | quant.QuantWeight, head_dim: int) -> torch.Tensor | quant.QuantWeight:
     """t with every head's dims in pair_interleave order along dim 0: q / k projection weights and biases
     ([heads * head_dim, ...]) or a per-head q / k norm weight ([head_dim]). The loader reorders q and k alike, so
-    q . k, the attention and the output are unchanged, and rotary becomes one complex multiply per pair."""
+    q . k, the attention and the output are unchanged, and rotary becomes one complex multiply per pair. A
+    quantized weight's rows move with their scales."""
+    if isinstance(t, quant.QuantWeight):
+        return t.rows(torch.arange(t.shape[0]).reshape(-1, head_dim)[:, pair_interleave(head_dim)].flatten())
     return t.reshape(-1, head_dim, *t.shape[1:])[:, pair_interleave(head_dim)].reshape(t.shape)
 
 

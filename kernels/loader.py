@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import struct
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -89,10 +89,13 @@ def safetensors_files(model_path: str) -> list[str]:
     return files
 
 
-def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device,
+                    transform: Callable[[str, torch.Tensor], Any] | None = None) -> dict[str, Any]:
     """All tensors of the checkpoint, cast to `dtype` and moved to `device`, keyed by HF name, read and converted
-    one at a time (at most one tensor's transient copy). A progress bar (bytes read) shows on a terminal (tqdm
-    stays quiet when stderr is not one). A GGUF file goes to gguf_loader."""
+    one at a time (at most one tensor's transient copy). `transform(name, tensor)` (quant.load_transform) may
+    replace a safetensors tensor as read, before any cast: what it returns is kept when it is not the tensor it
+    was given. A progress bar (bytes read) shows on a terminal (tqdm stays quiet when stderr is not one). A GGUF
+    file goes to gguf_loader."""
     if is_gguf_path(model_path):
         return load_gguf_state_dict(model_path, dtype, device)
     files = safetensors_files(model_path)
@@ -102,7 +105,8 @@ def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device) -
         for path in files:
             for name, tensor in read_safetensors(path):
                 bar.update(tensor.numel() * tensor.element_size())
-                state[name] = tensor.to(device=device, dtype=dtype)
+                kept = tensor if transform is None else transform(name, tensor)
+                state[name] = tensor.to(device=device, dtype=dtype) if kept is tensor else kept
     logger.info("loaded %d tensors from %d file(s) in %s", len(state), len(files), model_path)
     return state
 

@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionBackend, AttentionMetadata
+from . import quant
 from .layers import (Linear, RotaryEmbedding, apply_rotary, interleave_rotary_pairs, rms_norm,
                                       silu_and_mul)
 from .loader import take, take_optional
 from .model_config import ModelConfig
+from .quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +39,14 @@ class LayerWeights:
 class CausalLM:
     """Weights plus the forward of a Llama-family causal LM (no nn.Module: nothing to train)."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], device: torch.device,
+                 quantization: QuantSpec | None = None) -> None:
+        """`state` as loader.load_state_dict gives it; with `quantization` its linear weights are already
+        quant.QuantWeights (quant.load_transform), and a tied LM head quantizes a copy of the embedding as loaded
+        (in the model's dtype)."""
         self.config = config
         self.embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [_layer_weights(config, state, i) for i in range(config.num_layers)]
+        self.layers = [_layer_weights(config, state, i, self.embed.dtype) for i in range(config.num_layers)]
         self.final_norm = take(state, "model.norm.weight")
         lm_head = state.pop("lm_head.weight", None)
         tied = lm_head is None
@@ -49,8 +55,11 @@ class CausalLM:
                 raise ValueError("checkpoint is missing weight 'lm_head.weight' "
                                  "(and tie_word_embeddings is false)")
             lm_head = self.embed
-        self.lm_head = Linear(lm_head, None)  # hidden -> vocab; a tied head packs a copy (the lookups keep the table)
-        if tied and self.lm_head.is_packed:
+            if quantization is not None and quant.quantizable(lm_head.shape, quantization):
+                lm_head = quant.quantize(lm_head, quantization)
+        # hidden -> vocab; a tied head packs (or quantizes) a copy: the lookups keep the table
+        self.lm_head = Linear(quant.linear_weight(lm_head, self.embed.dtype), None)
+        if tied and self.lm_head.is_packed and self.lm_head.quant is None:
             # The packed layout streams the head faster than the plain table at every row count, and the head is a
             # decode step's largest matmul: worth the table's size once (bench/results/decode_floor_L.md's head table).
             logger.info("tied LM head: a packed copy of the embedding (%.0f MB), faster than reading the shared "
@@ -108,7 +117,8 @@ class CausalLM:
         return layer.o(out.reshape(num_tokens, self.q_size))
 
 
-def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int) -> LayerWeights:
+def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int, dtype: torch.dtype) -> LayerWeights:
+    """Layer idx's weights; a quantized weight that does not pack is dequantized to `dtype`."""
     attn = f"model.layers.{idx}.self_attn."
     mlp = f"model.layers.{idx}.mlp."
 
@@ -118,19 +128,23 @@ def _layer_weights(config: ModelConfig, state: dict[str, torch.Tensor], idx: int
         return None if t is None else interleave_rotary_pairs(t, config.head_dim)
 
     q_w, k_w, v_w = qk("q_proj.weight"), qk("k_proj.weight"), take(state, attn + "v_proj.weight")
+
+    def linear(weight, bias: torch.Tensor | None) -> Linear:
+        return Linear(quant.linear_weight(weight, dtype), bias)
+
     qkv_b = None
     if config.qkv_bias:
         qkv_b = torch.cat([qk("q_proj.bias"), qk("k_proj.bias"), take(state, attn + "v_proj.bias")])
     return LayerWeights(
         input_norm=take(state, f"model.layers.{idx}.input_layernorm.weight"),
-        qkv=Linear(torch.cat([q_w, k_w, v_w]), qkv_b),
-        o=Linear(take(state, attn + "o_proj.weight"), take_optional(state, attn + "o_proj.bias", config.o_bias)),
+        qkv=linear(quant.cat_rows([q_w, k_w, v_w]), qkv_b),
+        o=linear(take(state, attn + "o_proj.weight"), take_optional(state, attn + "o_proj.bias", config.o_bias)),
         q_norm=qk("q_norm.weight", config.qk_norm),
         k_norm=qk("k_norm.weight", config.qk_norm),
         post_norm=take(state, f"model.layers.{idx}.post_attention_layernorm.weight"),
-        gate_up=Linear(torch.cat([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
+        gate_up=linear(quant.cat_rows([take(state, mlp + "gate_proj.weight"), take(state, mlp + "up_proj.weight")]),
                        _gate_up_bias(config, state, mlp)),
-        down=Linear(take(state, mlp + "down_proj.weight"),
+        down=linear(take(state, mlp + "down_proj.weight"),
                     take_optional(state, mlp + "down_proj.bias", config.mlp_bias)),
         sliding_window=config.layer_sliding_windows[idx],
     )

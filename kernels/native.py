@@ -40,8 +40,8 @@ from .loader import cpu_flags as this_cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_simd.h",
-                           "cpu_tiles.h", "cpu_amx.h"))
+                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_quant.c",
+                           "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the KV pool is in the model's dtype)
@@ -176,6 +176,10 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
     lib.rs_linear_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.rs_linear_tiles.restype = ctypes.c_int
+    lib.rs_linear_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int]
+    lib.rs_linear_quant.restype = ctypes.c_int
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
     lib.rs_amx_ready.argtypes, lib.rs_amx_ready.restype = [], ctypes.c_int
     if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline
@@ -385,3 +389,8 @@ def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
                               torch.get_num_threads()) != 0:
         raise ValueError("linear_tiles: AMX tiles are not available here")
     return out
+
+
+def tiles_ready() -> bool:
+    """Whether AMX tile kernels run here (the library is built and ``_use_amx``): quant.linear asks."""
+    return load() is not None and _use_amx()

@@ -27,35 +27,19 @@ dequantizes per call and uses F.linear (correct, slow).
 """
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from .quant_spec import QuantSpec
+
+logger = logging.getLogger(__name__)
 KINDS = ("int8", "int4")
-CHOICES = ("int8", "int8-g32", "int4", "int4-g128")  # --quantization: int8 per output channel, int4 group 32
-INT4_GROUPS = (32, 128)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """What --quantization asks for: the format and its group along K (None: one group per row, g = K)."""
-
-    kind: str
-    group: int | None
-
-    def group_for(self, k: int) -> int:
-        return k if self.group is None else self.group
-
-
-def parse_quantization(name: str | None) -> QuantSpec | None:
-    """--quantization's value: None / "none" (float weights), or one of CHOICES. ValueError otherwise."""
-    if name is None or name == "none":
-        return None
-    if name not in CHOICES:
-        raise ValueError(f"quantization must be one of none, {', '.join(CHOICES)}; got {name!r}")
-    kind, _, group = name.partition("-g")
-    return QuantSpec(kind, int(group) if group else (None if kind == "int8" else 32))
+LINEAR_WEIGHT = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$|^lm_head\.weight$")
 
 
 def check_group(k: int, group: int) -> None:
@@ -206,11 +190,71 @@ def pack(w: QuantWeight) -> PackedQuant:
 
 
 def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ dequantize(w)^T + bias, in x's dtype. The native kernel (bf16 activations; float32 ones are
-    rounded to bf16 and the output cast back) where it runs, else F.linear on weights dequantized for the call."""
+    """x [M, K] @ dequantize(w)^T + bias, in x's dtype. On AMX tiles (cpu_quant.c) where they run: x and bias
+    rounded to bf16, each weight rounded to bf16 once dequantized, fp32 sums, the output rounded to bf16 and cast
+    to x's dtype. Elsewhere F.linear on weights dequantized for the call (correct, slow)."""
     from . import native
 
-    if native.quant_supported(x):
-        out = native.linear_quant(x.to(torch.bfloat16), w, None if bias is None else bias.to(torch.bfloat16))
-        return out.to(x.dtype)
-    return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
+    if x.device.type != "cpu" or not native.tiles_ready():
+        return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
+    xb = x.to(torch.bfloat16).contiguous()
+    if xb.dim() != 2 or xb.shape[1] != w.k:
+        raise ValueError(f"a quantized linear takes x [M, {w.k}], got {tuple(x.shape)}")
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    out = torch.empty((xb.shape[0], w.n), dtype=torch.bfloat16)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    code = native.load().rs_linear_quant(xb.data_ptr(), xb.shape[0], int(w.kind == "int4"), w.data.data_ptr(),
+                                         w.scales.data_ptr(), ptr(w.mins), w.n, w.k, w.group, ptr(bias),
+                                         out.data_ptr(), torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"the quantized linear kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+    return out.to(x.dtype)
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantWeight:
+    """A float [N, K] weight in the format and group `spec` names."""
+    group = spec.group_for(w.shape[1])
+    return quantize_int8(w, group) if spec.kind == "int8" else quantize_int4(w, group)
+
+
+def quantizable(shape: tuple[int, ...] | torch.Size, spec: QuantSpec) -> bool:
+    """Whether a weight of this shape takes `spec`: 2-D, K a multiple of 32 and of the group."""
+    return len(shape) == 2 and shape[1] % 32 == 0 and shape[1] % spec.group_for(shape[1]) == 0
+
+
+def load_transform(spec: QuantSpec | None) -> Callable[[str, torch.Tensor], torch.Tensor | QuantWeight] | None:
+    """What the loader applies to each checkpoint tensor as it is read (loader.load_state_dict): linear weights
+    (LINEAR_WEIGHT) that take `spec` become QuantWeights, so no full-width copy of the model is ever held."""
+    if spec is None:
+        return None
+    skipped: list[str] = []
+
+    def transform(name: str, t: torch.Tensor) -> torch.Tensor | QuantWeight:
+        if not LINEAR_WEIGHT.search(name):
+            return t
+        if quantizable(t.shape, spec):
+            return quantize(t, spec)
+        if not skipped:
+            logger.warning("%s %s stays in float: --quantization needs K a multiple of 32 and of the group",
+                           name, tuple(t.shape))
+        skipped.append(name)
+        return t
+    return transform
+
+
+def cat_rows(parts: list[torch.Tensor | QuantWeight | None]) -> torch.Tensor | QuantWeight:
+    """Row-wise concatenation of fused projections' weights (q / k / v, gate / up): quantized where every part is
+    (of one kind and group), else float (any quantized part dequantized)."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat(parts)
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts])
+
+
+def linear_weight(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor | QuantWeight:
+    """What layers.Linear gets: a QuantWeight whose shape packs, else a float tensor in `dtype`."""
+    if not isinstance(w, QuantWeight) or packable(w.shape):
+        return w
+    logger.warning("a quantized weight of shape %s does not pack (N a multiple of 16, K of 32): dequantized to %s",
+                   tuple(w.shape), dtype)
+    return w.dequantize().to(dtype)

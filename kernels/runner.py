@@ -50,6 +50,8 @@ from .forward_io import SeqInput, SeqOutput, TokenLogprob
 from .host_memory import retain_freed_memory
 from .kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
 from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
+from .quant import load_transform
+from .quant_spec import parse_quantization
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config
 from .sampling import PenaltyState, sample_next_tokens, token_logprobs
@@ -84,7 +86,7 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 native_kernels: bool = True) -> None:
+                 native_kernels: bool = True, quantization: str | None = None) -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -108,7 +110,9 @@ class ModelRunner:
         native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
         self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
-        self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device), self.device)
+        spec = parse_quantization(quantization)  # weights quantized tensor by tensor as read (kernels/quant.py)
+        self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device, load_transform(spec)),
+                              self.device, spec)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)

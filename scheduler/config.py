@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from ..kernels.attention import ATTENTION_BACKENDS
 from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS
+from ..kernels.quant_spec import QUANTIZATIONS
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
 from .checks import check_choice, check_int, check_number
 
@@ -90,6 +91,9 @@ def fit_context_to_pool(context_length: int, pool_slots: int, page_size: int, co
 class EngineConfig:
     model_path: str | None = option(None, "checkpoint directory (None: the built-in demo model)")
     dtype: str = option("auto", "weights and activations dtype", choices=DTYPES)
+    quantization: str = option(
+        "none", "weight-only quantization at load (kernels/quant.py): int8 one scale per output channel, int8-g32 "
+                "per 32 inputs, int4 affine (scale and min) per 32 inputs, int4-g128 per 128", choices=QUANTIZATIONS)
     context_length: int | None = option(None, "cap the model's context length (None: the model's)")
     kv_cache_tokens: int | None = option(
         None, f"KV cache size in token slots (None: {DEFAULT_CPU_KV_TOKENS} on the CPU; on CUDA, "
@@ -139,6 +143,7 @@ class EngineConfig:
         check_int("seed", self.seed)
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)

@@ -1,0 +1,206 @@
+"""Weight-only quantization (kernels/quant.py, cpu_quant.c): the formats' packing round trips, the quantized
+tile matmul against a float64 reference of the dequantized weights, and engines started with --quantization
+against float engines built from the dequantized weights.
+
+Tolerance of the kernel, from its arithmetic: each dequantized weight is rounded to bf16 (relative error at most
+2^-9), products of bf16 values are summed in fp32 (a few fp32 ulps of S, the sum of the products' magnitudes),
+and the output is rounded to bf16 once (at most 2^-9 of its magnitude, itself at most S): |y - y64| <= 2^-8 S.
+The kernel is also checked bit for bit against the bf16 tile linear on the bf16-rounded dequantized weights,
+which is what it computes."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from radixserve.kernels import native, quant
+from radixserve.kernels.layers import Linear
+from radixserve.kernels.quant_spec import parse_quantization
+from radixserve.scheduler import Engine, SamplingParams
+
+from _engine_helpers import make_checkpoint
+
+TILES = native.cannot_build() is None and native.tiles_ready()
+needs_tiles = pytest.mark.skipif(not TILES, reason="needs the native library and AMX-BF16 tiles")
+
+
+def _quantized(kind: str, w: torch.Tensor, group: int) -> quant.QuantWeight:
+    return quant.quantize_int8(w, group) if kind == "int8" else quant.quantize_int4(w, group)
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, b: torch.Tensor | None) -> None:
+    w = qw.dequantize().double()
+    bias = None if b is None else b.double()
+    exact = torch.nn.functional.linear(x.double(), w, bias)
+    magnitude = torch.nn.functional.linear(x.double().abs(), w.abs(), None if b is None else bias.abs())
+    assert got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= magnitude * 2**-8 + 1e-30).all()
+
+
+kinds_and_groups = st.sampled_from([("int8", 16), ("int8", 32), ("int8", 128), ("int8", 0), ("int4", 32),
+                                    ("int4", 128)])
+
+
+@needs_tiles
+@settings(max_examples=60, deadline=None)
+@given(kg=kinds_and_groups, m=st.integers(1, 64), blocks=st.integers(1, 9), kb=st.integers(1, 6),
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_quantized_matmul_matches_float64(kg, m, blocks, kb, bias, threads, seed):
+    """Rows 1-64 (one 16-row tile, or the panel path from 17 rows on), column counts leaving a partial group of
+    four blocks, reductions of 1-6 groups (group 0: one per output channel)."""
+    kind, group = kg
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 16 * blocks, max(32, group) * kb
+    qw = _quantized(kind, torch.randn(n, k, generator=gen), group or k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    torch.set_num_threads(threads)
+    try:
+        got = quant.linear(x, quant.pack(qw), b)
+        tiles = native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), b)
+    finally:
+        torch.set_num_threads(1)
+    _check(got, x, qw, b)
+    assert torch.equal(got, tiles)
+
+
+@needs_tiles
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prefill_rows_and_long_rows(kind):
+    """Hundreds of rows (the dequantized panel, rows in pairs of tiles) and K past one panel of four blocks."""
+    gen = torch.Generator().manual_seed(5)
+    qw = _quantized(kind, torch.randn(80, 4864, generator=gen), 32)
+    x = torch.randn(300, 4864, generator=gen).bfloat16()
+    got = quant.linear(x, quant.pack(qw), None)
+    _check(got, x, qw, None)
+    assert torch.equal(got, native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), None))
+
+
+@needs_tiles
+def test_a_wrong_scale_column_or_row_would_show():
+    gen = torch.Generator().manual_seed(1)
+    qw = quant.quantize_int4(torch.randn(48, 64, generator=gen), 32)
+    x = torch.randn(20, 64, generator=gen).bfloat16()
+    got = quant.linear(x, quant.pack(qw), None)
+    _check(got, x, qw, None)
+    with pytest.raises(AssertionError):
+        _check(got[:, [1, 0, *range(2, 48)]], x, qw, None)
+    with pytest.raises(AssertionError):
+        _check(got[[17, *range(1, 17), 0, 18, 19]], x, qw, None)
+    swapped = quant.QuantWeight("int4", qw.q, qw.scales.flip(1).contiguous(), qw.mins, 32)
+    with pytest.raises(AssertionError):
+        _check(quant.linear(x, quant.pack(swapped), None), x, qw, None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(kg=kinds_and_groups, blocks=st.integers(1, 4), kb=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_packing_round_trips(kg, blocks, kb, seed):
+    kind, group = kg
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 16 * blocks, max(32, group) * kb
+    group = group or k
+    if kind == "int8":
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        packed = quant.pack_int8(q, torch.rand(n, k // group, generator=gen), group)
+    else:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        packed = quant.pack_int4(q, torch.rand(n, k // group, generator=gen), torch.randn(n, k // group), group)
+    back = packed.unpack()
+    assert torch.equal(back.q, q) and back.group == group
+    assert packed.nbytes == n * k // (1 if kind == "int8" else 2) + n * k // group * 4 * (1 if kind == "int8" else 2)
+    again = quant.pack(back)
+    assert all(torch.equal(a, b) for a, b in ((again.data, packed.data), (again.scales, packed.scales)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(kg=kinds_and_groups, seed=st.integers(0, 2**16))
+def test_quantize_rounds_to_the_nearest_level(kg, seed):
+    kind, group = kg
+    w = torch.randn(32, 256, generator=torch.Generator().manual_seed(seed))
+    qw = _quantized(kind, w, group or 256)
+    step = qw.scales.repeat_interleave(qw.group, dim=1)
+    assert ((qw.dequantize() - w).abs() <= step / 2 * (1 + 1e-5) + 1e-6).all()
+
+
+def test_bad_formats_are_clear_errors():
+    q8, q4 = torch.zeros(16, 64, dtype=torch.int8), torch.zeros(16, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="group 48"):
+        quant.pack_int8(q8, torch.ones(16, 1), 48)
+    with pytest.raises(ValueError, match="scales must be float32"):
+        quant.pack_int8(q8, torch.ones(16, 3), 32)
+    with pytest.raises(ValueError, match="0..15"):
+        quant.pack_int4(q4 + 16, torch.ones(16, 2), torch.zeros(16, 2), 32)
+    with pytest.raises(ValueError, match="need mins"):
+        quant.QuantWeight("int4", q4, torch.ones(16, 2), None, 32)
+    with pytest.raises(ValueError, match="N a multiple of 16"):
+        quant.pack(quant.quantize_int8(torch.randn(24, 64)))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        parse_quantization("int3")
+    assert parse_quantization("int4-g128") == parse_quantization("int4-g128") and parse_quantization("none") is None
+
+
+def test_linear_falls_back_to_dequantized_float_without_tiles(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    qw = quant.quantize_int8(torch.randn(32, 64, generator=gen), 32)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    monkeypatch.setattr(native, "tiles_ready", lambda: False)
+    layer = Linear(qw, None)
+    assert layer.quant is not None and layer.weight is None
+    _check(layer(x), x, qw, None)
+
+
+# Engines: a tiny random checkpoint served quantized against the float engine of its dequantized weights.
+
+def _dequantized_copy(src: str, dst: str, name: str) -> None:
+    """src with every weight the loader would quantize replaced by its dequantization (float32), and a tied
+    head untied to the dequantized quantized embedding, as the quantized engine's head is (quantized from the
+    embedding as loaded, in the engine's bf16)."""
+    os.makedirs(dst)
+    spec = parse_quantization(name)
+    transform = quant.load_transform(spec)
+    state = load_file(os.path.join(src, "model.safetensors"))
+    out = {n: (t if isinstance(q := transform(n, t), torch.Tensor) else q.dequantize()) for n, t in state.items()}
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = quant.quantize(state["model.embed_tokens.weight"].bfloat16(), spec).dequantize()
+        config["tie_word_embeddings"] = False
+    save_file({n: t.contiguous() for n, t in out.items()}, os.path.join(dst, "model.safetensors"))
+    for entry in os.listdir(src):
+        if entry not in ("model.safetensors", "config.json"):
+            with open(os.path.join(src, entry), "rb") as f, open(os.path.join(dst, entry), "wb") as g:
+                g.write(f.read())
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory, "quant-tiny", "qwen2", hidden_size=128, intermediate_size=256,
+                           num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    return [r.output_ids for r in engine.generate(prompts, params)]
+
+
+@needs_tiles
+@pytest.mark.parametrize("name", ["int8", "int4", "int4-g128"])
+def test_engine_matches_the_float_engine_of_its_dequantized_weights(tiny, tmp_path, name):
+    prompts = [[5 + i, 40 + 3 * i, 7, 90 + i, 11] * (1 + i) for i in range(5)]
+    engine = Engine(tiny, dtype="bfloat16", quantization=name, num_threads=1, kv_cache_tokens=1024)
+    layers = [engine.runner.model.lm_head, *(lin for layer in engine.runner.model.layers
+                                             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+    assert all(lin.quant is not None for lin in layers)
+    got = _greedy(engine, prompts)
+    engine.shutdown()
+    _dequantized_copy(tiny, str(tmp_path / "deq"), name)
+    reference = Engine(str(tmp_path / "deq"), dtype="bfloat16", num_threads=1, kv_cache_tokens=1024)
+    assert got == _greedy(reference, prompts)
+    reference.shutdown()
