@@ -3,7 +3,8 @@
 Tensor by tensor through the file's memory map: a quantized tensor is dequantized in row blocks (the `gguf`
 package's dequantizer, float32) straight into its output tensor, so at most one block's float32 copy exists at a
 time, and the pages of the map a tensor was read from are dropped from the process once it is done (a map keeps
-every page it touched resident). `tensor_weight` is the one place a GGUF tensor becomes an engine tensor.
+every page it touched resident). `tensor_weight` is the one place a GGUF tensor becomes an engine float tensor;
+with `keep_quantized`, gguf_quant.quant_weight the one place a block tensor becomes a quant.QuantWeight.
 
 llama.cpp's converter reorders the rows of Llama's q / k projections within each head (its rotary takes adjacent
 pairs); they are put back in HF order here, since the forward takes HF layout (and makes its own pair order).
@@ -14,12 +15,15 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
+from .gguf_quant import LOSSLESS, quant_weight
+from .quant import QuantWeight
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +59,13 @@ class DequantReport:
                 "values")
 
 
-def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All weights of the GGUF file in `dtype` on `device`, keyed by HF name (model.CausalLM takes them)."""
+def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
+                         transform: Callable[[str, torch.Tensor], Any] | None = None,
+                         keep_quantized: bool = False) -> dict[str, Any]:
+    """All weights of the GGUF file in `dtype` on `device`, keyed by HF name (model.CausalLM takes them). With
+    `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight, on the
+    CPU) instead of being dequantized; `transform(name, tensor)` (loader.load_state_dict's) may replace an F32 / F16
+    / BF16 tensor, given in float32."""
     header = open_gguf(path)  # checked: architecture, tensor types, sizes
     arch = gguf_field(header, "general.architecture")
     heads = int(gguf_field(header, f"{arch}.attention.head_count"))
@@ -68,12 +77,19 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device) ->
         for t in header.tensors:
             name = hf_tensor_name(t.name)
             if name is not None:
-                weight = tensor_weight(header.data(t), t.tensor_type, dtype, report)
+                if keep_quantized and _keeps(name, t):
+                    weight = quant_weight(header.data(t), t.tensor_type)
+                elif transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
+                    weight = tensor_weight(header.data(t), t.tensor_type, torch.float32, report)
+                    kept = transform(name, weight)
+                    weight = weight.to(dtype) if kept is weight else kept
+                else:
+                    weight = tensor_weight(header.data(t), t.tensor_type, dtype, report)
                 if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                     weight = unpermute_rows(weight, heads)
                 elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                     weight = unpermute_rows(weight, kv_heads)
-                state[name] = weight.to(device)
+                state[name] = weight if isinstance(weight, QuantWeight) else weight.to(device)
             header.drop_pages(t)
             bar.update(int(t.n_bytes))
     logger.info(report.line())
@@ -120,9 +136,16 @@ def _dequantize_rows(data: np.ndarray, qtype, dtype: torch.dtype, report: Dequan
     return out.reshape(*data.shape[:-1], row_len)
 
 
-def unpermute_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor | QuantWeight, num_heads: int) -> torch.Tensor | QuantWeight:
     """Undoes llama.cpp's per-head row order for Llama's q / k (rows i, i + d/2 of a head moved next to each
     other): back to HF order, where rotary pairs a row with the one half a head further."""
     rows = w.shape[0]
-    half = rows // num_heads // 2
-    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:]).contiguous()
+    index = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
+    return w.rows(index) if isinstance(w, QuantWeight) else w[index].contiguous()
+
+
+def _keeps(name: str, t) -> bool:
+    """A linear weight (not the embedding table, which lookups read) whose type maps onto a QuantWeight."""
+    kind = t.tensor_type.name
+    return (name != "model.embed_tokens.weight" and len(t.dims) == 2 and kind in LOSSLESS
+            and t.dims[0] % LOSSLESS[kind][1] == 0 and LOSSLESS[kind][1] % 16 == 0)

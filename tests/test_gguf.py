@@ -7,6 +7,7 @@
 - tests/fixtures/tiny-llama-q4_k_m.gguf, made once by llama.cpp's llama-quantize (tests/fixtures/make_gguf_q4_k_m.py):
   its Q4_K / Q6_K / Q5_0 / Q8_0 tensors dequantize in row blocks exactly as the gguf package does, stay close to
   the seeded weights llama.cpp's converter started from, and the Engine serves it.
+- Block tensors map onto quant.QuantWeight (int8 / affine int4 with per-group scales) without loss.
 - Bad files: not GGUF, truncated, an unknown or unsupported tensor type, another architecture: one line each, and
   exit 2 from the CLI before the engine starts.
 """
@@ -22,15 +23,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from radixserve.bench.checkpoints.gguf_export import dequantized_copy, export_gguf
 from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached_checkpoint
 from radixserve.kernels import gguf_loader
 from radixserve.kernels.gguf_file import check_gguf, hf_tensor_name
+from radixserve.kernels.gguf_quant import LOSSLESS, quant_weight
 from radixserve.kernels.loader import load_state_dict
+from radixserve.kernels.quant import QuantWeight
 from radixserve.scheduler import Engine, SamplingParams
 from radixserve.scheduler.tokenizer import Tokenizer
 
@@ -186,3 +189,42 @@ def test_tensor_names_outside_the_forward_are_refused():
     assert hf_tensor_name("rope_freqs.weight") is None
     with pytest.raises(ValueError, match="'blk.0.ffn_gate_exps.weight' has no counterpart"):
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_block_tensors_map_onto_quant_weights_without_loss(tmp_path):
+    """Q8_0, Q5_0, Q6_K (int8, groups 32 / 32 / 16) and Q4_0, Q4_1, Q4_K (affine int4, group 32) stand for exactly
+    the values the gguf package dequantizes, rows split into blocks and Llama's q / k rows reordered as floats are."""
+    reader = GGUFReader(FIXTURE)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 256)).astype(np.float32)
+    cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS]
+    cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
+    assert {q.name for _, q in cases} == set(LOSSLESS)
+    for data, qtype in cases:
+        qw = quant_weight(data, qtype, block_rows=20)
+        assert (qw.kind, qw.group) == LOSSLESS[qtype.name]
+        want = torch.from_numpy(np.array(dequantize(data, qtype), dtype=np.float32))
+        assert torch.equal(qw.dequantize(), want), qtype.name
+    floats = load_state_dict(FIXTURE, torch.float32, CPU)
+    kept = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU, keep_quantized=True)
+    assert isinstance(kept["model.embed_tokens.weight"], torch.Tensor)
+    assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], QuantWeight)
+    for name, tensor in floats.items():
+        got = kept[name].dequantize() if isinstance(kept[name], QuantWeight) else kept[name]
+        assert torch.equal(got, tensor), name
+
+
+def test_a_load_transform_sees_float_tensors_in_float32(tmp_path):
+    src = cached_checkpoint("llama", **TINY)
+    path = export_gguf(src, str(tmp_path / "bf16.gguf"), "BF16")
+    seen = []
+
+    def transform(name, t):
+        seen.append((name, t.dtype))
+        return t * 2 if name.endswith("o_proj.weight") else t
+
+    state = gguf_loader.load_gguf_state_dict(path, torch.bfloat16, CPU, transform)
+    plain = load_state_dict(path, torch.bfloat16, CPU)
+    assert {d for _, d in seen} == {torch.float32} and len(seen) == len(plain)
+    for name, tensor in plain.items():
+        assert torch.equal(state[name], tensor * 2 if name.endswith("o_proj.weight") else tensor), name
