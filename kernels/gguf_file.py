@@ -3,8 +3,9 @@
 Torch-free (numpy, gguf_header.py and the `gguf` package's type table), so the CLI's preflight can check a file
 before the engine starts, and the model config is read through the same validator as config.json
 (`model_config.parse_model_config`): `hf_config` maps the file's metadata onto config.json's keys. `hf_tensor_name`
-maps llama.cpp's tensor names onto the HF names the forward takes (kernels/gguf_loader.py reads the tensors). `check_gguf` refuses, in one line each, a file that is
-not GGUF, is truncated, holds a tensor type or architecture this engine does not load, before anything large is read.
+maps llama.cpp's tensor names onto the HF names the forward takes (kernels/gguf_loader.py reads the tensors).
+`check_gguf` refuses, in one line each, a file that is not GGUF, is truncated, or holds a tensor type or
+architecture this engine does not load, before anything large is read.
 """
 from __future__ import annotations
 
