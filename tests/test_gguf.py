@@ -27,6 +27,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
+from _http_server import SCRIPTS, ServerProcess, scripted_model_path
 from radixserve.bench.checkpoints.gguf_export import dequantized_copy, export_gguf
 from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached_checkpoint
 from radixserve.kernels import gguf_loader
@@ -228,3 +229,20 @@ def test_a_load_transform_sees_float_tensors_in_float32(tmp_path):
     assert {d for _, d in seen} == {torch.float32} and len(seen) == len(plain)
     for name, tensor in plain.items():
         assert torch.equal(state[name], tensor * 2 if name.endswith("o_proj.weight") else tensor), name
+
+
+def test_server_serves_a_gguf_file_over_http(tmp_path):
+    """`serve --model FILE.gguf`: the HTTP process reads the GGUF's tokenizer and chat template (without torch), the
+    engine its weights; the scripted model, written as GGUF, still answers its script through the chat template."""
+    path = export_gguf(scripted_model_path(), str(tmp_path / "scripted.gguf"), "F32")
+    server = ServerProcess(["--model", path, "--port", "0", "--kv-cache-tokens", "4096"])
+    try:
+        with server.client() as http:
+            models = http.get("/v1/models").json()
+            assert [m["id"] for m in models["data"]] == ["scripted.gguf"]
+            body = {"messages": [{"role": "user", "content": "Write a poem"}], "max_tokens": 64, "temperature": 0}
+            reply = http.post("/v1/chat/completions", json=body).json()
+            assert reply["choices"][0]["message"]["content"] == SCRIPTS["poem"], reply
+            assert reply["choices"][0]["finish_reason"] == "stop"
+    finally:
+        server.stop()
