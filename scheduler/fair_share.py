@@ -17,7 +17,10 @@ Admission order, most significant first:
 Giving memory back (retraction when decode runs short; the planner's victim) takes the reverse: the running
 request of the tenant furthest above its share (highest counter), within it the worst priority, then the highest
 service level, then the least progress (fewest output tokens, latest arrival) — what would be admitted last goes
-first. Session pins are dropped before any of this (scheduler/sessions.py: allocation reclaims pins).
+first. Session pins are dropped before any of this (scheduler/sessions.py: allocation reclaims pins). The same
+order preempts: when the first request in admission order cannot be admitted, the running work `eligible` to give
+way for it (its own tenant's of a worse priority, or a tenant's above its share) goes back to the queue, its
+computed prefix kept cached (Planner._preempt).
 
 Charging happens once per planned step (`charge_batch`), from the batch the planner built, so service is what
 the engine actually ran. With one tenant, one priority and no program above level 0 the order is the cache-aware
@@ -63,6 +66,10 @@ class FairShare:
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
+
+    def weights(self) -> dict[str, float]:
+        """The weights set (every other tenant weighs 1)."""
+        return dict(self._weights)
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -154,9 +161,22 @@ class FairShare:
         return max(candidates, key=lambda r: (self.counter(tenant_of(r)), r.params.priority, self.level(r),
                                               -len(r.output_ids), r.arrival_step))
 
-    def preemptible(self, req: Req, running: list[Req]) -> Req | None:
-        """A running request of `req`'s tenant with a worse priority, the one admitted last in that order, or
-        None. Priority never reaches across tenants: another tenant's work is never preempted for it."""
+    def eligible(self, req: Req, running: list[Req]) -> list[Req]:
+        """The running requests `req` may preempt: its own tenant's of a worse priority, and any of a tenant whose
+        counter is above `req`'s tenant's (above its share). Priority never reaches across tenants: another tenant's
+        work goes only for the share, whatever `req`'s priority."""
         tenant = tenant_of(req)
-        worse = [r for r in running if tenant_of(r) == tenant and r.params.priority > req.params.priority]
-        return self.victim(worse)
+        level = self.counter(tenant)
+        return [r for r in running if (tenant_of(r) == tenant and r.params.priority > req.params.priority)
+                or (tenant_of(r) != tenant and self.counter(tenant_of(r)) > level)]
+
+    def may_preempt(self, waiting: list[Req], running: list[Req]) -> bool:
+        """A cheap test that some waiting request has something eligible to preempt (one pass over each queue)."""
+        lowest = min(self.counter(tenant_of(r)) for r in waiting)
+        if any(self.counter(tenant_of(r)) > lowest for r in running):
+            return True
+        best: dict[str, int] = {}
+        for r in waiting:
+            t = tenant_of(r)
+            best[t] = min(best.get(t, r.params.priority), r.params.priority)
+        return any(r.params.priority > best.get(tenant_of(r), r.params.priority) for r in running)

@@ -102,5 +102,7 @@ def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
         "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
         "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
         "tenant_slots": slots_by_tenant(planner.running),
+        "tenant_caps": dict(planner.tenant_caps),
+        "tenant_weights": planner.policy.share.weights() if planner.policy.share is not None else {},
         **kv.sessions.stats(),
     }

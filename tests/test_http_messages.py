@@ -142,6 +142,16 @@ def test_tool_choice_forces_a_call(choice, names):
     assert all(b.type == "text" for b in plain.content)
 
 
+def test_output_format_constrains_the_answer():
+    pytest.importorskip("xgrammar")
+    client = _client(tools_server())
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    out = client.messages.create(model="tiny", max_tokens=60, messages=_ask("hello"),
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert out.stop_reason == "end_turn", out
+    assert isinstance(json.loads(out.content[0].text)["ok"], bool)
+
+
 # -- count_tokens, the cache, sampling fields, errors -----------------------------------------------
 
 

@@ -141,6 +141,15 @@ def test_health_generate_is_503_when_every_forward_fails():
         assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
         failed = events[-1]["response"]
         assert failed["status"] == "failed" and failed["error"]["code"] == "generation_failed"
+        # A Messages stream ends with Anthropic's error event; the whole message is a 500 in Anthropic's format.
+        body = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=30) as stream:
+            lines = list(stream.iter_lines())
+        assert [line[7:] for line in lines if line.startswith("event: ")] == ["message_start", "ping", "error"]
+        error = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])
+        assert error["type"] == "error" and error["error"]["type"] == "api_error", error
+        r = httpx.post(server.url + "/v1/messages", json=dict(body, stream=False), timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error", r.text
     finally:
         server.stop(timeout=20)
 
