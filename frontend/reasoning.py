@@ -21,10 +21,10 @@ Use, per choice of a request (what the OpenAI and Messages handlers do):
     reasoning, content = splitter.finish()
     splitter.reasoning_tokens                                                   # for usage
 
-(`plan_reasoning(syntax, tokenizer, prompt_ids, budget)` does the prompt part once for a request of n choices:
-`plan.splitter()` per choice, `plan.sampling()` the engine's budget fields.)
-
-or, for a finished result at once, `split_output(splitter, text, output_ids, tokenizer)`.
+or, for a finished result at once, `split_output(splitter, text, output_ids, tokenizer)`. In the server,
+`ServerState.reasoning` is the syntax and `ServerState.reasoning_plan(prompt_ids, budget)` a ReasoningPlan: the
+prompt part done once for a request of n choices, `plan.splitter()` per choice, `plan.sampling()` the engine's
+budget fields for its jobs. Request options (efforts, chat_template_kwargs) are read by frontend/reasoning_options.py.
 
 The splitter never hands out part of a tag: text that may still become `<think>` / `</think>` is held back until
 the next delta (or finish()) decides it, so a tag split over several tokens is never seen. Whitespace around the
@@ -37,9 +37,9 @@ Thinking on and off, and its budget:
 - `effort_settings(effort)` maps OpenAI's reasoning effort (chat `reasoning_effort`, Responses `reasoning.effort`,
   Messages `output_config.effort`): none / minimal turn thinking off; low / medium / high keep it on with a
   reasoning budget of EFFORT_BUDGETS tokens.
-- `budget_params(syntax, budget, splitter)` are the SamplingParams fields of the engine's reasoning budget
-  (scheduler/reasoning_budget.py: past `budget` reasoning tokens the engine forces the end tag, and the answer
-  follows).
+- `budget_params(syntax, budget, splitter)` are the SamplingParams fields that tell the engine where the reasoning
+  ends (scheduler/reasoning_budget.py: a grammar, e.g. strict tools' or a response format's, applies to the answer
+  only) and cap it (past `budget` reasoning tokens the engine forces the end tag, and the answer follows).
 """
 from __future__ import annotations
 
@@ -160,12 +160,16 @@ def plan_reasoning(syntax: ReasoningSyntax | None, tokenizer: Any, prompt_ids: S
 
 def budget_params(syntax: ReasoningSyntax | None, budget: int | None, splitter: "ReasoningSplitter | None"
                   ) -> dict[str, Any]:
-    """SamplingParams fields that cap the reasoning at `budget` tokens (scheduler/reasoning_budget.py); {} when
-    there is no parser, no budget, or the output starts in the answer with no way to open a block."""
-    if syntax is None or budget is None or splitter is None:
+    """SamplingParams fields of an output that reasons (scheduler/reasoning_budget.py): where its reasoning ends (a
+    grammar waits for the answer), and with `budget`, the cap on its reasoning tokens. {} when there is no parser or
+    the output is all answer."""
+    if syntax is None or splitter is None:
         return {}
-    opens = None if splitter.starts_in_reasoning else syntax.open_tag
-    return {"reasoning_budget": budget, "reasoning_end": FORCED_CLOSE, "reasoning_open": opens}
+    out: dict[str, Any] = {"reasoning_end": FORCED_CLOSE,
+                           "reasoning_open": None if splitter.starts_in_reasoning else syntax.open_tag}
+    if budget is not None:
+        out["reasoning_budget"] = budget
+    return out
 
 
 # Splitter states, in the only order they move: a start state, then reasoning, after-close, content.

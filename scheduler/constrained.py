@@ -11,6 +11,7 @@ from .grammar import GrammarBackend
 from .jump_forward import CONTEXT_IDS, jump_forward_ids
 from .metrics import EngineMetrics
 from .output import OutputProcessor
+from .reasoning_budget import grammar_active
 from .req import Req
 from .sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class ConstrainedDecoding:
         num = 0
         for item, seq in zip(items, seqs):
             req = item.req
-            if req.grammar is None or not item.sample:
+            if not grammar_active(req) or not item.sample:  # none, or held while the output reasons
                 continue
             if self._bitmask is None:
                 self._bitmask = self.grammar.allocate_bitmask(self.max_rows)

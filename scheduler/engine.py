@@ -19,7 +19,7 @@ from .metrics import EngineMetrics, engine_stats, slots_by_tenant
 from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
 from .policy import SchedulePolicy
-from .reasoning_budget import ReasoningBudget
+from .reasoning_budget import ReasoningBudget, grammar_active
 from .req import ABORTED, GenerateResult, Req, ReqStatus, StreamDelta
 from .sampling_params import SamplingParams, choice_rids, choice_seed
 from .serving import EngineLoop
@@ -271,11 +271,11 @@ class Engine:
             req.kv_len += item.num_tokens
             self.outputs.record_prompt_logprobs(req, seq.prefix_len, out)
             if item.sample:
-                if req.grammar is None:
-                    self.outputs.append_token(req, out.next_token_id, out.next_logprob)
-                    self.reasoning.after_token(req)  # a spent reasoning budget appends the end tag
-                else:
+                if grammar_active(req):
                     self.constrained.append(req, out.next_token_id, out.next_logprob)
+                else:
+                    self.outputs.append_token(req, out.next_token_id, out.next_logprob)
+                self.reasoning.after_token(req)  # the reasoning's end, and a spent budget's forced end tag
             elif req.num_pending == 0:  # max_new_tokens == 0: the prompt is computed and cached
                 self.outputs.finish(req, "length")
 

@@ -1,22 +1,29 @@
-"""Reasoning budget: a request may cap its reasoning (`<think>...`) at N output tokens; when the cap is reached and the
-model has not closed its reasoning, the engine appends the end-of-thinking text's tokens itself and the answer
-follows (what Anthropic's `thinking.budget_tokens` and the OpenAI servers' reasoning effort ask for).
+"""The reasoning part of an output in the engine: where it ends, its budget, and grammars held off while it runs.
 
-The request's SamplingParams carry it (the frontend fills them: frontend/reasoning.budget_params):
+A request whose output reasons (`<think>...</think>` before the answer) says so in its SamplingParams (the frontend
+fills them: frontend/reasoning.budget_params):
 
+    reasoning_end     the end-of-thinking text (e.g. "\\n</think>\\n\\n"); its stripped form is the end tag whose
+                      appearance in the output ends the reasoning; None: the output does not reason
     reasoning_budget  N >= 1: reasoning tokens allowed, counted from the output's first token (an opening tag the
                       model writes counts); None: no budget
-    reasoning_end     the text forced when the budget runs out (e.g. "\\n</think>\\n\\n"); its stripped form is the end
-                      tag whose appearance in the output ends the reasoning on its own
     reasoning_open    None: the output starts inside the reasoning (the prompt opened it); else the tag the output
                       must begin with (leading whitespace aside) for the reasoning to start; an output that begins
                       otherwise never reasons and the budget never applies
 
+Budget: when the reasoning reaches N tokens and the model has not closed it, the engine appends reasoning_end's
+tokens itself and the answer follows (what Anthropic's `thinking.budget_tokens` and reasoning efforts ask for).
 Forced tokens are output tokens like sampled ones, appended the way jump-forward appends a grammar's forced tokens
 (scheduler/jump_forward.py): right after a sampled token, without KV, never streamed yet; the next step computes
 them as one extend. Each goes through the output processor's stop, length and context checks; their logprob (when
-asked for) is 0, the token itself being certain. A constrained request (a grammar) is not budgeted: its matcher
-decides every token. Owner: ReasoningBudget (one per engine); per-request state: Req.reasoning (_BudgetState).
+asked for) is 0, the token itself being certain.
+
+Grammars: a constrained request's grammar (a response format, a tool-call structural tag) is for the answer, so
+while the output is inside its reasoning the grammar is held: no mask, its matcher sees none of those tokens, and
+it takes up at the first token after the end tag (`grammar_active`). Before an output has opened its reasoning
+(reasoning_open still possible) the grammar is active: a grammar that refuses the opening tag keeps the model from
+reasoning. Owner: ReasoningBudget (one per engine); per-request state: Req.reasoning (_ReasoningState), None once
+the reasoning has ended (or never started).
 """
 from __future__ import annotations
 
@@ -28,8 +35,13 @@ from .output import OutputProcessor
 from .req import Req
 
 
+def grammar_active(req: Req) -> bool:
+    """Whether the request's grammar (if any) constrains its next token: not while it is inside its reasoning."""
+    return req.grammar is not None and (req.reasoning is None or req.reasoning.open_tag is not None)
+
+
 @dataclass
-class _BudgetState:
+class _ReasoningState:
     end_ids: list[int]
     end_tag: str
     open_tag: str | None  # None once the reasoning has started (or from the start)
@@ -43,18 +55,18 @@ class ReasoningBudget:
         self._ids: dict[str, list[int]] = {}  # reasoning_end text -> its tokens
 
     def attach(self, req: Req) -> None:
-        """Give a new request its budget state (none without a budget, or with a grammar)."""
+        """Give a new request its reasoning state (none when its output does not reason)."""
         p = req.params
-        if p.reasoning_budget is None or req.grammar is not None:
+        if p.reasoning_end is None:
             return
         ids = self._ids.get(p.reasoning_end)
         if ids is None:
             ids = self._ids[p.reasoning_end] = list(self.tokenizer.encode(p.reasoning_end, add_special_tokens=False))
-        req.reasoning = _BudgetState(ids, p.reasoning_end.strip(), p.reasoning_open)
+        req.reasoning = _ReasoningState(ids, p.reasoning_end.strip(), p.reasoning_open)
 
     def after_token(self, req: Req) -> None:
-        """Called after each sampled token is appended: ends the budget when the reasoning closed (or never
-        started), and appends the end tokens when the budget is spent."""
+        """Called after each sampled token is appended (through the grammar or not): ends the state when the
+        reasoning closed (or never started), and appends the end tokens when a budget is spent."""
         state = req.reasoning
         if state is None or req.finish_reason is not None:
             return
@@ -65,7 +77,8 @@ class ReasoningBudget:
         if at >= 0:
             req.reasoning = None  # closed by the model
             return
-        if len(req.output_ids) < req.params.reasoning_budget:
+        budget = req.params.reasoning_budget
+        if budget is None or len(req.output_ids) < budget:
             return
         req.reasoning = None
         want = req.params.logprobs
@@ -76,7 +89,7 @@ class ReasoningBudget:
             self.outputs.append_token(req, tok, logprob)
 
     @staticmethod
-    def _opened(req: Req, state: _BudgetState) -> bool:
+    def _opened(req: Req, state: _ReasoningState) -> bool:
         """Whether the output has opened its reasoning; drops the budget once it is clear it never will."""
         head = req.text.lstrip()
         if head.startswith(state.open_tag):

@@ -210,3 +210,38 @@ def test_tool_calls_are_parsed_in_the_answer_only(client):
                                 tools=[{"type": "function", **TOOLS[0]["function"]}])
     assert [o.type for o in r.output] == ["reasoning", "function_call"]
     assert r.output[0].content[0].text == THINK_TOOL_REASONING and r.output[1].name == "get_forecast"
+
+
+def test_agents_sdk_sends_reasoning_items_back(server):
+    """The Agents SDK's Responses model resends the reasoning item with the function call and its output."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from _http_server import SCRIPTS, TOOL_RESULT_TRIGGER
+
+    agents.set_tracing_disabled(True)
+    sent: list[tuple[dict, int]] = []
+    calls: list[str] = []
+
+    async def record(response: httpx.Response) -> None:
+        sent.append((json.loads(response.request.content), response.status_code))
+
+    @agents.function_tool
+    def get_forecast(city: str) -> str:
+        """The forecast for a city (no trigger word of another script)."""
+        calls.append(city)
+        return json.dumps({"city": city, "sky": "clear"})
+
+    async def main() -> str:
+        http = httpx.AsyncClient(event_hooks={"response": [record]})
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, http_client=http)
+        agent = agents.Agent(name="greeter", instructions="Use the tools.", tools=[get_forecast],
+                             model=agents.OpenAIResponsesModel(MODEL, client),
+                             model_settings=agents.ModelSettings(temperature=0))
+        return (await agents.Runner.run(agent, GREET[0]["content"])).final_output
+
+    final = asyncio.run(main())
+    assert calls == ["Rome"] and final == SCRIPTS[TOOL_RESULT_TRIGGER]
+    assert [status for _, status in sent] == [200, 200]
+    types = [item.get("type") for item in sent[1][0]["input"]]
+    assert types[-3:] == ["reasoning", "function_call", "function_call_output"], types

@@ -86,3 +86,16 @@ def test_forced_tokens_count_against_max_tokens_and_carry_logprobs(engine):
 def test_bad_budget_settings(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+def test_a_grammar_waits_for_the_answer(engine):
+    """A response format constrains the answer only: held while the output reasons, it takes up after </think>."""
+    pattern = r"\s*It is four\."
+    [held] = engine.generate(PROMPT, _params(regex=pattern, reasoning_end=FORCED_CLOSE))
+    assert held.text == THINK_SCRIPT and _split(held.text) == (THINK_REASONING, THINK_ANSWER)
+    [strict] = engine.generate(PROMPT, _params(regex=pattern))  # without the gate the grammar forbids <think>
+    assert strict.text.strip() == THINK_ANSWER
+    [cut] = engine.generate(PROMPT, _params(regex=pattern, reasoning_end=FORCED_CLOSE, reasoning_budget=9))
+    assert _split(cut.text)[1] == THINK_ANSWER and len(_split(cut.text)[0]) < len(THINK_REASONING)
+    engine.check_integrity()
+    assert idle_violations(engine.stats()) == []

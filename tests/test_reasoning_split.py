@@ -165,7 +165,8 @@ def test_efforts_and_budget_params():
     assert budget_params(QWEN3, 8, opened) == {"reasoning_budget": 8, "reasoning_end": "\n</think>\n\n",
                                                "reasoning_open": None}
     assert budget_params(QWEN3, 8, ReasoningSplitter(QWEN3, False))["reasoning_open"] == OPEN_TAG
-    assert budget_params(QWEN3, None, opened) == {} and budget_params(None, 8, None) == {}
+    assert budget_params(QWEN3, None, opened) == {"reasoning_end": "\n</think>\n\n", "reasoning_open": None}
+    assert budget_params(None, 8, None) == {} and budget_params(QWEN3, 8, None) == {}
 
 
 def test_server_flag():
