@@ -10,14 +10,15 @@ class HTTPConnection:
     (chunked or with a Content-Length) as they arrive. Stdlib only and thin: the client shares the
     cores with the server, so its per-chunk cost is kept to a few microseconds."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None) -> None:
         self.host, self.port = host, port
+        self._extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())  # e.g. Authorization
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
     async def post_lines(self, path: str, body: bytes):
         head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                f"Accept: text/event-stream\r\n{self._extra}Content-Length: {len(body)}\r\n\r\n").encode()
         reused = self.writer is not None and not self.writer.is_closing() and not self.reader.at_eof()
         if not reused:
             await self._connect()

@@ -63,7 +63,7 @@ class Planner:
 
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
-        self._preempt_for_priority(step)
+        self._preempt(step)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
         self._reserve_decodes(batch)
@@ -236,32 +236,35 @@ class Planner:
             return self.policy.share.victim(candidates)
         return min(candidates, key=_progress) if candidates else None
 
-    def _preempt_for_priority(self, step: int) -> None:
-        """vLLM's priority preemption, within a tenant: while the first waiting request in admission order cannot
-        be admitted (no running slot, or not enough KV room) and its tenant runs work of a worse priority, that work
-        goes back to the queue (the one that would be admitted last first). Another tenant's work is never taken."""
+    def _preempt(self, step: int) -> None:
+        """Preemption (vLLM's, generalised to tenants): while the first waiting request in admission order cannot be
+        admitted (no running slot, or not enough KV room), running work that would be admitted after it goes back to
+        the queue, the one admitted last in that order first: its own tenant's work of a worse priority, or the work
+        of a tenant above its share (FairShare.preemptible). Its computed prefix stays cached, so it resumes where it
+        stopped. Nothing is taken unless taking everything eligible would make room."""
         share = self.policy.share
-        if share is None or not self.waiting or not self.running:
-            return
-        best = min(self.waiting, key=lambda r: r.params.priority).params.priority
-        if not any(r.params.priority > best for r in self.running):
-            return  # the common case: nothing to preempt for (one pass each over the queues)
+        if share is None or not self.waiting or not self.running or not share.may_preempt(self.waiting, self.running):
+            return  # the common case, in one pass over each queue
         head = self.policy.order(self.waiting, step, running=self.running)[0]
+        eligible = share.eligible(head, self.running)
+        if self._fits(head) or not self._fits(head, freed=eligible):
+            return
         while not self._fits(head):
-            victim = share.preemptible(head, self.running)
-            if victim is None:
-                return
-            logger.info("preempting %s (priority %d) for %s (priority %d)", victim.rid, victim.params.priority,
-                        head.rid, head.params.priority)
+            victim = share.victim(share.eligible(head, self.running))
+            logger.info("preempting %s (tenant %s, priority %d) for %s (tenant %s, priority %d)", victim.rid,
+                        victim.params.tenant, victim.params.priority, head.rid, head.params.tenant,
+                        head.params.priority)
             self._retract(victim)
 
-    def _fits(self, req: Req) -> bool:
-        """Whether admission would take `req` now: a running slot, and KV room for its uncached tokens and its
-        decode estimate beside the running requests' (an estimate: admission decides for real)."""
-        if len(self.running) >= self.config.max_running_requests:
+    def _fits(self, req: Req, freed: list[Req] = ()) -> bool:
+        """Whether admission would take `req` now, or once the `freed` running requests gave their slots back: a
+        running slot, and KV room for its uncached tokens and its decode estimate beside the running requests'
+        (an estimate: admission decides for real)."""
+        if len(self.running) - len(freed) >= self.config.max_running_requests:
             return False
         need = req.seq_len - self.policy.cached_len(req) + self._estimate(req)
-        return need <= self.kv.available_slots() - self._decode_room_estimate()
+        room = self.kv.available_slots() + sum(r.owned_slots for r in freed)
+        return need <= room - self._decode_room_estimate() + sum(self._estimate(r) for r in freed)
 
     def _retract(self, req: Req) -> None:
         logger.info("retracting %s (%d output tokens) to free KV", req.rid, len(req.output_ids))
