@@ -23,22 +23,25 @@ from tqdm import tqdm
 
 from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
 from .gguf_quant import LOSSLESS, quant_weight
-from .quant import QuantWeight
+from .quant import QuantWeight, packable
 
 logger = logging.getLogger(__name__)
 
 BLOCK_ELEMENTS = 1 << 20  # elements dequantized at a time by one thread (4 MB of float32)
 SAMPLE_ELEMENTS = 1 << 16  # elements of each quantized tensor the error report compares
+MIXED = "fused with another type"  # the report's name for parts of a mixed fusion, dequantized
 _FLOAT_NUMPY = {"F32": np.float32, "F16": np.float16}
 
 
 @dataclass
 class DequantReport:
-    """What dequantizing did: the types met, tensors and elements per type, and the largest relative error of the
-    engine dtype's values against the float32 dequantized ones (over each tensor's first SAMPLE_ELEMENTS)."""
+    """What loading did with the quantized tensors: per type, how many were kept quantized (lossless QuantWeights)
+    and how many dequantized, and the largest relative error of the engine dtype's values against the float32
+    dequantized ones (over each dequantized tensor's first SAMPLE_ELEMENTS)."""
 
     dtype: torch.dtype
-    tensors: dict[str, int] = field(default_factory=dict)
+    tensors: dict[str, int] = field(default_factory=dict)  # dequantized, per type
+    kept: dict[str, int] = field(default_factory=dict)  # kept quantized, per type
     max_rel_error: float = 0.0
     sampled: int = 0
 
@@ -50,13 +53,27 @@ class DequantReport:
             self.max_rel_error = max(self.max_rel_error, err)
         self.sampled += exact.numel()
 
+    def keep(self, kind: str) -> None:
+        self.kept[kind] = self.kept.get(kind, 0) + 1
+
     def line(self) -> str:
-        if not self.tensors:
-            return "GGUF: no quantized tensors"
-        kinds = ", ".join(f"{k} ({n} tensors)" for k, n in sorted(self.tensors.items()))
-        return (f"GGUF: dequantized {kinds} to {str(self.dtype).removeprefix('torch.')}; max relative error "
-                f"against the float32 dequantized values {self.max_rel_error:.2e} over {self.sampled:,} sampled "
-                "values")
+        count = lambda d: ", ".join(f"{k} ({n} tensors)" for k, n in sorted(d.items()))  # noqa: E731
+        parts = []
+        if self.kept:
+            parts.append(f"kept {count(self.kept)} quantized, without loss")
+        if self.tensors:
+            parts.append(f"dequantized {count(self.tensors)} to {str(self.dtype).removeprefix('torch.')}; max "
+                         f"relative error against the float32 dequantized values {self.max_rel_error:.2e} over "
+                         f"{self.sampled:,} sampled values")
+        return "GGUF: " + ("; ".join(parts) if parts else "no quantized tensors")
+
+
+def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether block tensors stay quantized: on a CPU whose quantized tile kernel runs, in bf16 (that kernel's
+    result equals the bf16 linear on the bf16-rounded dequantized weights, so keeping them changes no output)."""
+    from . import native
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and native.tiles_ready()
 
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
@@ -64,37 +81,67 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
                          keep_quantized: bool = False) -> dict[str, Any]:
     """All weights of the GGUF file in `dtype` on `device`, keyed by HF name (model.CausalLM takes them). With
     `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight, on the
-    CPU) instead of being dequantized; `transform(name, tensor)` (loader.load_state_dict's) may replace an F32 / F16
-    / BF16 tensor, given in float32."""
+    CPU; a tied LM head too, from the embedding's blocks) instead of being dequantized; `transform(name, tensor)`
+    (quant.load_transform) may replace an F32 / F16 / BF16 tensor, given in float32."""
     header = open_gguf(path)  # checked: architecture, tensor types, sizes
     arch = gguf_field(header, "general.architecture")
     heads = int(gguf_field(header, f"{arch}.attention.head_count"))
     kv_heads = int(gguf_field(header, f"{arch}.attention.head_count_kv") or heads)
+    row_heads = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
     report = DequantReport(dtype)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     total = sum(int(t.n_bytes) for t in header.tensors)
     with tqdm(total=total, desc="loading GGUF weights", unit="B", unit_scale=True, disable=None) as bar:
         for t in header.tensors:
             name = hf_tensor_name(t.name)
             if name is not None:
-                if keep_quantized and _keeps(name, t):
-                    weight = quant_weight(header.data(t), t.tensor_type)
-                elif transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
-                    weight = tensor_weight(header.data(t), t.tensor_type, torch.float32, report)
-                    kept = transform(name, weight)
-                    weight = weight.to(dtype) if kept is weight else kept
-                else:
-                    weight = tensor_weight(header.data(t), t.tensor_type, dtype, report)
-                if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                    weight = unpermute_rows(weight, heads)
-                elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                    weight = unpermute_rows(weight, kv_heads)
+                weight = _read(header, t, name, dtype, transform, keep_quantized, report)
+                if t.name.split(".")[-2] in row_heads:
+                    weight = unpermute_rows(weight, row_heads[t.name.split(".")[-2]])
                 state[name] = weight if isinstance(weight, QuantWeight) else weight.to(device)
             header.drop_pages(t)
             bar.update(int(t.n_bytes))
+    if keep_quantized:
+        _quantized_tied_head(header, state, report)
+        _dequantize_mixed_fusions(state, dtype, report)
     logger.info(report.line())
     logger.info("loaded %d tensors from %s", len(state), path)
     return state
+
+
+def _read(header, t, name: str, dtype: torch.dtype, transform, keep_quantized: bool, report: DequantReport) -> Any:
+    if keep_quantized and _keeps(name, t):
+        report.keep(t.tensor_type.name)
+        return quant_weight(header.data(t), t.tensor_type)
+    if transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
+        weight = tensor_weight(header.data(t), t.tensor_type, torch.float32, report)
+        kept = transform(name, weight)
+        return weight.to(dtype) if kept is weight else kept
+    return tensor_weight(header.data(t), t.tensor_type, dtype, report)
+
+
+def _quantized_tied_head(header, state: dict[str, Any], report: DequantReport) -> None:
+    """A tied LM head as a QuantWeight of the embedding's own blocks (the table stays float for lookups)."""
+    embd = next(t for t in header.tensors if t.name == "token_embd.weight")
+    if "lm_head.weight" not in state and _keeps("lm_head.weight", embd):
+        report.keep(embd.tensor_type.name)
+        state["lm_head.weight"] = quant_weight(header.data(embd), embd.tensor_type)
+        header.drop_pages(embd)
+
+
+def _dequantize_mixed_fusions(state: dict[str, Any], dtype: torch.dtype, report: DequantReport) -> None:
+    """The forward fuses q / k / v and gate / up into one linear each, which stays quantized only where its parts
+    share a kind and group (a Q4_K_M file may hold q, k in Q4_K and v in Q6_K): other parts are dequantized."""
+    layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
+    for idx in layers:
+        for group in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
+            names = [f"model.layers.{idx}.{group[0]}.{part}.weight" for part in group[1:]]
+            kinds = {(w.kind, w.group) if isinstance(w, QuantWeight) else None for w in map(state.get, names)}
+            if len(kinds) > 1:
+                for name in names:
+                    if isinstance(state[name], QuantWeight):
+                        state[name] = state[name].dequantize().to(dtype)
+                        report.tensors[MIXED] = report.tensors.get(MIXED, 0) + 1
 
 
 def tensor_weight(data: np.ndarray, qtype, dtype: torch.dtype, report: DequantReport) -> torch.Tensor:
@@ -148,4 +195,4 @@ def _keeps(name: str, t) -> bool:
     """A linear weight (not the embedding table, which lookups read) whose type maps onto a QuantWeight."""
     kind = t.tensor_type.name
     return (name != "model.embed_tokens.weight" and len(t.dims) == 2 and kind in LOSSLESS
-            and t.dims[0] % LOSSLESS[kind][1] == 0 and LOSSLESS[kind][1] % 16 == 0)
+            and t.dims[0] % LOSSLESS[kind][1] == 0 and packable(t.shape))

@@ -1,5 +1,5 @@
-"""Reads the safetensors weights of a Hugging Face checkpoint (single file or sharded index), or a GGUF file's
-(gguf_loader.py)."""
+"""Reads the safetensors weights of a Hugging Face checkpoint (single file or sharded index); a GGUF file's are read by
+gguf_loader.py (the runner picks)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,6 @@ import torch
 from tqdm import tqdm
 
 from .gguf_file import is_gguf_path
-from .gguf_loader import load_gguf_state_dict
 from .model_config import ModelConfig, normalize_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -95,9 +94,7 @@ def load_state_dict(model_path: str, dtype: torch.dtype, device: torch.device,
     one at a time (at most one tensor's transient copy). `transform(name, tensor)` (quant.load_transform) may
     replace a safetensors tensor as read, before any cast: what it returns is kept when it is not the tensor it
     was given. A progress bar (bytes read) shows on a terminal (tqdm stays quiet when stderr is not one). A GGUF
-    file goes to gguf_loader."""
-    if is_gguf_path(model_path):
-        return load_gguf_state_dict(model_path, dtype, device)
+    file's weights are gguf_loader.load_gguf_state_dict's."""
     files = safetensors_files(model_path)
     state: dict[str, torch.Tensor] = {}
     total = sum(os.path.getsize(p) for p in files)

@@ -49,6 +49,8 @@ from .attention.metadata import HostCounters, build_metadata, gather_rows, host_
 from .forward_io import SeqInput, SeqOutput, TokenLogprob
 from .host_memory import retain_freed_memory
 from .kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
+from .gguf_file import is_gguf_path
+from .gguf_loader import keeps_blocks, load_gguf_state_dict
 from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
 from .quant import load_transform
 from .quant_spec import parse_quantization
@@ -111,8 +113,12 @@ class ModelRunner:
         self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
         spec = parse_quantization(quantization)  # weights quantized tensor by tensor as read (kernels/quant.py)
-        self.model = CausalLM(self.config, load_state_dict(model_path, self.dtype, self.device, load_transform(spec)),
-                              self.device, spec)
+        if is_gguf_path(model_path):  # block tensors kept quantized where the quantized kernel runs
+            state = load_gguf_state_dict(model_path, self.dtype, self.device, load_transform(spec),
+                                         keeps_blocks(self.dtype, self.device))
+        else:
+            state = load_state_dict(model_path, self.dtype, self.device, load_transform(spec))
+        self.model = CausalLM(self.config, state, self.device, spec)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)

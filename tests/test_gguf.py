@@ -47,8 +47,8 @@ PROMPTS = ["Hello there, how are", [5, 6, 7, 8, 9, 10, 11, 12]]
 CPU = torch.device("cpu")
 
 
-def greedy(path: str) -> list[list[int]]:
-    engine = Engine(path, dtype="float32", num_threads=1, kv_cache_tokens=1024)
+def greedy(path: str, dtype: str = "float32") -> list[list[int]]:
+    engine = Engine(path, dtype=dtype, num_threads=1, kv_cache_tokens=1024)
     try:
         return [r.output_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))]
     finally:
@@ -64,7 +64,8 @@ def test_round_trip_loads_the_dequantized_model(tmp_path, arch, qtype, extra):
     src = cached_checkpoint(arch, **TINY, **extra)
     path = export_gguf(src, str(tmp_path / f"{arch}-{qtype}.gguf"), qtype)
     ref = dequantized_copy(src, str(tmp_path / "ref"), qtype)
-    ours, want = load_state_dict(path, torch.float32, CPU), load_state_dict(ref, torch.float32, CPU)
+    ours = gguf_loader.load_gguf_state_dict(path, torch.float32, CPU)
+    want = load_state_dict(ref, torch.float32, CPU)
     assert sorted(ours) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(ours[name], tensor), name
@@ -116,7 +117,7 @@ def test_q4_k_m_fixture_is_near_its_seeded_weights_and_serves(tmp_path, caplog):
                            num_heads=4, num_kv_heads=2, intermediate_size=128, initializer_range=0.1,
                            max_position_embeddings=512)
     original = load_state_dict(src, torch.float32, CPU)
-    state = load_state_dict(FIXTURE, torch.float32, CPU)
+    state = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
     assert sorted(state) == sorted(original)
     for name, tensor in state.items():  # names, shapes and q / k row order all as the HF checkpoint's
         err = ((tensor - original[name]).norm() / original[name].norm()).item()
@@ -127,7 +128,7 @@ def test_q4_k_m_fixture_is_near_its_seeded_weights_and_serves(tmp_path, caplog):
     save_file(state, str(ref / "model.safetensors"))
     assert greedy(FIXTURE) == greedy(str(ref))
     with caplog.at_level(logging.INFO, logger="radixserve.kernels.gguf_loader"):
-        load_state_dict(FIXTURE, torch.bfloat16, CPU)
+        gguf_loader.load_gguf_state_dict(FIXTURE, torch.bfloat16, CPU)
     line = next(r.getMessage() for r in caplog.records if "dequantized" in r.getMessage())
     assert all(kind in line for kind in ("Q4_K", "Q6_K", "Q5_0", "Q8_0")) and "to bfloat16" in line
     assert 0 < float(re.search(r"max relative error .* ([0-9.e+-]+) over", line).group(1)) <= 2 ** -8
@@ -206,7 +207,7 @@ def test_block_tensors_map_onto_quant_weights_without_loss(tmp_path):
         assert (qw.kind, qw.group) == LOSSLESS[qtype.name]
         want = torch.from_numpy(np.array(dequantize(data, qtype), dtype=np.float32))
         assert torch.equal(qw.dequantize(), want), qtype.name
-    floats = load_state_dict(FIXTURE, torch.float32, CPU)
+    floats = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
     kept = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU, keep_quantized=True)
     assert isinstance(kept["model.embed_tokens.weight"], torch.Tensor)
     assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], QuantWeight)
@@ -225,7 +226,7 @@ def test_a_load_transform_sees_float_tensors_in_float32(tmp_path):
         return t * 2 if name.endswith("o_proj.weight") else t
 
     state = gguf_loader.load_gguf_state_dict(path, torch.bfloat16, CPU, transform)
-    plain = load_state_dict(path, torch.bfloat16, CPU)
+    plain = gguf_loader.load_gguf_state_dict(path, torch.bfloat16, CPU)
     assert {d for _, d in seen} == {torch.float32} and len(seen) == len(plain)
     for name, tensor in plain.items():
         assert torch.equal(state[name], tensor * 2 if name.endswith("o_proj.weight") else tensor), name
@@ -246,3 +247,24 @@ def test_server_serves_a_gguf_file_over_http(tmp_path):
             assert reply["choices"][0]["finish_reason"] == "stop"
     finally:
         server.stop()
+
+
+def test_q4_k_m_fixture_kept_quantized_decodes_as_its_bf16_dequantized_copy(tmp_path, caplog):
+    """In bf16 on a CPU whose quantized tile kernel runs, the block tensors stay QuantWeights (q / k and gate / up
+    fused; layer 1's v is Q6_K beside Q4_K q / k, so that fusion is dequantized); elsewhere they are dequantized.
+    Either way greedy decoding equals the model of the bf16-rounded dequantized weights."""
+    keep = gguf_loader.keeps_blocks(torch.bfloat16, CPU)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    state = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, str(ref / "model.safetensors"))
+    src = build_checkpoint(str(tmp_path / "src"), "llama", seed=7, vocab_size=512, hidden_size=256, num_layers=2,
+                           num_heads=4, num_kv_heads=2, intermediate_size=128, max_position_embeddings=512)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(src, name), ref)
+    with caplog.at_level(logging.INFO, logger="radixserve.kernels.gguf_loader"):
+        ours = greedy(FIXTURE, "bfloat16")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF: "))
+    assert ("kept Q4_K" in line and "Q6_K" in line and "fused with another type (3 tensors)" in line) == keep, line
+    assert ours == greedy(str(ref), "bfloat16")
