@@ -141,8 +141,14 @@ class Supervisor:
                 return self.exit_status() if stopped else 1
             logger.info("worker %d ready on %s (pid %d)", worker.index, worker.url, worker.proc.pid)
         port = self.config.port or free_port(self.config.host)
+        # With tenants (--api-keys) the router gets no key: given one, sglang-router 0.3.2 asks every client for
+        # that key alone, and with a key per worker it sends that key on whatever it forwards, so the workers could
+        # not tell tenants apart. Keyless, it passes the client's Authorization header through and each worker
+        # resolves its tenant (x-api-key it does not forward); its start-up probes of /server_info and /model_info
+        # get 401, and it registers the workers all the same.
+        router_key = self.config.api_key if self.config.api_keys is None else None
         self.router = RouterProcess([w.url for w in self.workers], self.config.host, port,
-                                    self.config.router_policy, self.config.api_key, self.config.log_level)
+                                    self.config.router_policy, router_key, self.config.log_level)
         try:
             self.router.wait_ready(len(self.workers))
         except RouterError as exc:

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 from _http_battery import Guard, assert_openai_error
-from _http_server import shared_server, tiny_model_path
+from _http_server import ServerProcess, shared_server, tiny_model_path
 
 from radixserve.frontend.cli import main as cli_main
 from radixserve.frontend.tenants import load_keys_file
@@ -306,3 +306,34 @@ def test_bad_keys_file_stops_the_process(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "entry 1: tenant 'a': admin must be true or false" in lines[0] and "sk-secret" not in lines[0]
+
+
+# -- replicas ----------------------------------------------------------------------------------------
+
+
+def test_replicas_resolve_tenants_on_every_worker(tmp_path):
+    """Every worker reads the same file; the router in front passes each client's Bearer key through."""
+    pytest.importorskip("sglang_router")
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({key: KEYS[key] for key in ("sk-acme", "sk-beta", "sk-ops-admin")}))
+    server = ServerProcess(["--model", tiny_model_path(), "--replicas", "2", "--api-keys", str(path), "--api-key",
+                            SINGLE_KEY, "--served-model-name", "tiny", "--context-length", "512", "--kv-cache-tokens",
+                            "2048"])
+    try:
+        with server.client() as http:
+            for key in ("sk-acme", "sk-beta", SINGLE_KEY):
+                chat = http.post("/v1/chat/completions", headers=bearer(key), json={
+                    "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": f"hello {key}"}]})
+                assert chat.status_code == 200, chat.text
+            assert http.post("/generate", **gen(bearer("sk-nope"))).status_code == 401
+        workers = re.findall(r"worker \d+ ready on (http://[\d.]+:\d+)", server.log())
+        served: dict[str, float] = {}
+        for url in workers:
+            assert httpx.get(url + "/metrics", headers=bearer("sk-beta"), timeout=30).status_code == 403
+            text = httpx.get(url + "/metrics", headers=ADMIN, timeout=30).text
+            for tenant, n in re.findall(r'^radixserve_tenant_requests_total\{tenant="(\w+)"\} (\S+)$', text, re.M):
+                served[tenant] = served.get(tenant, 0) + float(n)
+        assert served == {"acme": 1, "beta": 1, "default": 1}
+    finally:
+        assert server.stop(timeout=60) == 0, server.log()[-3000:]
+    assert not any(key in server.log() for key in ("sk-acme", "sk-beta", "sk-ops-admin", SINGLE_KEY))
