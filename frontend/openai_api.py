@@ -18,6 +18,7 @@ from .engine_client import Job, Submission, collect
 from .errors import APIError, bad_request
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from .reasoning import ReasoningPlan, ReasoningSplitter, split_output
+from .rewrite_prefetch import after_chat_turn
 from .protocol import (
     ChatRequest,
     CommonOptions,
@@ -49,7 +50,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
     head = _head(state, rid, common)
     if common.stream:
-        handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids), plan)
+        handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids), plan, (prompt_ids, template_kwargs))
         return SSEResponse(sse_events(sub, handler, request), on_close=sub.close)
     results = await collect(request, sub)
     if results is None:
@@ -57,8 +58,11 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     for r in results:
         raise_if_failed(r)
     splitters = [plan.splitter() for _ in results]
-    choices = [_chat_choice(state, req, i, r, s) for i, (r, s) in enumerate(zip(results, splitters))]
+    choices = _chat_choices(state, req, results, splitters) if plan.syntax is None \
+        else await asyncio.to_thread(_chat_choices, state, req, results, splitters)
     settle_turn(state, common.sampling.get("session_id"), any(c["finish_reason"] == "tool_calls" for c in choices))
+    after_chat_turn(state, req.messages, req.tools, template_kwargs, prompt_ids, results[0], choices[0]["message"],
+                    common.sampling)
     usage = openai_usage([len(prompt_ids)], results, len(jobs), reasoning_tokens(plan, splitters))
     note_openai_usage(request, usage)
     payload = dict(head, object="chat.completion", choices=choices, usage=usage)
@@ -187,6 +191,12 @@ def _chat_choice(state: ServerState, req: ChatRequest, index: int, r: GenerateRe
             "finish_reason": chat_finish_reason(r, bool(calls)), "matched_stop": r.matched_stop}
 
 
+def _chat_choices(state: ServerState, req: ChatRequest, results: list[GenerateResult],
+                  splitters: list[ReasoningSplitter | None]) -> list[dict[str, Any]]:
+    """The choices with reasoning split off (in a worker thread: counting reasoning tokens decodes ids)."""
+    return [_chat_choice(state, req, i, r, s) for i, (r, s) in enumerate(zip(results, splitters))]
+
+
 def _reasoning_fields(text: str | None) -> dict[str, Any]:
     """Reasoning on a chat message or delta: reasoning_content (DeepSeek's and SGLang's name) and reasoning (vLLM's)."""
     return {"reasoning_content": text, "reasoning": text}
@@ -228,9 +238,10 @@ class _ChatStream(_Stream):
     """Turns engine deltas into chat.completion.chunk events (tool calls parsed on the fly)."""
 
     def __init__(self, state: ServerState, req: ChatRequest, head: dict[str, Any], num_choices: int,
-                 prompt_len: int, plan: ReasoningPlan) -> None:
+                 prompt_len: int, plan: ReasoningPlan, rendered: tuple[list[int], dict[str, Any]] = ([], {})) -> None:
         super().__init__(head, "chat.completion.chunk", req.common.include_usage)
         self.state, self.req, self.prompt_len, self.plan = state, req, prompt_len, plan
+        self.rendered = rendered  # the prompt ids and the template's keywords (for the history prefetch)
         self.parsers = [StreamingToolParser() if req.tools else None for _ in range(num_choices)]
         self.splitters = [plan.splitter() for _ in range(num_choices)]
         self.results: list[GenerateResult] = []
@@ -271,6 +282,10 @@ class _ChatStream(_Stream):
             finish = chat_finish_reason(r, parser is not None and parser.num_calls > 0)
             if i == 0:  # a session's turn is settled by its first choice
                 settle_turn(self.state, self.req.common.sampling.get("session_id"), finish == "tool_calls")
+                message = _chat_choice(self.state, self.req, 0, r, self.plan.splitter())["message"]
+                prompt_ids, template_kwargs = self.rendered
+                after_chat_turn(self.state, self.req.messages, self.req.tools, template_kwargs, prompt_ids, r,
+                                message, self.req.common.sampling)
             out.append(self.chunk(i, {}, finish=finish))
         return out
 
