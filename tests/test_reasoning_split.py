@@ -173,3 +173,22 @@ def test_server_flag():
     assert ServerConfig(reasoning_parser="auto").reasoning_parser == "auto"
     with pytest.raises(ValueError, match="reasoning_parser"):
         ServerConfig(reasoning_parser="o1")
+
+
+def test_plan_reads_where_the_prompt_leaves_the_output(tmp_path):
+    from radixserve.bench.demo_kit.tokenizer import build_tokenizer
+    from radixserve.frontend.reasoning import plan_reasoning
+    from radixserve.scheduler.tokenizer import Tokenizer
+
+    build_tokenizer(str(tmp_path), 512)
+    tok = Tokenizer(str(tmp_path))
+    head = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    opened = plan_reasoning(QWEN3, tok, tok.encode(head + "<think>\n"), budget=7)
+    assert opened.splitter().starts_in_reasoning and opened.sampling() == {
+        "reasoning_end": "\n</think>\n\n", "reasoning_open": None, "reasoning_budget": 7}
+    plain = plan_reasoning(QWEN3, tok, tok.encode(head))
+    assert not plain.splitter().starts_in_reasoning and plain.sampling()["reasoning_open"] == OPEN_TAG
+    assert plan_reasoning(R1, tok, tok.encode(head)).splitter().starts_in_reasoning  # R1 starts inside anyway
+    off = plan_reasoning(QWEN3, tok, tok.encode(head + "<think>\n\n</think>\n\n"), budget=7)
+    assert off.splitter() is None and off.sampling() == {}  # thinking turned off: all answer, no budget
+    assert plan_reasoning(None, tok, tok.encode(head)).sampling() == {}
