@@ -1,5 +1,6 @@
 """A request's reasoning options, as the OpenAI APIs spell them, read into one ReasoningOptions (bad values are 400s
-naming the client's field). Chat: `reasoning_effort` and `chat_template_kwargs`; Responses: `reasoning.effort`.
+naming the client's field). Chat: `reasoning_effort`, `chat_template_kwargs` and `thinking_token_budget` (vLLM's
+name: a reasoning budget in tokens, over the effort's); Responses: `reasoning.effort`.
 Efforts map through frontend/reasoning.effort_settings (none / minimal: thinking off; low / medium / high: on, with
 EFFORT_BUDGETS reasoning tokens)."""
 from __future__ import annotations
@@ -46,9 +47,12 @@ def read_effort(reader: FieldReader, key: str) -> ReasoningOptions:
 
 
 def read_chat_reasoning(reader: FieldReader) -> ReasoningOptions:
-    """Chat completions: reasoning_effort and chat_template_kwargs (an object of template variables, e.g.
-    {"enable_thinking": false})."""
+    """Chat completions: reasoning_effort, thinking_token_budget and chat_template_kwargs (an object of template
+    variables, e.g. {"enable_thinking": false})."""
     options = read_effort(reader, "reasoning_effort")
+    budget = reader.int("thinking_token_budget", None, lo=1)
+    if budget is not None:
+        options = ReasoningOptions(options.thinking, budget)
     raw = reader.raw("chat_template_kwargs")
     if raw is None:
         return options

@@ -81,6 +81,24 @@ def test_effort_on_keeps_thinking_with_its_budget(client):
     assert out.choices[0].message.model_dump()["reasoning_content"] == THINK_REASONING
 
 
+def test_thinking_token_budget_cuts_the_reasoning(server, client):
+    guard = Guard(server)
+    out = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0,
+                                         extra_body={"thinking_token_budget": 9})
+    message = out.choices[0].message.model_dump()
+    assert message["content"] == THINK_ANSWER and out.choices[0].finish_reason == "stop"
+    assert THINK_REASONING.startswith(message["reasoning_content"])
+    assert len(message["reasoning_content"]) < len(THINK_REASONING)
+    # The model's 9 tokens and the forced "\n</think>" (its last token closes the reasoning).
+    assert 9 < out.usage.completion_tokens_details.reasoning_tokens < REASONING_TOKENS
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, stream=True,
+                                                 extra_body={"thinking_token_budget": 9}))
+    streamed = [c.choices[0].delta.model_dump() for c in chunks if c.choices]
+    assert "".join(d.get("reasoning_content") or "" for d in streamed) == message["reasoning_content"]
+    assert "".join(d.get("content") or "" for d in streamed) == THINK_ANSWER
+    guard.check()  # idle afterwards: the forced tokens' KV came back like any other
+
+
 def test_reasoning_sent_back_is_rendered(client):
     base = [*ASK, {"role": "assistant", "content": THINK_ANSWER}, {"role": "user", "content": "And again?"}]
     plain = client.chat.completions.create(model=MODEL, messages=base, temperature=0, max_tokens=1)
@@ -94,6 +112,8 @@ def test_reasoning_sent_back_is_rendered(client):
 @pytest.mark.parametrize("body, param", [
     ({"reasoning_effort": "max"}, "reasoning_effort"),
     ({"reasoning_effort": 3}, "reasoning_effort"),
+    ({"thinking_token_budget": 0}, "thinking_token_budget"),
+    ({"thinking_token_budget": "9"}, "thinking_token_budget"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
