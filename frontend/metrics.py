@@ -35,6 +35,10 @@ _ENGINE_METRICS = (
     ("num_evicted_tokens", "evicted_tokens_total", "counter", "Tokens evicted from the radix cache."),
     ("num_requests_finished", "requests_finished_total", "counter", "Requests finished by the engine."),
     ("num_retractions", "retractions_total", "counter", "Requests retracted under KV pressure."),
+    ("num_prefix_only_requests", "prefix_only_requests_total", "counter",
+     "Prefix-only requests admitted (cache warm-ups and the server's rewritten-history prefetches)."),
+    ("num_prefix_only_computed", "prefix_only_computed_tokens_total", "counter",
+     "Prompt tokens prefix-only requests computed."),
 )
 
 
@@ -49,6 +53,7 @@ class ServerMetrics:
         self.finish_reasons: Counter[str] = Counter()
         self.http_responses: Counter[int] = Counter()
         self.tenants: dict[str, Counter[str]] = {}  # tenant -> _TENANT_COUNTERS key -> total
+        self.history_rewrites = 0  # chat turns whose history the template renders otherwise (rewrite_prefetch.py)
 
     def observe_result(self, ttft_s: float | None, e2e_s: float | None, completion_tokens: int,
                        finish_reason: str) -> None:
@@ -89,6 +94,8 @@ class ServerMetrics:
                     stats["total_slots"] - stats["free_slots"])
         _scalar(lines, "http_requests_in_flight", "gauge",
                 "Engine requests admitted by the HTTP server and not yet finished.", num_in_flight)
+        _scalar(lines, "chat_history_rewrites_total", "counter", "Chat turns whose next rendering differs from "
+                "the tokens computed (their canonical history is prefetched when idle).", self.history_rewrites)
         with self._lock:
             _histogram(lines, "time_to_first_token_seconds", "Time to first token.", self.ttft)
             _histogram(lines, "time_per_output_token_seconds", "Time per output token after the first.", self.tpot)

@@ -82,10 +82,11 @@ class ServerState:
         return signing_key(self.config.thinking_key)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                    **template_kwargs: Any) -> list[int]:
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
         """`template_kwargs`: the template's own switches (enable_thinking)."""
         try:
-            ids = self.engine.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+            ids = self.engine.tokenizer.apply_chat_template(messages, tools=tools,
+                                                            add_generation_prompt=add_generation_prompt,
                                                             **template_kwargs)
         except Exception as exc:  # template errors (e.g. a role order it refuses) are input errors
             raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc

@@ -35,6 +35,9 @@ from typing import Iterable
 from .req import Req
 
 DEFAULT_TENANT = "default"
+# The lowest priority is idle-only: such a request is admitted only when nothing else runs or waits (a history
+# prefetch, frontend/rewrite_prefetch.py). SamplingParams.priority stays within [-(2**31), IDLE_PRIORITY].
+IDLE_PRIORITY = 2**31 - 1
 W_IN, W_OUT, W_CACHED = 1.0, 2.0, 0.1  # service per computed prompt token, sampled token, cached prompt token
 LAS_QUANTUM = 2048.0  # service (in W_IN tokens) below which a program is at level 0; each doubling adds a level
 MAX_PROGRAMS = 65_536  # attained service kept for this many programs (least recently served dropped)

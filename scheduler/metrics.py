@@ -58,12 +58,19 @@ class EngineMetrics:
     num_shared_prefix_steps: int = 0  # steps whose attention read shared prefixes once
     num_shared_prefix_tokens: int = 0  # KV tokens of those prefixes (each counted once per step)
     num_shared_prefix_reads_saved: int = 0  # per-request reads of them that were not needed
+    # Prefix-only requests (max_new_tokens=0: cache warm-ups, the server's history prefetches) and the prompt
+    # tokens they had to compute.
+    num_prefix_only_requests: int = 0
+    num_prefix_only_computed: int = 0
 
     def count_admission(self, prompt_tokens: int, cached_tokens: int, prefix_only: bool) -> None:
         """A prefix-only request (max_new_tokens=0, a cache warm-up) is left out of the hit rate (§12)."""
         if not prefix_only:
             self.num_prompt_tokens += prompt_tokens
             self.num_cached_tokens += cached_tokens
+        else:
+            self.num_prefix_only_requests += 1
+            self.num_prefix_only_computed += prompt_tokens - cached_tokens
 
     @property
     def cache_hit_rate(self) -> float:
@@ -100,6 +107,8 @@ def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
         "num_shared_prefix_steps": m.num_shared_prefix_steps,
         "num_shared_prefix_tokens": m.num_shared_prefix_tokens,
         "num_shared_prefix_reads_saved": m.num_shared_prefix_reads_saved,
+        "num_prefix_only_requests": m.num_prefix_only_requests,
+        "num_prefix_only_computed": m.num_prefix_only_computed,
         "step_time_s": m.step_time_s, "step_parts_s": dict(m.step_parts_s),
         "tenant_slots": slots_by_tenant(planner.running),
         "tenant_caps": dict(planner.tenant_caps),

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import EngineConfig
-from .fair_share import tenant_of
+from .fair_share import IDLE_PRIORITY, tenant_of
 from .kv_ops import PrefixKV
 from .policy import SchedulePolicy
 from .req import Req, ReqStatus
@@ -132,6 +132,8 @@ class Planner:
                 tenant = tenant_of(req)
                 if tenant in running and running[tenant] >= self.tenant_caps[tenant]:
                     continue  # its tenant runs its most already: it waits, others go on
+                if req.params.priority >= IDLE_PRIORITY and not self._idle():
+                    continue  # idle-only work (a history prefetch) never shares a step with real work
                 first_admission = req.cached_tokens is None
                 if not self._try_admit(req, batch, budget, decode_room, shields.get(id(req))):
                     break  # head-of-line: smaller requests must not starve a big one
@@ -145,6 +147,11 @@ class Planner:
             for _, node in shields.values():
                 self.kv.tree.unlock(node)
         return admitted
+
+    def _idle(self) -> bool:
+        """No work but idle-priority work is running or waiting."""
+        return all(r.params.priority >= IDLE_PRIORITY for r in self.running) and all(
+            r.params.priority >= IDLE_PRIORITY for r in self.waiting)
 
     def _running_per_capped_tenant(self) -> dict[str, int]:
         """Running requests of each tenant with a cap of its own (tenant_caps)."""

@@ -212,3 +212,21 @@ def test_charges_follow_the_batch_the_engine_ran(ckpt):
     # c arrived with nobody backlogged: lifted to the counter of the last tenant that was (a's), no banked credit.
     assert share.counter("c") == pytest.approx(share.counter("a") + (W_IN * 1 + 0.1 * 19 + W_OUT * 1) / 2)
     engine.shutdown()
+
+
+def test_idle_priority_work_runs_only_in_steps_without_other_work(ckpt):
+    from radixserve.scheduler.fair_share import IDLE_PRIORITY
+
+    engine = _engine(ckpt)
+    engine.add_request([5] * 24, _params("a", max_new=8), rid="real")
+    engine.add_request([6] * 24, SamplingParams(max_new_tokens=0, priority=IDLE_PRIORITY), rid="prefetch")
+    finished, step = {}, 0
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.finished:
+                finished[delta.rid] = step
+        step += 1
+    assert finished["prefetch"] > finished["real"]  # never in a step with the real request
+    assert engine.kv.tree.match_length([6] * 24 + [0], None) >= 23  # and its prompt got cached
+    engine.check_integrity()
+    engine.shutdown()
