@@ -165,6 +165,13 @@ def test_responses_stream_reasoning_events(client):
     assert got.output[0].content[0].text == THINK_REASONING and got.output_text == THINK_ANSWER
 
 
+def test_responses_thinking_token_budget(client):
+    r = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0,
+                                extra_body={"thinking_token_budget": 9})
+    text = r.output[0].content[0].text
+    assert THINK_REASONING.startswith(text) and len(text) < len(THINK_REASONING) and r.output_text == THINK_ANSWER
+
+
 def test_responses_effort_none_turns_thinking_off(client):
     r = client.responses.create(model=MODEL, input=ASK[0]["content"], temperature=0, reasoning={"effort": "none"})
     assert [o.type for o in r.output] == ["message"] and r.output_text == THINK_ANSWER
