@@ -13,7 +13,7 @@ from .engine_client import EngineClient, Job
 from .errors import APIError, bad_request
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
-from .reasoning import ReasoningPlan, ReasoningSplitter, ReasoningSyntax, new_splitter, plan_reasoning, resolve_syntax
+from .reasoning import ReasoningPlan, ReasoningSyntax, plan_reasoning, resolve_syntax
 from .response_store import ResponseStore
 from .tenants import Tenants
 from .thinking_signature import signing_key
@@ -49,10 +49,6 @@ class ServerState:
     def reasoning(self) -> ReasoningSyntax | None:
         """The reasoning parser's syntax (`--reasoning-parser`, frontend/reasoning.py); None: no splitting."""
         return resolve_syntax(self.config.reasoning_parser, self.engine.tokenizer.chat_template)
-
-    def splitter(self, prompt_ids: list[int]) -> ReasoningSplitter | None:
-        """A reasoning splitter for one choice of a request with this prompt (None without a parser)."""
-        return new_splitter(self.reasoning, self.engine.tokenizer, prompt_ids)
 
     def reasoning_plan(self, prompt_ids: list[int], budget: int | None = None) -> ReasoningPlan:
         """The reasoning of a request with this prompt: splitters per choice, the engine's budget fields."""
