@@ -115,6 +115,13 @@ CASES = [
     _case("tool-choice-names-unknown-tool", MSG, msg(tools=[TOOL], tool_choice={"type": "tool", "name": "fly"}),
           says="fly"),
     _case("tool-choice-any-without-tools", MSG, msg(tool_choice={"type": "any"}), says="tool_choice"),
+    _case("tool-schema-invalid-forced", MSG, msg(tools=[dict(TOOL, input_schema={"type": "object", "properties": {
+        "a": {"type": "nonsense"}}})], tool_choice={"type": "any"}), says="invalid tools"),
+    _case("output-format-invalid-schema", MSG, msg(output_config={"format": {"type": "json_schema",
+                                                                             "schema": {"type": "bogus"}}}),
+          says="invalid output_config.format"),
+    _case("output-format-with-forced-tool", MSG, msg(tools=[TOOL], tool_choice={"type": "any"}, output_config={
+        "format": {"type": "json_schema", "schema": {"type": "object"}}}), says="output_config.format"),
     _case("stop-sequences-number", MSG, msg(stop_sequences=5), says="stop_sequences"),
     _case("stop-sequences-empty-string", MSG, msg(stop_sequences=[""]), says="stop_sequences"),
     _case("temperature-negative", MSG, msg(temperature=-1), says="temperature"),
