@@ -20,6 +20,7 @@ from .engine_client import EngineClient, Job, engine_call
 from .errors import APIError, ErrorGuard, bad_request, exception_handlers, shutting_down
 from .logprobs import TokenTexts, token_bytes_fn
 from .metrics import ServerMetrics
+from .reasoning import supports_thinking_toggle
 from .response_store import ResponseStore
 from .state import ServerState
 from .tenants import Tenants
@@ -38,12 +39,27 @@ def build_state(engine: Any, config: ServerConfig, tenants: Tenants | None = Non
     _use_chat_template(tokenizer, config.chat_template)
     texts = TokenTexts(lambda t: tokenizer.decode([t], skip_special_tokens=False), token_bytes_fn(tokenizer),
                        lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    return ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
+    state = ServerState(engine=engine, config=config, client=EngineClient(engine, config, metrics),
                        metrics=metrics, model_name=config.model_name(), texts=texts,
                        created=int(time.time()),
                        responses=ResponseStore(config.response_store, config.response_store_max_items,
                                                config.response_store_ttl_s),
                        tenants=tenants if tenants is not None else Tenants.from_config(config.api_key, config.api_keys))
+    _log_reasoning(state)
+    return state
+
+
+def _log_reasoning(state: ServerState) -> None:
+    """Which reasoning parser --reasoning-parser gave (auto: from the template), and whether thinking can be off."""
+    if state.config.reasoning_parser is None:
+        return
+    template = state.engine.tokenizer.chat_template
+    if state.reasoning is None:
+        logger.warning("--reasoning-parser auto: the chat template shows no <think> tags; outputs are all answer")
+        return
+    switch = "enable_thinking" if supports_thinking_toggle(template) else "none in the template"
+    logger.info("reasoning parser: %s (--reasoning-parser %s); thinking switch: %s", state.reasoning.kind,
+                state.config.reasoning_parser, switch)
 
 
 def _use_chat_template(tokenizer: Any, path: str | None) -> None:
