@@ -69,17 +69,33 @@ def parse_messages_request(body: Any, structured: bool, key: bytes, count_only: 
     """`key`: the thinking-signature key (a returned thinking block must verify); `count_only`: count_tokens's body
     (no max_tokens, nothing generated)."""
     reader = FieldReader(body)
-    max_tokens = None
-    if not count_only:
-        if not reader.has("max_tokens"):
-            raise bad_request("max_tokens is required", "max_tokens", code="missing_required_parameter")
-        max_tokens = reader.int("max_tokens", lo=0)
+    max_tokens = None if count_only else _max_tokens(reader)
     check_cache_control(reader, "cache_control")
     messages = _system(reader) + parse_messages(reader.raw("messages"), key)
     tools, grammar, single_call = _parse_tools(reader, structured)
+    output = reader.obj("output_config")
+    sampling, seed = _sampling(reader, grammar, output, structured, max_tokens)
+    metadata = reader.obj("metadata")
+    if metadata is not None:
+        metadata.str("user_id")
+    reasoning = _parse_thinking(reader, output, max_tokens)
+    return MessagesRequest(model=reader.str("model"), max_tokens=max_tokens, stream=reader.bool("stream", False),
+                           messages=messages, tools=tools, sampling=sampling, seed=seed, reasoning=reasoning,
+                           single_call=single_call)
+
+
+def _max_tokens(reader: FieldReader) -> int:
+    if not reader.has("max_tokens"):
+        raise bad_request("max_tokens is required", "max_tokens", code="missing_required_parameter")
+    return reader.int("max_tokens", lo=0)
+
+
+def _sampling(reader: FieldReader, grammar: tuple[dict[str, Any], bool] | None, output: FieldReader | None,
+              structured: bool, max_tokens: int | None) -> tuple[dict[str, Any], int | None]:
+    """(SamplingParams kwargs, seed): chat's sampling fields, stop_sequences, and one grammar (the answer's
+    output_config.format, or the tools' call grammar), validated together with the client's names."""
     sampling = read_openai_sampling(reader)
     sampling["stop"] = reader.str_list("stop_sequences", MAX_STOP_STRINGS)
-    output = reader.obj("output_config")
     schema = _output_format(output, structured) if output is not None else None
     if schema is not None:
         sampling["json_schema"] = schema
@@ -93,13 +109,7 @@ def parse_messages_request(body: Any, structured: bool, key: bytes, count_only: 
     seed = reader.int("seed", None, lo=-(2**63), hi=2**63 - 1)
     make_sampling_params(dict(sampling, max_new_tokens=max_tokens or sampling["min_new_tokens"], seed=seed),
                          SAMPLING_NAMES)
-    metadata = reader.obj("metadata")
-    if metadata is not None:
-        metadata.str("user_id")
-    reasoning = _parse_thinking(reader, output, max_tokens)
-    return MessagesRequest(model=reader.str("model"), max_tokens=max_tokens, stream=reader.bool("stream", False),
-                           messages=messages, tools=tools, sampling=sampling, seed=seed, reasoning=reasoning,
-                           single_call=single_call)
+    return sampling, seed
 
 
 def check_cache_control(reader: FieldReader, key: str) -> None:
