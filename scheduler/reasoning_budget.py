@@ -49,6 +49,9 @@ class _ReasoningState:
 
 
 class ReasoningBudget:
+    """The engine's one owner of output reasoning (see the module docstring): attach() at admission, after_token()
+    after every sampled token, grammar_active() wherever a grammar would act."""
+
     def __init__(self, tokenizer: Any, outputs: OutputProcessor) -> None:
         self.tokenizer = tokenizer
         self.outputs = outputs
