@@ -129,9 +129,9 @@ class Planner:
             for req in order:
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
-                tenant = tenant_of(req)
-                if tenant in running and running[tenant] >= self.tenant_caps[tenant]:
+                if self._capped(req, running):
                     continue  # its tenant runs its most already: it waits, others go on
+                tenant = tenant_of(req)
                 if req.params.priority >= IDLE_PRIORITY and not self._idle():
                     continue  # idle-only work (a history prefetch) never shares a step with real work
                 first_admission = req.cached_tokens is None
@@ -161,6 +161,12 @@ class Planner:
             if tenant in running:
                 running[tenant] += 1
         return running
+
+    def _capped(self, req: Req, running: dict[str, int]) -> bool:
+        """Its tenant runs its most already (`running`: _running_per_capped_tenant): it waits, and nothing is
+        preempted for it."""
+        tenant = tenant_of(req)
+        return tenant in running and running[tenant] >= self.tenant_caps[tenant]
 
     def _shield_prefixes(self, order: list[Req], decode_room: int,
                          budget: int) -> dict[int, tuple[list[int], Any]]:
@@ -252,7 +258,11 @@ class Planner:
         share = self.policy.share
         if share is None or not self.waiting or not self.running or not share.may_preempt(self.waiting, self.running):
             return  # the common case, in one pass over each queue
-        head = self.policy.order(self.waiting, step, running=self.running)[0]
+        running = self._running_per_capped_tenant()
+        head = next((r for r in self.policy.order(self.waiting, step, running=self.running)
+                     if not self._capped(r, running)), None)
+        if head is None:
+            return
         eligible = share.eligible(head, self.running)
         if self._fits(head) or not self._fits(head, freed=eligible):
             return

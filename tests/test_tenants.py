@@ -108,3 +108,39 @@ def test_engine_session_is_per_tenant():
     long = "x" * MAX_SESSION_ID
     scoped = engine_session(long, "a" * 64)
     assert len(scoped) <= MAX_SESSION_ID and scoped != engine_session(long[:-1] + "y", "a" * 64)
+
+
+# -- the engine's running cap ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from _engine_helpers import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory, "tenant-caps")
+
+
+def test_engine_cap_waits_without_preempting_for_it(ckpt):
+    """A tenant at its cap waits while others run; nothing is preempted for its waiting work, even when its share
+    (weight 10, so the lowest counter) puts it first in admission order and the running slots are full."""
+    import torch
+
+    from radixserve.scheduler import Engine, SamplingParams
+
+    torch.set_num_threads(1)
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024, max_running_requests=2, chunked_prefill_size=64)
+    engine.set_tenants({"a": {"weight": 10.0, "max_running_requests": 1}, "b": {"weight": 1.0}})
+    for i, tenant in enumerate(["a", "a", "b", "b"]):
+        engine.add_request(list(range(10 + 20 * i, 30 + 20 * i)), SamplingParams(
+            max_new_tokens=12, temperature=0.0, ignore_eos=True, tenant=tenant), rid=f"{tenant}{i}")
+    most_a, finished = 0, 0
+    while engine.has_unfinished():
+        finished += sum(d.finished for d in engine.step())
+        most_a = max(most_a, sum(r.params.tenant == "a" for r in engine.planner.running))
+        assert engine.stats()["tenant_slots"].get("a", 0) <= 20 + 12
+    stats = engine.stats()
+    assert finished == 4 and most_a == 1
+    assert stats["num_retractions"] == 0, stats["num_retractions"]
+    assert stats["tenant_caps"] == {"a": 1} and stats["tenant_weights"] == {"a": 10.0, "b": 1.0}
+    engine.check_integrity()
+    engine.shutdown()
