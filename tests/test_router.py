@@ -165,6 +165,16 @@ def test_generation_endpoints_pass_through_with_the_api_key(replicas):
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_messages_api_is_served_by_the_workers_not_the_router(replicas):
+    """sglang-router 0.3.2 has no route for Anthropic's /v1/messages (README "Replicas and routing" says so; this
+    fails once a router passes it on), while each worker answers it with the same key."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(replicas.url + "/v1/messages", json=body, headers=AUTH, timeout=60).status_code == 404
+    for url, _ in workers(replicas).values():
+        r = httpx.post(url + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+        assert r.status_code == 200 and r.json()["type"] == "message", r.text
+
+
 def _computed(server: ServerProcess, url: str, requests) -> int:
     """Prompt tokens computed (not cached) over both workers for `requests` sent one by one to url."""
     flush_all(server)
