@@ -104,7 +104,9 @@ def check_model_dir(model: str) -> None:
     file, what looks like a hub id, or (gguf_file.check_gguf) a GGUF file it cannot load."""
     if os.path.isdir(model):
         return
-    if is_gguf_path(model) and os.path.isfile(model):
+    if is_gguf_path(model):
+        if not os.path.isfile(model):
+            raise ConfigError(f"--model {model!r}: no such GGUF file")
         try:
             check_gguf(model)
         except ValueError as exc:

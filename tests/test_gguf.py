@@ -179,11 +179,13 @@ def test_bad_gguf_files_fail_in_one_line(tmp_path, name, edit, message):
         Engine(path, num_threads=1, kv_cache_tokens=256)
 
 
-def test_cli_refuses_a_bad_gguf_before_loading(tmp_path):
-    path = _patched(tmp_path, "q2_k.gguf", _set_first_type(10))
+@pytest.mark.parametrize("name, message", [("q2_k.gguf", "Q2_K, which radixserve does not load"),
+                                           ("missing.gguf", "no such GGUF file")])
+def test_cli_refuses_a_bad_gguf_before_loading(tmp_path, name, message):
+    path = _patched(tmp_path, name, _set_first_type(10)) if name == "q2_k.gguf" else str(tmp_path / name)
     r = subprocess.run([sys.executable, "-m", "radixserve.frontend.cli", "serve", "--port", "0", "--model", path],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "Q2_K" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
 def test_tensor_names_outside_the_forward_are_refused():
@@ -268,3 +270,15 @@ def test_q4_k_m_fixture_kept_quantized_decodes_as_its_bf16_dequantized_copy(tmp_
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF: "))
     assert ("kept Q4_K" in line and "Q6_K" in line and "fused with another type (3 tensors)" in line) == keep, line
     assert ours == greedy(str(ref), "bfloat16")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_round_trip_in_bf16_decodes_as_the_dequantized_model(tmp_path, caplog, qtype):
+    """The round trip in bf16, where the block tensors stay quantized on a CPU with the quantized tile kernel."""
+    src = cached_checkpoint("llama", **TINY)
+    path = export_gguf(src, str(tmp_path / f"{qtype}.gguf"), qtype)
+    with caplog.at_level(logging.INFO, logger="radixserve.kernels.gguf_loader"):
+        ours = greedy(path, "bfloat16")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF: "))
+    assert (f"kept {qtype} (15 tensors)" in line) == gguf_loader.keeps_blocks(torch.bfloat16, CPU), line
+    assert ours == greedy(dequantized_copy(src, str(tmp_path / "ref"), qtype), "bfloat16")
