@@ -22,6 +22,7 @@ from .engine_client import collect
 from .errors import APIError
 from .openai_api import json_response, openai_usage, raise_if_failed, sse_events
 from .reasoning import ReasoningSplitter
+from .salt_policy import system_boundary
 from .sessions_api import settle_turn
 from .sse import SSEResponse, sse_event
 from .state import ServerState
@@ -35,8 +36,10 @@ async def create_message(state: ServerState, request: Request, body: Any) -> Any
     rid = state.new_id("msg").replace("-", "_")
     plan = state.reasoning_plan(prompt_ids, req.reasoning.effective_budget())
     turn = _Turn(state, req, rid, prompt_ids, plan.splitter())
-    jobs = state.make_jobs(prompt_ids, req.sampling, 1, rid, req.seed, ENGINE_NAMES, max_new_tokens=req.max_tokens,
-                           **plan.sampling())
+    kwargs = req.reasoning.render_kwargs(state.engine.tokenizer.chat_template)
+    system = lambda: system_boundary(state, req.messages, req.tools, kwargs, prompt_ids)  # noqa: E731
+    jobs = state.make_jobs(prompt_ids, req.sampling, 1, rid, req.seed, ENGINE_NAMES, system=system,
+                           max_new_tokens=req.max_tokens, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
     if req.stream:
         return SSEResponse(sse_events(sub, _MessageStream(turn), request), on_close=sub.close)

@@ -17,6 +17,7 @@ from .reasoning import REASONING_PARSERS
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # sglang-router's routing policies (`--policy`); cache_aware routes by prefix match, manual by the
 # x-smg-routing-key header (README "Replicas and routing").
+TENANT_SALTS = ("none", "after-system")  # --tenant-salt (frontend/salt_policy.py)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 
 # What /v1/models lists for the built-in demo model (its cache path is no name to type).
@@ -45,6 +46,10 @@ class ServerConfig:
         None, "the HMAC key that signs /v1/messages thinking blocks, so a block sent back is verified (replicas "
               "behind one router must share it); None: $RADIXSERVE_THINKING_KEY, else a random key per start")
     engine: EngineConfig = option(EngineConfig(), "how the engine loads the model, caches prefixes and schedules requests")
+    tenant_salt: str = option(
+        "none", "with --api-keys: after-system salts each request with its tenant from the end of its system message "
+                "on, so tenants share a common system prompt's KV and nothing after it (frontend/salt_policy.py)",
+        choices=TENANT_SALTS)
     max_queued_requests: int = option(256, "requests accepted beyond --max-running-requests before 429")
     max_tokens_default: int = option(2048, "chat: generate until EOS or the context end, capped by this")
     max_n: int = option(16, "the largest n (choices per prompt) a request may ask for")
@@ -82,6 +87,7 @@ class ServerConfig:
         check_choice("log_level", str(self.log_level).lower(), LOG_LEVELS)
         check_int("replicas", self.replicas, lo=1)
         check_choice("router_policy", self.router_policy, ROUTER_POLICIES)
+        check_choice("tenant_salt", self.tenant_salt, TENANT_SALTS)
         if self.reasoning_parser is not None:
             check_choice("reasoning_parser", self.reasoning_parser, REASONING_PARSERS)
         for secret in ("api_key", "thinking_key"):

@@ -5,6 +5,7 @@ import math
 from typing import Any
 
 from .errors import bad_request, param_from_message
+from .salt_policy import read_salt_after
 from ..scheduler.checks import in_range, range_message
 from ..scheduler.sampling_params import SamplingParams
 
@@ -119,6 +120,7 @@ OPENAI_SAMPLING_NAMES = {
     "logprobs": "logprobs",
     "logprob_start_len": "logprob_start_len",
     "cache_salt": "cache_salt",
+    "cache_salt_after": "cache_salt_after",
     "session_id": "session_id",
     "priority": "priority",
     "skip_special_tokens": "skip_special_tokens",
@@ -143,6 +145,8 @@ def read_openai_sampling(reader: FieldReader) -> dict[str, Any]:
         "stop": reader.str_list("stop", MAX_STOP_STRINGS),
         "stop_token_ids": reader.int_list("stop_token_ids"),
         "cache_salt": reader.str("cache_salt"),
+        # A count, or the name of the system boundary (resolved per prompt by frontend/salt_policy.py).
+        "cache_salt_after": read_salt_after(reader.raw("cache_salt_after"), reader.name("cache_salt_after")),
         "session_id": reader.str("session_id"),
         "priority": reader.int("priority", 0, lo=-(2**31), hi=2**31 - 1) or 0,  # vLLM's: lower runs first
         "skip_special_tokens": reader.bool("skip_special_tokens", True),
@@ -153,7 +157,10 @@ def read_openai_sampling(reader: FieldReader) -> dict[str, Any]:
 
 
 def make_sampling_params(kwargs: dict[str, Any], names: dict[str, str]) -> SamplingParams:
-    """Builds SamplingParams; its ValueError becomes a 400 naming the client's parameter."""
+    """Builds SamplingParams; its ValueError becomes a 400 naming the client's parameter. A cache_salt_after named
+    by its boundary ("system") stands for a count here: the count comes with the prompt (salt_policy.resolve_salt)."""
+    if isinstance(kwargs.get("cache_salt_after"), str):
+        kwargs = dict(kwargs, cache_salt_after=0)
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:

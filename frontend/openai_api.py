@@ -19,6 +19,7 @@ from .errors import APIError, bad_request
 from .logprobs import CompletionLogprobs, chat_logprobs, prompt_entries
 from .reasoning import ReasoningPlan, ReasoningSplitter, split_output
 from .rewrite_prefetch import after_chat_turn
+from .salt_policy import system_boundary
 from .protocol import (
     ChatRequest,
     CommonOptions,
@@ -45,7 +46,8 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     names = dict(_CHAT_NAMES, max_new_tokens=common.max_tokens_param)
     max_new = resolve_max_tokens(state, len(prompt_ids), common, names)
     rid = state.new_id("chatcmpl")
-    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names,
+    system = lambda: system_boundary(state, req.messages, req.tools, template_kwargs, prompt_ids)  # noqa: E731
+    jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names, system=system,
                            max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
     head = _head(state, rid, common)

@@ -40,7 +40,8 @@ REFUSED_FIELDS = {
 # Extensions this server also reads on chat requests (SGLang / vLLM sampling knobs).
 PASSTHROUGH_FIELDS = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed",
                       "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens", "cache_salt",
-                      "logit_bias", "session_id", "priority", "thinking_token_budget")
+                      "logit_bias", "session_id", "priority", "thinking_token_budget",
+                      "cache_salt_after")
 # Parameter names of the chat request -> this API's (for the refusals of the shared parser).
 RENAMED_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
                   "tools": "tools", "logprobs": "include", "reasoning_effort": "reasoning.effort"}

@@ -6,7 +6,7 @@ import os
 import random
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Job
@@ -15,6 +15,7 @@ from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .reasoning import ReasoningPlan, ReasoningSyntax, plan_reasoning, resolve_syntax
 from .response_store import ResponseStore
+from .salt_policy import resolve_salt
 from .tenants import Tenants
 from .thinking_signature import signing_key
 from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
@@ -89,9 +90,13 @@ class ServerState:
         return list(ids)
 
     def make_jobs(self, prompt_ids: list[int], sampling: dict[str, Any], n: int, rid: str,
-                  seed: int | None, param_names: dict[str, str], **overrides: Any) -> list[Job]:
+                  seed: int | None, param_names: dict[str, str], system: Callable[[], int] | None = None,
+                  **overrides: Any) -> list[Job]:
         """The n choices of one prompt, one Job each; choice i uses seed base + i. The engine gets them as one
-        request (EngineClient.submit), and names and seeds them by the same rule."""
+        request (EngineClient.submit), and names and seeds them by the same rule. `system`: where the prompt's system
+        part ends (computed only if the salt needs it: frontend/salt_policy.py); None for a prompt without one."""
+        sampling = dict(sampling)
+        resolve_salt(self, sampling, system)
         base = self.base_seed(seed)
         return [Job(prompt_ids=prompt_ids, params=SamplingParams(**dict(sampling, seed=choice_seed(base, i),
                                                                           **overrides)),
