@@ -37,6 +37,7 @@ import httpx
 
 from .cache_sim import POLICIES, TraceRequest, simulate
 from .output import BenchOutput, bench_parser, parse_args, percentile
+from .plot import plot_agent_trace
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "rows": medians(runs),
               "runs": runs}
     out = BenchOutput("agent_trace", args.out)
-    out.finish(out.write_report(f"agent_trace_{args.model}", report, markdown(report)))
+    title = f"Agent trace, model {args.model}: medians of {args.repeats}"
+    draw = lambda path: plot_agent_trace(report["rows"], path, title)  # noqa: E731
+    out.finish(out.write_report(f"agent_trace_{args.model}", report, markdown(report), draw=draw))
     return report
 
 

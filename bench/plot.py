@@ -44,3 +44,39 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> No
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_agent_trace(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Two panels over the KV budget: excess recompute (sessions on, off, and the LRU and Bélády replays of the
+    sessions-on runs) and p99 turn latency (sessions on and off)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    on = sorted((r for r in rows if r["sessions"]), key=lambda r: r["budget"])
+    off = sorted((r for r in rows if not r["sessions"]), key=lambda r: r["budget"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 3.6))
+    series = [("sessions on", on, lambda r: r["excess"], "-"), ("sessions off (LRU)", off, lambda r: r["excess"], "-"),
+              ("LRU replay", on, lambda r: r["sim"]["lru"], ":"), ("Bélády replay", on, lambda r: r["sim"]["belady"],
+                                                                    "--")]
+    for num, (label, rs, value, style) in enumerate(series):
+        left.plot([r["budget"] for r in rs], [value(r) for r in rs], marker=_MARKERS[num], linestyle=style,
+                  label=label)
+    left.set_xlabel("KV budget (fraction of the working set)")
+    left.set_ylabel("excess recompute (tokens)")
+    left.legend(fontsize=8)
+    for num, (label, rs) in enumerate((("sessions on", on), ("sessions off (LRU)", off))):
+        right.plot([r["budget"] for r in rs], [r["turn_p99_s"] for r in rs], marker=_MARKERS[num], label=label)
+    right.set_xlabel("KV budget (fraction of the working set)")
+    right.set_ylabel("p99 turn latency (s)")
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(sorted({r["budget"] for r in rows}))
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

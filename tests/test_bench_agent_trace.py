@@ -39,6 +39,7 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
         assert 0 < row["busy"] < 1  # the engine stepped for part of the run, and idled while the tools ran
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
     assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
+    assert (tmp_path / "agent_trace_tiny.png").stat().st_size > 10_000  # recompute and p99 against the budget
 
 
 def test_rows_are_medians_over_the_repetitions():
