@@ -71,7 +71,8 @@ CASES = [
           says="messages[1].content[0].type"),
     _case("thinking-in-user-message", MSG, blocks({"type": "thinking", "thinking": "t", "signature": "s"}),
           says="content[0].type"),
-    _case("tool-result-without-tool-use", MSG, blocks({"type": "tool_result", "tool_use_id": "toolu_9", "content": "r"}),
+    _case("tool-result-without-tool-use", MSG, blocks({"type": "tool_result", "tool_use_id": "toolu_9",
+                                                       "content": "r"}),
           says="tool_use_id"),
     _case("tool-result-for-another-id", MSG, after_call({"type": "tool_result", "tool_use_id": "toolu_2"}),
           says="toolu_2"),
@@ -186,7 +187,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
     aborted = guard.stats_before["num_requests_aborted"]
     body = msg({"role": "user", "content": "stream away"}, max_tokens=400, ignore_eos=True, stream=True)
     with connect(server.url) as sock:
-        sock.sendall(request_bytes("POST", MSG, json.dumps(body).encode(), headers={"Content-Type": "application/json"}))
+        data = json.dumps(body).encode()
+        sock.sendall(request_bytes("POST", MSG, data, headers={"Content-Type": "application/json"}))
         head = read_until(sock, b"event: content_block_delta", 3)
         assert head.startswith(b"HTTP/1.1 200") and b"event: message_start" in head, head[:300]
     stats = guard.check()
