@@ -19,11 +19,13 @@ Scales and mins are fp32: GGUF's fp16 scales and Q4_K's products of an fp16 and 
   element j of pair row 2r in its low nibble and of pair row 2r + 1 in its high nibble).
 - ``PackedQuant.scales`` / ``mins``: [N / 16][K / g][16] fp32, a column block's 16 scales of a group together.
 
-Dequantization, defined once here and matched bit for bit by the kernel: int8 fp32(q) * scale (one fp32
-rounding); int4 fma(q, scale, min) (one rounding). The native kernel (cpu_quant.c) rounds each dequantized
-weight to bf16 (round to nearest even) and runs the bf16 tile product, fp32 sums, so its result equals the bf16
-tile linear on ``dequantize(...).bfloat16()`` weights. Where the native kernel cannot run, ``linear``
-dequantizes per call and uses F.linear (correct, slow).
+Dequantization, defined once here: int8 fp32(q) * scale (one fp32 rounding); int4 fma(q, scale, min) (one
+rounding). The native kernel (cpu_quant.c) runs on AMX tiles, fp32 sums, the output rounded to bf16 once. For up
+to 16 rows (decode) with groups of 32 or more it multiplies the integer values themselves (exact in bf16) and
+scales each group's sums in fp32 (adding min times the group's input sum), so the weights are never rounded;
+otherwise it rounds each dequantized weight to bf16 (nearest even) and equals the bf16 tile linear on
+``dequantize(...).bfloat16()`` bit for bit. Where tiles cannot run, ``linear`` dequantizes per call and uses
+F.linear (correct, slow).
 """
 from __future__ import annotations
 
