@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
 
@@ -107,8 +107,22 @@ class TurnRecord:
     output_ids: list[int]
 
 
+async def send_generate(client: httpx.AsyncClient, history: list[int], max_tokens: int,
+                        session: str | None) -> tuple[int, int, list[int]]:
+    """One turn through radixserve's /generate: (prompt tokens, cached tokens, output ids)."""
+    body: dict[str, Any] = {"input_ids": history, "sampling_params": {
+        "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    if session is not None:
+        body["session_params"] = {"id": session}
+    response = await client.post("/generate", json=body)
+    response.raise_for_status()
+    out = response.json()
+    return out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"], list(out["output_ids"])
+
+
 async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int], plan: AgentPlan,
-                    sessions: bool, apps_sent: set[int], records: list[TurnRecord]) -> float:
+                    sessions: bool, apps_sent: set[int], records: list[TurnRecord],
+                    send: Callable[..., Awaitable[tuple[int, int, list[int]]]] = send_generate) -> float:
     """One agent's turns; returns its completion time (arrival to its answer's last token)."""
     await asyncio.sleep(plan.arrival_s)
     start = time.monotonic()
@@ -118,19 +132,12 @@ async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int],
     apps_sent.add(plan.app)
     for turn in range(cfg.turns):
         last = turn == cfg.turns - 1
-        body: dict[str, Any] = {"input_ids": history, "sampling_params": {
-            "max_new_tokens": cfg.answer_tokens if last else cfg.call_tokens, "temperature": 0.0,
-            "ignore_eos": True}}
-        if sessions:
-            body["session_params"] = {"id": sid}
         sent = time.monotonic()
-        response = await client.post("/generate", json=body)
-        response.raise_for_status()
-        out = response.json()
-        meta = out["meta_info"]
-        records.append(TurnRecord(plan.index, turn, meta["prompt_tokens"], meta["cached_tokens"], cold,
-                                  time.monotonic() - sent, sent, history, list(out["output_ids"])))
-        history = history + list(out["output_ids"])
+        prompt_tokens, cached, output_ids = await send(client, history, cfg.answer_tokens if last else cfg.call_tokens,
+                                                       sid if sessions else None)
+        records.append(TurnRecord(plan.index, turn, prompt_tokens, cached, cold, time.monotonic() - sent, sent,
+                                  history, output_ids))
+        history = history + output_ids
         if last:
             break
         await asyncio.sleep(plan.waits_s[turn])
@@ -141,19 +148,23 @@ async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int],
     return time.monotonic() - start
 
 
-async def run_trace(url: str, cfg: TraceConfig, sessions: bool, kv_tokens: int) -> dict[str, Any]:
+async def run_trace(url: str, cfg: TraceConfig, sessions: bool, kv_tokens: int,
+                    send: Callable[..., Awaitable[tuple[int, int, list[int]]]] = send_generate,
+                    server_stats: bool = True) -> dict[str, Any]:
+    """The whole trace against one server; `server_stats`: it answers /get_server_info (radixserve), so its busy
+    fraction and pin counters are reported."""
     apps, agents = make_plan(cfg)
     records: list[TurnRecord] = []
     apps_sent: set[int] = set()
     limits = httpx.Limits(max_connections=cfg.agents + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        before = (await client.get("/get_server_info")).json()["stats"]
+        before = (await client.get("/get_server_info")).json()["stats"] if server_stats else {}
         start = time.monotonic()
-        done = await asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records)
+        done = await asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records, send)
                                       for a in agents))
         wall = time.monotonic() - start
-        stats = (await client.get("/get_server_info")).json()["stats"]
-    busy = (stats["step_time_s"] - before["step_time_s"]) / wall if wall else 0.0
+        stats = (await client.get("/get_server_info")).json()["stats"] if server_stats else {}
+    busy = (stats["step_time_s"] - before["step_time_s"]) / wall if wall and server_stats else None
     return summarize(records, done, wall, stats) | {"busy": busy, "sim": simulated_excess(records, kv_tokens)}
 
 
