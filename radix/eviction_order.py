@@ -1,8 +1,10 @@
-"""The eviction order of the radix tree's unlocked leaves (ARCHITECTURE §4): the policy's priority (LRU, or
-lru-reuse's hit bonus) within two tiers, unhinted before hinted. A hint marks a path a waiting request will match
-(`hint` / `unhint`, counted along the path like locks, moving to the parent when eviction takes the hinted leaf);
-`demote` puts a path nobody will continue (a closed session's) first in its tier. RadixCache inherits this; it keeps
-the index exact on every change, never rebuilding it."""
+"""What eviction may take from the radix tree and in which order (ARCHITECTURE §4).
+
+`lock` / `unlock` protect a path (a request's prefix, or a session's pin) and keep the locked / pinned / evictable
+sizes. The unlocked leaves are ordered by the policy's priority (LRU, or lru-reuse's hit bonus) within two tiers,
+unhinted before hinted: a hint marks a path a waiting request will match (`hint` / `unhint`, counted along the path
+like locks, moving to the parent when eviction takes the hinted leaf). `demote` puts a path nobody will continue (a
+closed session's) first in its tier. RadixCache inherits this; it keeps the index exact on every change."""
 from __future__ import annotations
 
 import math
@@ -22,6 +24,49 @@ class EvictionOrder:
     eviction_policy: str
     reuse_bonus: float
     _evictable_leaves: SortedDict
+    _evictable_size: int
+    _locked_size: int
+    _pinned_size: int
+
+    def lock(self, node: TreeNode, pin: bool = False) -> None:
+        """Protect node and its path to the root from eviction (counted; pair with unlock). A pin is a lock held
+        for a session between its requests: the slots only pins hold are counted in `pinned_size`, what dropping
+        every pin would make evictable."""
+        if node.is_root:
+            return
+        if node.is_evicted:
+            raise ValueError("lock: the node was evicted; match_prefix again and lock the new node")
+        deepest = node
+        while not node.is_root:
+            was_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
+            if node.lock_ref == 0:
+                self._evictable_size -= len(node.value)
+                self._locked_size += len(node.value)
+            node.lock_ref += 1
+            node.pin_ref += int(pin)
+            self._pinned_size += len(node.value) * (int(node.lock_ref == node.pin_ref) - int(was_pinned_only))
+            node = node.parent
+        self._sync_leaf_index(deepest)
+
+    def unlock(self, node: TreeNode, pin: bool = False) -> None:
+        if node.is_root:
+            return
+        # Ancestors' counts are >= the node's, so checking the node makes the whole walk safe.
+        if node.lock_ref <= 0 or (pin and node.pin_ref <= 0):
+            raise ValueError(f"unlock: {node!r} is not {'pinned' if pin else 'locked'} (unlock without a matching "
+                             "lock)")
+        deepest = node
+        while not node.is_root:
+            was_pinned_only = node.lock_ref == node.pin_ref
+            node.lock_ref -= 1
+            node.pin_ref -= int(pin)
+            now_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
+            self._pinned_size += len(node.value) * (int(now_pinned_only) - int(was_pinned_only))
+            if node.lock_ref == 0:
+                self._locked_size -= len(node.value)
+                self._evictable_size += len(node.value)
+            node = node.parent
+        self._sync_leaf_index(deepest)
 
     def hint(self, node: TreeNode) -> None:
         """Mark node's path as expected to be used again (a waiting request will match it): eviction takes every

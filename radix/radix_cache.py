@@ -193,46 +193,6 @@ class RadixCache(EvictionOrder):
         self._touch(node, hit=False)
         return num_cached, cached, node
 
-    def lock(self, node: TreeNode, pin: bool = False) -> None:
-        """Protect node and its path to the root from eviction (counted; pair with unlock). A pin is a lock held
-        for a session between its requests: the slots only pins hold are counted in `pinned_size`, what dropping
-        every pin would make evictable."""
-        if node.is_root:
-            return
-        if node.is_evicted:
-            raise ValueError("lock: the node was evicted; match_prefix again and lock the new node")
-        deepest = node
-        while not node.is_root:
-            was_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.value)
-                self._locked_size += len(node.value)
-            node.lock_ref += 1
-            node.pin_ref += int(pin)
-            self._pinned_size += len(node.value) * (int(node.lock_ref == node.pin_ref) - int(was_pinned_only))
-            node = node.parent
-        self._sync_leaf_index(deepest)
-
-    def unlock(self, node: TreeNode, pin: bool = False) -> None:
-        if node.is_root:
-            return
-        # Ancestors' counts are >= the node's, so checking the node makes the whole walk safe.
-        if node.lock_ref <= 0 or (pin and node.pin_ref <= 0):
-            raise ValueError(f"unlock: {node!r} is not {'pinned' if pin else 'locked'} (unlock without a matching "
-                             "lock)")
-        deepest = node
-        while not node.is_root:
-            was_pinned_only = node.lock_ref == node.pin_ref
-            node.lock_ref -= 1
-            node.pin_ref -= int(pin)
-            now_pinned_only = node.lock_ref > 0 and node.lock_ref == node.pin_ref
-            self._pinned_size += len(node.value) * (int(now_pinned_only) - int(was_pinned_only))
-            if node.lock_ref == 0:
-                self._locked_size -= len(node.value)
-                self._evictable_size += len(node.value)
-            node = node.parent
-        self._sync_leaf_index(deepest)
-
     def evict(self, num_tokens: int) -> int:
         """Free at least num_tokens slots if that many are evictable: whole unlocked leaves, least
         valuable first; a parent joins the candidates once its last child is gone."""
