@@ -1,9 +1,9 @@
 """Reads the weights of a GGUF file (kernels/gguf_file.py checks and names them) into the engine's float dtype.
 
-Tensor by tensor through the file's memory map: a quantized tensor is dequantized in row blocks (the `gguf`
-package's dequantizer, float32) straight into its output tensor, so at most one block's float32 copy exists at a
-time, and the pages of the map a tensor was read from are dropped from the process once it is done (a map keeps
-every page it touched resident). `tensor_weight` is the one place a GGUF tensor becomes an engine float tensor;
+Tensor by tensor through the file's memory map, each when the forward takes it (GGUFState): a quantized tensor is
+dequantized in row blocks (the `gguf` package's dequantizer, float32) straight into its output tensor, so at most one
+block's float32 copy exists at a time, and the pages of the map a tensor was read from are dropped from the process
+once it is done (a map keeps every page it touched resident). `tensor_weight` is the one place a GGUF tensor becomes an engine float tensor;
 with `keep_quantized`, gguf_quant.quant_weight the one place a block tensor becomes a quant.QuantWeight.
 
 llama.cpp's converter reorders the rows of Llama's q / k projections within each head (its rotary takes adjacent
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
+from .gguf_header import GGUFHeader
 from .gguf_quant import LOSSLESS, quant_weight
 from .quant import QuantWeight, packable
 
@@ -29,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 BLOCK_ELEMENTS = 1 << 20  # elements dequantized at a time by one thread (4 MB of float32)
 SAMPLE_ELEMENTS = 1 << 16  # elements of each quantized tensor the error report compares
-MIXED = "fused with another type"  # the report's name for parts of a mixed fusion, dequantized
 _FLOAT_NUMPY = {"F32": np.float32, "F16": np.float16}
 
 
@@ -78,70 +79,89 @@ def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
                          transform: Callable[[str, torch.Tensor], Any] | None = None,
-                         keep_quantized: bool = False) -> dict[str, Any]:
-    """All weights of the GGUF file in `dtype` on `device`, keyed by HF name (model.CausalLM takes them). With
-    `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight, on the
-    CPU; a tied LM head too, from the embedding's blocks) instead of being dequantized; `transform(name, tensor)`
-    (quant.load_transform) may replace an F32 / F16 / BF16 tensor, given in float32."""
-    header = open_gguf(path)  # checked: architecture, tensor types, sizes
-    arch = gguf_field(header, "general.architecture")
-    heads = int(gguf_field(header, f"{arch}.attention.head_count"))
-    kv_heads = int(gguf_field(header, f"{arch}.attention.head_count_kv") or heads)
-    row_heads = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}
-    report = DequantReport(dtype)
-    state: dict[str, Any] = {}
-    total = sum(int(t.n_bytes) for t in header.tensors)
-    with tqdm(total=total, desc="loading GGUF weights", unit="B", unit_scale=True, disable=None) as bar:
-        for t in header.tensors:
-            name = hf_tensor_name(t.name)
-            if name is not None:
-                weight = _read(header, t, name, dtype, transform, keep_quantized, report)
-                if t.name.split(".")[-2] in row_heads:
-                    weight = unpermute_rows(weight, row_heads[t.name.split(".")[-2]])
-                state[name] = weight if isinstance(weight, QuantWeight) else weight.to(device)
-            header.drop_pages(t)
-            bar.update(int(t.n_bytes))
-    if keep_quantized:
-        _quantized_tied_head(header, state, report)
-        _dequantize_mixed_fusions(state, dtype, report)
-    logger.info(report.line())
-    logger.info("loaded %d tensors from %s", len(state), path)
-    return state
+                         keep_quantized: bool = False) -> "GGUFState":
+    """The weights of the GGUF file, keyed by HF name (model.CausalLM takes them), each read when taken (GGUFState).
+    With `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight,
+    on the CPU; a tied LM head too, from the embedding's blocks) instead of being dequantized to `dtype`;
+    `transform(name, tensor)` (quant.load_transform) may replace an F32 / F16 / BF16 tensor, given in float32."""
+    return GGUFState(open_gguf(path), dtype, device, transform, keep_quantized)
 
 
-def _read(header, t, name: str, dtype: torch.dtype, transform, keep_quantized: bool, report: DequantReport) -> Any:
-    if keep_quantized and _keeps(name, t):
-        report.keep(t.tensor_type.name)
-        return quant_weight(header.data(t), t.tensor_type)
-    if transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
-        weight = tensor_weight(header.data(t), t.tensor_type, torch.float32, report)
-        kept = transform(name, weight)
-        return weight.to(dtype) if kept is weight else kept
-    return tensor_weight(header.data(t), t.tensor_type, dtype, report)
+class GGUFState(Mapping):
+    """A GGUF file's weights by HF name, each read from the file and converted when taken (`pop`, what the forward's
+    loader.take does; `[name]` reads without taking): the forward packs each layer as it takes it, so the unpacked
+    or converted form of one tensor at a time exists beside the packed model, never the whole model's. Once the
+    last is taken the report line is logged."""
+
+    def __init__(self, header: GGUFHeader, dtype: torch.dtype, device: torch.device,
+                 transform: Callable[[str, torch.Tensor], Any] | None, keep_quantized: bool) -> None:
+        self.header, self.dtype, self.device, self.transform = header, dtype, device, transform
+        arch = gguf_field(header, "general.architecture")
+        heads = int(gguf_field(header, f"{arch}.attention.head_count"))
+        self._row_heads = {"attn_q": heads, "attn_k": int(gguf_field(header, f"{arch}.attention.head_count_kv")
+                                                             or heads)} if arch == "llama" else {}
+        self._infos = {name: t for t in header.tensors if (name := hf_tensor_name(t.name)) is not None}
+        embd = self._infos.get("model.embed_tokens.weight")
+        if keep_quantized and "lm_head.weight" not in self._infos and embd and _keeps("lm_head.weight", embd):
+            self._infos["lm_head.weight"] = embd  # a tied head, quantized from the table's own blocks
+        self._kept = _kept_names(self._infos) if keep_quantized else set()
+        self.report = DequantReport(dtype)
+        self._bar = tqdm(total=sum(t.n_bytes for t in self._infos.values()), desc="loading GGUF weights",
+                         unit="B", unit_scale=True, disable=None)
+
+    def __getitem__(self, name: str) -> Any:
+        t = self._infos[name]
+        if name in self._kept:
+            self.report.keep(t.tensor_type.name)
+            weight = quant_weight(self.header.data(t), t.tensor_type)
+        elif self.transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
+            weight = tensor_weight(self.header.data(t), t.tensor_type, torch.float32, self.report)
+            kept = self.transform(name, weight)
+            weight = weight.to(self.dtype) if kept is weight else kept
+        else:
+            weight = tensor_weight(self.header.data(t), t.tensor_type, self.dtype, self.report)
+        part = t.name.split(".")[-2]
+        if part in self._row_heads:
+            weight = unpermute_rows(weight, self._row_heads[part])
+        self.header.drop_pages(t)
+        return weight if isinstance(weight, QuantWeight) else weight.to(self.device)
+
+    def pop(self, name: str, *default: Any) -> Any:
+        if name not in self._infos:
+            if default:
+                return default[0]
+            raise KeyError(name)
+        weight = self[name]
+        self._bar.update(self._infos.pop(name).n_bytes)
+        if not self._infos:
+            self._bar.close()
+            logger.info(self.report.line())
+            logger.info("loaded the weights of %s", self.header.path)
+        return weight
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._infos))
+
+    def __len__(self) -> int:
+        return len(self._infos)
 
 
-def _quantized_tied_head(header, state: dict[str, Any], report: DequantReport) -> None:
-    """A tied LM head as a QuantWeight of the embedding's own blocks (the table stays float for lookups)."""
-    embd = next(t for t in header.tensors if t.name == "token_embd.weight")
-    if "lm_head.weight" not in state and _keeps("lm_head.weight", embd):
-        report.keep(embd.tensor_type.name)
-        state["lm_head.weight"] = quant_weight(header.data(embd), embd.tensor_type)
-        header.drop_pages(embd)
-
-
-def _dequantize_mixed_fusions(state: dict[str, Any], dtype: torch.dtype, report: DequantReport) -> None:
-    """The forward fuses q / k / v and gate / up into one linear each, which stays quantized only where its parts
-    share a kind and group (a Q4_K_M file may hold q, k in Q4_K and v in Q6_K): other parts are dequantized."""
-    layers = {name.split(".")[2] for name in state if name.startswith("model.layers.")}
+def _kept_names(infos: dict[str, Any]) -> set[str]:
+    """The weights that stay quantized: those _keeps allows, less the parts of a fusion (q / k / v, gate / up, one
+    linear each in the forward) whose parts differ in kind or group, e.g. a Q4_K_M file's Q6_K v beside Q4_K q / k,
+    which are all dequantized."""
+    kept = {name for name, t in infos.items() if _keeps(name, t)}
+    layers = {name.split(".")[2] for name in infos if name.startswith("model.layers.")}
     for idx in layers:
-        for group in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
-            names = [f"model.layers.{idx}.{group[0]}.{part}.weight" for part in group[1:]]
-            kinds = {(w.kind, w.group) if isinstance(w, QuantWeight) else None for w in map(state.get, names)}
+        for module, *parts in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
+            names = [f"model.layers.{idx}.{module}.{part}.weight" for part in parts]
+            kinds = {LOSSLESS[infos[n].tensor_type.name] if n in kept else None for n in names if n in infos}
             if len(kinds) > 1:
-                for name in names:
-                    if isinstance(state[name], QuantWeight):
-                        state[name] = state[name].dequantize().to(dtype)
-                        report.tensors[MIXED] = report.tensors.get(MIXED, 0) + 1
+                kept.difference_update(names)
+    return kept
 
 
 def tensor_weight(data: np.ndarray, qtype, dtype: torch.dtype, report: DequantReport) -> torch.Tensor:

@@ -25,19 +25,32 @@ LOSSLESS = {"Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q6_K": ("int8", 16), "Q
             "Q4_1": ("int4", 32), "Q4_K": ("int4", 32)}
 
 
-def quant_weight(data: np.ndarray, qtype, block_rows: int = 4096) -> QuantWeight:
+def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20) -> QuantWeight:
     """The QuantWeight [rows, row length] of a 2-D GGUF block tensor of a LOSSLESS type (raw bytes [rows, bytes per
-    row] as gguf_header.GGUFHeader.data gives them), converted `block_rows` rows at a time (one block's float32
-    transient)."""
-    parts = [_rows_to_quant(np.asarray(data[i:i + block_rows]), qtype) for i in range(0, data.shape[0], block_rows)]
-    return parts[0] if len(parts) == 1 else QuantWeight.cat(parts)
+    row] as gguf_header.GGUFHeader.data gives them), converted a few rows at a time (about `block_elements` values:
+    one block's float32 transient) into tensors of the whole weight."""
+    from gguf import GGML_QUANT_SIZES
+
+    kind, group = LOSSLESS[qtype.name]
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, row_len = data.shape[0], data.shape[1] // block_bytes * block
+    q = torch.empty((rows, row_len), dtype=torch.int8 if kind == "int8" else torch.uint8)
+    scales = torch.empty((rows, row_len // group), dtype=torch.float32)
+    mins = torch.empty_like(scales) if kind == "int4" else None
+    step = max(1, block_elements // row_len)
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        q[part], scales[part], part_mins = _rows(np.asarray(data[part]), qtype, kind, group)
+        if mins is not None:
+            mins[part] = part_mins
+    return QuantWeight(kind, q, scales, mins, group)
 
 
-def _rows_to_quant(data: np.ndarray, qtype) -> QuantWeight:
+def _rows(data: np.ndarray, qtype, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(values, scales, mins or None) of some rows of a block tensor."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
-    kind, group = LOSSLESS[qtype.name]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     scales, mins = _scales(qtype.name, blocks)  # [blocks, values per block // group]
@@ -48,9 +61,8 @@ def _rows_to_quant(data: np.ndarray, qtype) -> QuantWeight:
     lo, hi = (-128, 127) if kind == "int8" else (0, 15)
     if q.size and (q.min() < lo or q.max() > hi):
         raise ValueError(f"{qtype.name} values outside {lo}..{hi}: not a lossless {kind} mapping")
-    values = torch.from_numpy(q.astype(np.int8 if kind == "int8" else np.uint8))
     as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.float32))  # noqa: E731
-    return QuantWeight(kind, values, as_tensor(scales), as_tensor(mins), group)
+    return torch.from_numpy(q.astype(np.int8 if kind == "int8" else np.uint8)), as_tensor(scales), as_tensor(mins)
 
 
 def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
