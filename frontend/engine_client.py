@@ -145,7 +145,6 @@ class EngineClient:
         take seconds to compile) raises ClientDisconnect, and its jobs are aborted: the engine
         drops a held one right after its admission instead of running it."""
         sub = Submission(self, jobs, lease)
-        self.owners.update((job.rid, lease.tenant) for job in jobs)
         firsts = [i for i, job in enumerate(jobs) if job.group is None or i == 0 or jobs[i - 1].group != job.group]
         adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i, lease.tenant) for i in firsts), return_exceptions=True)
         if request is None:
@@ -157,7 +156,9 @@ class EngineClient:
                 raise ClientDisconnect()
         error = next((o for o in outcomes if isinstance(o, BaseException)), None)
         if error is None:
+            sub.own()
             return sub
+        sub.forget(firsts, outcomes)
         sub.close()
         if isinstance(error, RequestError):
             raise jobs[firsts[outcomes.index(error)]].refusal(error) from error
@@ -206,6 +207,22 @@ class Submission:
         self.lease = lease
         self.queue: asyncio.Queue[tuple[int, StreamDelta | BaseException]] = asyncio.Queue()
         self._open = [True] * len(jobs)
+        self._owned = False
+
+    def own(self) -> None:
+        """Every job was admitted: their ids are this submission's (and its tenant's, for /abort_request)."""
+        self._owned = True
+        self.client.owners.update((job.rid, self.lease.tenant) for job in self.jobs)
+
+    def forget(self, firsts: list[int], outcomes: list[Any]) -> None:
+        """The jobs whose engine request failed to be added (outcomes of the groups starting at `firsts`) are not
+        open: closing must not abort their ids, which may be another request's (EngineProcess.add refuses an id in
+        use)."""
+        bounds = firsts + [len(self.jobs)]
+        for k, outcome in enumerate(outcomes):
+            if isinstance(outcome, BaseException):
+                for idx in range(bounds[k], bounds[k + 1]):
+                    self._open[idx] = False
 
     async def deltas(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         """(job index, delta) as they come; an engine failure raises a 503 APIError (an APIError put in
@@ -217,7 +234,8 @@ class Submission:
                     raise item if isinstance(item, APIError) else engine_unavailable(item)
                 if item.finished:
                     self._open[idx] = False
-                    self.client.owners.pop(self.jobs[idx].rid, None)
+                    if self._owned:
+                        self.client.owners.pop(self.jobs[idx].rid, None)
                     self.lease.release_one()
                     self.client.observe(item.result, self.lease.tenant)
                 yield idx, item
@@ -237,7 +255,9 @@ class Submission:
             if self._open[idx]:
                 self._open[idx] = False
                 self.client.engine.abort(job.rid)
-            self.client.owners.pop(job.rid, None)
+            if self._owned:
+                self.client.owners.pop(job.rid, None)
+        self._owned = False
         self.lease.close()
 
 

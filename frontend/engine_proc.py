@@ -128,13 +128,16 @@ class EngineProcess:
                   index: int, n: int = 1) -> None:
         """Queue one request in the engine: `n` choices of one prompt (the prompt sent once), named and seeded by
         sampling_params.choice_rids / choice_seed; choice i's deltas go to `queue` as (index + i, delta). Raises
-        RequestError if the engine refuses it, EngineDead if there is no engine."""
+        RequestError if the engine refuses it or one of its ids is open already, EngineDead if there is no engine."""
         self._check_alive()
+        rids = choice_rids(rid, n)
+        taken = next((r for r in [rid, *rids] if r in self._routes or r in self._admissions), None)
+        if taken is not None:  # checked here, before its routes are registered: the open request keeps its own
+            raise RequestError(f"request id {taken!r} is already in use", "rid")
         if not self._routes:
             self.last_progress = time.monotonic()  # the watchdog counts from when work arrives
         future = asyncio.get_running_loop().create_future()
         self._admissions[rid] = future
-        rids = choice_rids(rid, n)
         for i, choice in enumerate(rids):
             self._routes[choice] = (queue, index + i)
         self._send(msg.AddRequest(rid, prompt_ids, params, n))

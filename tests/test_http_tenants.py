@@ -251,6 +251,10 @@ def test_abort_touches_only_the_tenants_requests(server):
         for body in ({"rid": "acme-run"}, {"abort_all": True}):
             response = http.post("/abort_request", headers=bearer("sk-beta"), json=body)
             assert response.json() == {"aborted": 0}, response.text
+        # Another request naming its id is refused, and neither takes the running one's place nor ends it.
+        taken = http.post("/generate", **gen(bearer("sk-beta"), rid="acme-run"))
+        assert taken.status_code == 400 and assert_openai_error(taken)["param"] == "rid", taken.text
+        assert next(line for line in stream if line.startswith("data:"))  # still streaming
         assert http.post("/abort_request", headers=bearer("sk-acme-2"), json={"rid": "acme-run"}).json() == \
             {"aborted": 1}
         events = [json.loads(line[5:]) for line in stream if line.startswith("data:") and "{" in line]
