@@ -16,6 +16,7 @@ PROG = "radixserve"
 SERVE_EXAMPLES = """examples:
   radixserve serve                                  # the built-in demo model on http://127.0.0.1:30000
   radixserve serve --model ./my-checkpoint --port 8000 --api-key secret
+  radixserve serve --model ./my-checkpoint --api-keys keys.toml   # a tenant per key (README "Tenants")
   radixserve serve --model ./base-model --chat-template chatml.jinja --served-model-name base
 """
 

@@ -32,7 +32,7 @@ class ServerConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (health endpoints stay open)")
     api_keys: str | None = option(
         None, "a JSON or TOML file mapping API keys to tenants: name, fair-share weight, admin flag, limits (README "
-              "\"Tenants\"); beside --api-key, an admin key of the tenant \"default\"")
+              "\"Tenants\"); --api-key may stand beside it, as an admin key of the tenant \"default\"")
     served_model_name: str | None = option(
         None, f"the model name clients send (None: the checkpoint directory's name, or {DEMO_MODEL_NAME} for the "
               "demo model)")
