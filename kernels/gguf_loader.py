@@ -83,7 +83,8 @@ def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
     """The weights of the GGUF file, keyed by HF name (model.CausalLM takes them), each read when taken (GGUFState).
     With `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight,
     on the CPU; a tied LM head too, from the embedding's blocks) instead of being dequantized to `dtype`;
-    `transform(name, tensor)` (quant.load_transform) may replace an F32 / F16 / BF16 tensor, given in float32."""
+    `transform(name, tensor)` (quant.load_transform, --quantization) may replace any other tensor, given in
+    float32 (a block type dequantized first)."""
     return GGUFState(open_gguf(path), dtype, device, transform, keep_quantized)
 
 
@@ -114,7 +115,7 @@ class GGUFState(Mapping):
         if name in self._kept:
             self.report.keep(t.tensor_type.name)
             weight = quant_weight(self.header.data(t), t.tensor_type)
-        elif self.transform is not None and t.tensor_type.name in ("F32", "F16", "BF16"):
+        elif self.transform is not None:
             weight = tensor_weight(self.header.data(t), t.tensor_type, torch.float32, self.report)
             kept = self.transform(name, weight)
             weight = weight.to(self.dtype) if kept is weight else kept

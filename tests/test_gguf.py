@@ -286,3 +286,20 @@ def test_round_trip_in_bf16_decodes_as_the_dequantized_model(tmp_path, caplog, q
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF: "))
     assert (f"kept {qtype} (15 tensors)" in line) == gguf_loader.keeps_blocks(torch.bfloat16, CPU), line
     assert ours == greedy(dequantized_copy(src, str(tmp_path / "ref"), qtype), "bfloat16")
+
+
+def test_quantization_flag_applies_to_a_float_gguf_as_to_its_checkpoint(tmp_path):
+    """--quantization int8 quantizes an F32 GGUF's linears as it does the safetensors checkpoint's: same tokens."""
+    src = cached_checkpoint("llama", **TINY)
+    path = export_gguf(src, str(tmp_path / "f32.gguf"), "F32")
+
+    def run(model: str) -> list[list[int]]:
+        engine = Engine(model, dtype="bfloat16", quantization="int8", num_threads=1, kv_cache_tokens=1024)
+        try:
+            layer = engine.runner.model.layers[0]
+            assert layer.qkv.quant is not None and layer.down.quant is not None
+            return [r.output_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))]
+        finally:
+            engine.shutdown()
+
+    assert run(path) == run(src)
