@@ -181,8 +181,8 @@ AMX_TARGET static void decode_group(const uint16_t *x, int rows, const qweight *
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
+    fill_step(w, blk0, nblk, 0, xsum == NULL, buf);
     for (int64_t k = 0; k < K; k += 32) {
-        fill_step(w, blk0, nblk, k, xsum == NULL, buf);
         _tile_loadd(4, x + k, 2 * K);
         _tile_loadd(5, buf, 64);
         _tile_dpbf16ps(0, 4, 5);
@@ -198,6 +198,9 @@ AMX_TARGET static void decode_group(const uint16_t *x, int rows, const qweight *
             _tile_loadd(5, buf + 1536, 64);
             _tile_dpbf16ps(3, 4, 5);
         }
+        /* the next operands before folding this group: the tile products have finished by the time its sums
+         * are stored (a tile store right after them waits for their latency) */
+        if (k + 32 < K) fill_step(w, blk0, nblk, k + 32, xsum == NULL, buf);
         if (xsum && (k + 32) % w->g == 0) fold_group(w, rows, blk0, nblk, (k + 32) / w->g - 1, xsum, st->c, acc);
     }
     if (!xsum) store_c(acc);
