@@ -24,7 +24,8 @@ import sys
 
 from .config import ServerConfig
 from .tenants import Tenants
-from ..kernels.gguf_file import check_gguf, is_gguf_path
+from ..kernels.gguf_file import is_gguf_path
+from ..kernels.model_config import load_model_config
 from ..kernels.kv_budget import DEFAULT_CPU_KV_TOKENS, kv_pool_slots
 from ..scheduler.config import EngineConfig, fit_context_to_pool
 
@@ -101,14 +102,15 @@ def _model_positions(model: str | None) -> int | None:
 
 def check_model_dir(model: str) -> None:
     """A local checkpoint directory or a GGUF file this engine loads, or a one-line reason: missing, another
-    file, what looks like a hub id, or (gguf_file.check_gguf) a GGUF file it cannot load."""
+    file, what looks like a hub id, or a GGUF file it cannot load: not GGUF, truncated, a tensor type or
+    architecture it does not load (gguf_file.open_gguf), a config it does not support (parse_model_config)."""
     if os.path.isdir(model):
         return
     if is_gguf_path(model):
         if not os.path.isfile(model):
             raise ConfigError(f"--model {model!r}: no such GGUF file")
         try:
-            check_gguf(model)
+            load_model_config(model)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         return

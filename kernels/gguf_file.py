@@ -4,7 +4,7 @@ Torch-free (numpy, gguf_header.py and the `gguf` package's type table), so the C
 before the engine starts, and the model config is read through the same validator as config.json
 (`model_config.parse_model_config`): `hf_config` maps the file's metadata onto config.json's keys. `hf_tensor_name`
 maps llama.cpp's tensor names onto the HF names the forward takes (kernels/gguf_loader.py reads the tensors).
-`check_gguf` refuses, in one line each, a file that is not GGUF, is truncated, or holds a tensor type or
+`open_gguf` refuses, in one line each, a file that is not GGUF, is truncated, or holds a tensor type or
 architecture this engine does not load, before anything large is read.
 """
 from __future__ import annotations
@@ -52,11 +52,6 @@ def open_gguf(path: str) -> GGUFHeader:
     header = GGUFHeader(path)
     check_header(header)
     return header
-
-
-def check_gguf(path: str) -> None:
-    """open_gguf's checks alone (the preflight's)."""
-    open_gguf(path)
 
 
 def check_header(header: GGUFHeader) -> None:

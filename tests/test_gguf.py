@@ -28,12 +28,14 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import save_file
 
 from _http_server import SCRIPTS, ServerProcess, scripted_model_path
+from radixserve.bench.checkpoints import gguf_export
 from radixserve.bench.checkpoints.gguf_export import dequantized_copy, export_gguf
 from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached_checkpoint
 from radixserve.kernels import gguf_loader
-from radixserve.kernels.gguf_file import check_gguf, hf_tensor_name
+from radixserve.kernels.gguf_file import hf_tensor_name
 from radixserve.kernels.gguf_quant import LOSSLESS, quant_weight
 from radixserve.kernels.loader import load_state_dict
+from radixserve.kernels.model_config import load_model_config
 from radixserve.kernels.quant import QuantWeight
 from radixserve.scheduler import Engine, SamplingParams
 from radixserve.scheduler.tokenizer import Tokenizer
@@ -175,16 +177,33 @@ BAD_FILES = [
 def test_bad_gguf_files_fail_in_one_line(tmp_path, name, edit, message):
     path = _patched(tmp_path, name, edit)
     with pytest.raises(ValueError, match=re.escape(message)) as info:
-        check_gguf(path)
+        load_model_config(path)
     assert "\n" not in str(info.value) and path in str(info.value)
     with pytest.raises(ValueError, match=re.escape(message)):
         Engine(path, num_threads=1, kv_cache_tokens=256)
 
 
+def _yarn_gguf(tmp_path, monkeypatch) -> str:
+    import gguf
+
+    write_config = gguf_export._write_config
+
+    def with_yarn(writer, cfg):
+        write_config(writer, cfg)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf_export, "_write_config", with_yarn)
+    return export_gguf(cached_checkpoint("llama", **TINY), str(tmp_path / "yarn.gguf"), "F32")
+
+
 @pytest.mark.parametrize("name, message", [("q2_k.gguf", "Q2_K, which radixserve does not load"),
-                                           ("missing.gguf", "no such GGUF file")])
-def test_cli_refuses_a_bad_gguf_before_loading(tmp_path, name, message):
-    path = _patched(tmp_path, name, _set_first_type(10)) if name == "q2_k.gguf" else str(tmp_path / name)
+                                           ("missing.gguf", "no such GGUF file"),
+                                           ("yarn.gguf", "unsupported rope type 'yarn'; supported: default")])
+def test_cli_refuses_a_bad_gguf_before_loading(tmp_path, monkeypatch, name, message):
+    path = {"q2_k.gguf": lambda: _patched(tmp_path, name, _set_first_type(10)),
+            "missing.gguf": lambda: str(tmp_path / name),
+            "yarn.gguf": lambda: _yarn_gguf(tmp_path, monkeypatch)}[name]()
     r = subprocess.run([sys.executable, "-m", "radixserve.frontend.cli", "serve", "--port", "0", "--model", path],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
