@@ -13,7 +13,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import anthropic_api, native_api, openai_api, responses_api, sessions_api, tenants, tokenize_api
+from . import (anthropic_api, completions_api, native_api, openai_api, responses_api, sessions_api, tenants,
+               tokenize_api)
 from .access_log import AccessLog, note_probe, note_tenant
 from .config import ServerConfig
 from .engine_client import EngineClient, Job, engine_call
@@ -81,7 +82,7 @@ def build_app(state: ServerState) -> Starlette:
 
     routes = [
         route("/v1/chat/completions", openai_api.chat_completions, ["POST"], body=True),
-        route("/v1/completions", openai_api.completions, ["POST"], body=True),
+        route("/v1/completions", completions_api.completions, ["POST"], body=True),
         route("/v1/responses", responses_api.create_response, ["POST"], body=True),
         route("/v1/responses/{response_id}", responses_api.get_response, ["GET"]),
         route("/v1/responses/{response_id}", responses_api.delete_response, ["DELETE"]),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .errors import RequestError
+
 
 def fmt_number(value: Any) -> str:
     """1 for 1 and 1.0, 0.5 for 0.5; anything else as repr."""
@@ -106,3 +108,35 @@ def check_session_id(session_id: Any, name: str = "session_id") -> str:
     if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID:
         raise ValueError(f"{name} must be a non-empty string of at most {MAX_SESSION_ID} characters")
     return session_id
+
+
+def prompt_token_ids(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
+    """A request's prompt as token ids: text encoded with the tokenizer, or ids checked against the vocabulary."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        try:
+            ids = token_id_list(prompt, vocab)
+        except ValueError as exc:
+            raise RequestError(str(exc), "prompt") from None
+    if not ids:
+        raise RequestError("the prompt is empty", "prompt")
+    return ids
+
+
+def check_request(prompt_ids: list[int], params: Any, context_length: int, vocab: int) -> None:
+    """A request against an engine's limits (the server maps the RequestError's param to its API's name and answers
+    400). The context never exceeds the KV pool (config.fit_context_to_pool), so a request within it fits the pool
+    alone."""
+    num, total = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
+    if num + min(params.max_new_tokens, 1) > context_length:  # the prompt's fault: no max_new_tokens fits
+        raise RequestError(f"the prompt has {num} tokens, which leaves no room to generate in the context length "
+                           f"{context_length}", "prompt", "context_length_exceeded")
+    if total > context_length:
+        raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
+                           f"{total} exceeds the context length {context_length}", "max_new_tokens",
+                           "context_length_exceeded")
+    if params.logit_bias:
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")

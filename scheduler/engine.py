@@ -8,11 +8,10 @@ import uuid
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from ..kernels.attention.base import SharedPrefix
-from .checks import check_int, token_id_list
+from .checks import check_int, check_request, prompt_token_ids
 from .config import EngineConfig, fit_context_to_pool
 from .constrained import ConstrainedDecoding
 from .detokenizer import IncrementalDetokenizer
-from .errors import RequestError
 from .grammar import GrammarBackend
 from .kv_ops import PrefixKV
 from .metrics import EngineMetrics, engine_stats, slots_by_tenant
@@ -358,12 +357,7 @@ class Engine:
     def set_tenants(self, settings: dict[str, dict[str, Any]]) -> None:
         """Tenants' scheduling settings (the server's keys file, frontend/tenants.py), applied once at start: per
         tenant its fair-share `weight` and `max_running_requests` (None: no cap of its own)."""
-        for name, tenant in settings.items():
-            if self.policy.share is not None:
-                self.policy.share.set_weight(name, tenant.get("weight", 1.0))
-            cap = tenant.get("max_running_requests")
-            if cap is not None:
-                self.planner.tenant_caps[name] = check_int(f"tenant {name!r}: max_running_requests", cap, lo=1)
+        self.planner.set_tenants(settings)
 
     def tenant_slots(self) -> dict[str, int]:
         """KV slots held by each tenant's running requests (between steps)."""
@@ -388,36 +382,14 @@ class Engine:
     # -- validation ---------------------------------------------------------------------
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            try:
-                ids = token_id_list(prompt, self.model_config.vocab_size)
-            except ValueError as exc:
-                raise RequestError(str(exc), "prompt") from None
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> Any | None:
-        """The one check of a request against this engine's limits (the server maps the
-        RequestError's param to its API's name and answers 400); returns the compiled grammar
-        (or None), compiled here so that a bad grammar is a 400 too. The context never exceeds
-        the KV pool (fit_context_to_pool), so a request within it fits the pool alone."""
-        num, total = len(prompt_ids), len(prompt_ids) + params.max_new_tokens
-        if num + min(params.max_new_tokens, 1) > self.context_length:  # the prompt's fault: no max_new_tokens fits
-            raise RequestError(f"the prompt has {num} tokens, which leaves no room to generate in the context length "
-                               f"{self.context_length}", "prompt", "context_length_exceeded")
-        if total > self.context_length:
-            raise RequestError(f"the prompt has {num} tokens and max_new_tokens is {params.max_new_tokens}: "
-                               f"{total} exceeds the context length {self.context_length}", "max_new_tokens",
-                               "context_length_exceeded")
-        if params.logit_bias:
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in params.logit_bias if t >= vocab), None)
-            if bad is not None:
-                raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})", "logit_bias")
+        """The one check of a request against this engine's limits (checks.check_request); returns the compiled
+        grammar (or None), compiled here so that a bad grammar is a 400 too."""
+        check_request(prompt_ids, params, self.context_length, self.model_config.vocab_size)
         return self.grammar.compile(params) if params.has_grammar else None  # synchronous; cached
+
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checks import check_int
 from .config import EngineConfig
 from .fair_share import IDLE_PRIORITY, tenant_of
 from .kv_ops import PrefixKV
@@ -77,6 +78,15 @@ class Planner:
             self.policy.share.charge_batch(batch.items, [(r, r.cached_tokens or 0) for r in admitted])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch, admitted
+
+    def set_tenants(self, settings: dict[str, dict[str, Any]]) -> None:
+        """Per tenant its fair-share `weight` and `max_running_requests` (Engine.set_tenants)."""
+        for name, tenant in settings.items():
+            if self.policy.share is not None:
+                self.policy.share.set_weight(name, tenant.get("weight", 1.0))
+            cap = tenant.get("max_running_requests")
+            if cap is not None:
+                self.tenant_caps[name] = check_int(f"tenant {name!r}: max_running_requests", cap, lo=1)
 
     def remove(self, req: Req) -> None:
         if req in self.running:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from _http_server import main_server, tiny_model_path
-from radixserve.frontend import native_api, openai_api, tokenize_api
+from radixserve.frontend import completions_api, native_api, openai_api, tokenize_api
 from radixserve.frontend.errors import APIError
 from radixserve.scheduler.tokenizer import Tokenizer
 
@@ -99,7 +99,7 @@ def _recording_state(threads: list[str]) -> SimpleNamespace:
         raise APIError(400, "stop here")
 
     tokenizer = SimpleNamespace(encode=record, render_chat=record, apply_chat_template=record,
-                                convert_ids_to_tokens=record, decode=record)
+                                convert_ids_to_tokens=record, decode=record, chat_template=None)
     return SimpleNamespace(config=SimpleNamespace(max_n=4), structured=True, check_model=lambda model: None, encode=record,
                            render_chat=record, new_id=lambda prefix: prefix + "-1",
                            engine=SimpleNamespace(tokenizer=tokenizer),
@@ -108,7 +108,7 @@ def _recording_state(threads: list[str]) -> SimpleNamespace:
 
 @pytest.mark.parametrize("handler, body", [
     (openai_api.chat_completions, {"messages": USER}),
-    (openai_api.completions, {"prompt": "hi"}),
+    (completions_api.completions, {"prompt": "hi"}),
     (native_api.generate, {"text": "hi"}),
     (tokenize_api.tokenize, {"prompt": "hi"}),
     (tokenize_api.tokenize, {"messages": USER}),
