@@ -78,10 +78,12 @@ def test_round_trip_loads_the_dequantized_model(tmp_path, arch, qtype, extra):
 
 
 def test_tokenizer_from_the_gguf_round_trips_like_the_original(tmp_path):
-    src = cached_checkpoint("qwen2", **TINY)
+    # the Qwen2Tokenizer pipeline (its own split: digits one by one), with enough merges for the splits to matter
+    src = cached_checkpoint("qwen2", vocab_size=5000, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                            intermediate_size=64, max_position_embeddings=256)
     path = export_gguf(src, str(tmp_path / "qwen2.gguf"), "F32")
     ours, original = Tokenizer(path), Tokenizer(src)
-    texts = ["Hello world, héllo 123 ünïcode\n\n  x", "  spaces\tand 😀 emoji 12345 ",
+    texts = ["Hello world, héllo 123 ünïcode\n\n  x", "  spaces\tand 😀 emoji 12345 in 2024 ", "don't DON'T it's",
              "<|im_start|>user\nhi<|im_end|><tool_call>{}</tool_call>"]
     for text in texts:
         ids = original.encode(text, add_special_tokens=True)

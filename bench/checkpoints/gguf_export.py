@@ -4,8 +4,8 @@ tests and benches: the GGUF round trip, and models llama.cpp and radixserve load
 
 The layout follows llama.cpp's: its tensor names, Llama's q / k rows reordered within each head for its rotary,
 1-D tensors (norms, biases) kept in F32, a tensor whose rows do not split into the type's blocks kept in F32, the
-tokenizer as token list, types and merges (pre-tokenizer "gpt-2" for a plain byte-level split), and the chat
-template. `dequantized_copy` writes the float checkpoint the GGUF's values stand for (the reference a test compares
+tokenizer as token list, types and merges (pre-tokenizer "qwen2" for a Qwen2Tokenizer, else "gpt-2": a plain
+byte-level split), and the chat template. `dequantized_copy` writes the float checkpoint the GGUF's values stand for (the reference a test compares
 the loaded GGUF against).
 
     python -m radixserve.bench.checkpoints.gguf_export CHECKPOINT_DIR OUT.gguf --type Q8_0
@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from ...kernels.layers import rope_inv_freq
 from ...kernels.loader import load_state_dict
 from ...kernels.model_config import parse_model_config
+from ...scheduler.tokenizer_files import pipeline_kind
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 _ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -159,8 +160,9 @@ def _write_tokenizer(writer, model_dir: str) -> None:
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
     types = [(3 if added[i]["special"] else 4) if i in added else 1 if i in by_id else 5 for i in range(size)]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
+    # the split the vocabulary was learned with: Qwen2Tokenizer's own regex where transformers builds that class
+    writer.add_tokenizer_pre("qwen2" if pipeline_kind(model_dir, config) == "qwen2" else "gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
