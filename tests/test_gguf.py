@@ -270,6 +270,7 @@ def test_server_serves_a_gguf_file_over_http(tmp_path):
             reply = http.post("/v1/chat/completions", json=body).json()
             assert reply["choices"][0]["message"]["content"] == SCRIPTS["poem"], reply
             assert reply["choices"][0]["finish_reason"] == "stop"
+        assert "GGUF: no quantized tensors" in server.log()  # the start-up line reaches the server's log
     finally:
         server.stop()
 
