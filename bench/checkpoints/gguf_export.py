@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from ...kernels.layers import rope_inv_freq
-from ...kernels.loader import load_state_dict
+from ...kernels.loader import read_safetensors, safetensors_files
 from ...kernels.model_config import parse_model_config
 from ...scheduler.tokenizer_files import pipeline_kind
 
@@ -52,7 +52,7 @@ def export_gguf(model_dir: str, out_path: str, qtype: str = "F32") -> str:
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    for name, tensor in load_state_dict(model_dir, torch.float32, torch.device("cpu")).items():
+    for name, tensor in _tensors(model_dir):
         if name.endswith("rotary_emb.inv_freq"):
             continue
         gname = gguf_name(name)
@@ -91,11 +91,18 @@ def dequantized_copy(model_dir: str, out_dir: str, qtype: str) -> str:
         if not name.endswith(".safetensors") and not name.endswith(".index.json"):
             shutil.copy(os.path.join(model_dir, name), out_dir)
     state = {}
-    for name, tensor in load_state_dict(model_dir, torch.float32, torch.device("cpu")).items():
+    for name, tensor in _tensors(model_dir):
         data, raw_dtype = encode(tensor.numpy(), qtype if tensor.dim() > 1 else "F32")
         state[name] = torch.from_numpy(np.array(dequantize(data, raw_dtype), dtype=np.float32)).reshape(tensor.shape)
     save_file(state, os.path.join(out_dir, "model.safetensors"))
     return out_dir
+
+
+def _tensors(model_dir: str):
+    """(name, float32 tensor) of each weight of the checkpoint, one at a time (never the model in float32)."""
+    for path in safetensors_files(model_dir):
+        for name, tensor in read_safetensors(path):
+            yield name, tensor.float()
 
 
 def gguf_name(name: str) -> str:
