@@ -62,7 +62,9 @@ class GGUFHeader:
         except (struct.error, IndexError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is truncated or corrupt: its metadata runs past the end of the file "
                              f"({type(exc).__name__})") from None
-        align = int(self.fields.get("general.alignment", 32))
+        align = self.fields.get("general.alignment", 32)
+        if not isinstance(align, int) or align <= 0:
+            raise ValueError(f"{path} is corrupt: general.alignment is {align!r}")
         start = -(-self._pos // align) * align
         self.tensors: list[TensorInfo] = []
         for name, dims, type_id, offset in raw:
