@@ -99,6 +99,10 @@ class ModelRunner:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                              f"got {attention_backend!r}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        spec = parse_quantization(quantization)  # weights quantized tensor by tensor as read (kernels/quant.py)
+        if spec is not None and self.device.type != "cpu":
+            raise ValueError(f"quantization {quantization} runs on the CPU only (its kernels are CPU kernels), "
+                             f"not on {self.device}")
         config = load_model_config(model_path)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(model_path, config), self.device)
         self.config: ModelConfig = replace(config, dtype=str(self.dtype).removeprefix("torch."))
@@ -112,7 +116,6 @@ class ModelRunner:
         native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
         self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
-        spec = parse_quantization(quantization)  # weights quantized tensor by tensor as read (kernels/quant.py)
         if is_gguf_path(model_path):  # block tensors kept quantized where the quantized kernel runs
             state = load_gguf_state_dict(model_path, self.dtype, self.device, load_transform(spec),
                                          keeps_blocks(self.dtype, self.device))

@@ -230,3 +230,12 @@ def test_engine_matches_the_float_model_of_its_dequantized_weights(tiny, tmp_pat
     decisive, worst = _faithfulness(reference, prompts, results)
     _, worst_bf16 = _faithfulness(reference, prompts, baseline)
     assert decisive >= 20 and worst <= worst_bf16 + 0.02, (decisive, worst, worst_bf16)
+
+
+def test_quantization_is_refused_off_the_cpu(tiny):
+    from radixserve.kernels.runner import ModelRunner
+
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        ModelRunner(tiny, num_slots=64, device="cuda", quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Engine(tiny, quantization="int2")
