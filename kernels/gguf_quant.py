@@ -9,9 +9,10 @@ mins) the file stores, in the unpacked form the quantized linears take.
     Q4_K  int4 q,      group 32, scale d * sc, min -dmin * m (sc, m 6-bit per 32 values)
 
 Every scale and min is exact in float32 (a float16 times an integer of at most 8 bits). The scales are read from
-the blocks' bytes; the integers are recovered from the gguf package's float32 dequantization, q = (x - min) / scale
-rounded (exact: x carries at most one rounding of a value whose q is an integer of 4-6 bits), so the nibble and
-high-bit layouts are decoded in one place, the gguf package.
+the blocks' bytes; so are Q8_0's and Q4_0 / Q4_1's integers (plain bytes and nibbles); the others' (high bits and
+6-bit layouts) are recovered from the gguf package's float32 dequantization, q = (x - min) / scale rounded (exact:
+x carries at most one rounding of a value whose q is an integer of 4-6 bits), so those layouts are decoded in one
+place, the gguf package. The tests check every type's QuantWeight against the gguf package's dequantization.
 """
 from __future__ import annotations
 
@@ -55,14 +56,28 @@ def _rows(data: np.ndarray, qtype, kind: str, group: int) -> tuple[torch.Tensor,
     blocks = np.ascontiguousarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     scales, mins = _scales(qtype.name, blocks)  # [blocks, values per block // group]
     scales, mins = scales.reshape(rows, -1), None if mins is None else mins.reshape(rows, -1)
-    x = dequantize(data, qtype).reshape(rows, -1, group)
-    shifted = x if mins is None else x - mins[..., None]
-    q = np.rint(shifted / np.where(scales == 0, 1, scales)[..., None]).reshape(rows, -1)
-    lo, hi = (-128, 127) if kind == "int8" else (0, 15)
-    if q.size and (q.min() < lo or q.max() > hi):
-        raise ValueError(f"{qtype.name} values outside {lo}..{hi}: not a lossless {kind} mapping")
+    q = _direct_values(qtype.name, blocks)
+    if q is None:  # from the gguf package's dequantization
+        x = dequantize(data, qtype).reshape(rows, -1, group)
+        shifted = x if mins is None else x - mins[..., None]
+        q = np.rint(shifted / np.where(scales == 0, 1, scales)[..., None])
+        lo, hi = (-128, 127) if kind == "int8" else (0, 15)
+        if q.size and (q.min() < lo or q.max() > hi):
+            raise ValueError(f"{qtype.name} values outside {lo}..{hi}: not a lossless {kind} mapping")
+        q = q.astype(np.int8 if kind == "int8" else np.uint8)
     as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.float32))  # noqa: E731
-    return torch.from_numpy(q.astype(np.int8 if kind == "int8" else np.uint8)), as_tensor(scales), as_tensor(mins)
+    return torch.from_numpy(q.reshape(rows, -1)), as_tensor(scales), as_tensor(mins)
+
+
+def _direct_values(kind: str, blocks: np.ndarray) -> np.ndarray | None:
+    """The values of Q8_0 (int8 after the scale) and Q4_0 / Q4_1 (32 nibbles after the scale (and min): byte i
+    holds value i in its low nibble and value i + 16 in its high one) read from the bytes; None for other types."""
+    if kind == "Q8_0":
+        return blocks[:, 2:].view(np.int8)
+    if kind in ("Q4_0", "Q4_1"):
+        packed = blocks[:, 2 if kind == "Q4_0" else 4:]
+        return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+    return None
 
 
 def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
