@@ -102,30 +102,44 @@ class QuantWeight:
                            first.group)
 
 
-def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
+CHUNK_ELEMENTS = 1 << 22  # a quantizer's float32 temporaries cover this many weights at a time (16 MB each)
+
+
+def _by_rows(w: torch.Tensor, group: int, quantize_rows: Callable[[torch.Tensor], tuple]) -> tuple:
+    """quantize_rows(float32 [rows, K / group, group]) over blocks of rows, its results concatenated: the float
+    temporaries stay a few MB whatever the tensor (an 8B model's embedding would take GBs at once)."""
     n, k = w.shape
     check_group(k, group)
-    return w.float().reshape(n, k // group, group)
+    rows = max(1, CHUNK_ELEMENTS // k)
+    parts = [quantize_rows(w[i:i + rows].float().reshape(-1, k // group, group)) for i in range(0, n, rows)]
+    return tuple(torch.cat(p) if p[0] is not None else None for p in zip(*parts))
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
     """Symmetric int8 of a float [N, K] weight: per group of `group` inputs (None: per output channel) scale =
     max |w| / 127, q = round(w / scale)."""
     group = group or w.shape[1]
-    g = _groups(w, group)
-    scales = g.abs().amax(dim=2) / 127.0
-    q = torch.round(g / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(-127, 127)
-    return QuantWeight("int8", q.to(torch.int8).reshape(w.shape), scales.contiguous(), None, group)
+
+    def rows(g: torch.Tensor) -> tuple:
+        scales = g.abs().amax(dim=2) / 127.0
+        q = torch.round(g / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(-127, 127)
+        return q.to(torch.int8).flatten(1), scales
+
+    q, scales = _by_rows(w, group, rows)
+    return QuantWeight("int8", q, scales, None, group)
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantWeight:
     """Affine int4 of a float [N, K] weight: per group min = min w, scale = (max w - min) / 15,
     q = round((w - min) / scale)."""
-    g = _groups(w, group)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scales = (hi - lo) / 15.0
-    q = torch.round((g - lo[..., None]) / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(0, 15)
-    return QuantWeight("int4", q.to(torch.uint8).reshape(w.shape), scales.contiguous(), lo.contiguous(), group)
+    def rows(g: torch.Tensor) -> tuple:
+        lo, hi = g.amin(dim=2), g.amax(dim=2)
+        scales = (hi - lo) / 15.0
+        q = torch.round((g - lo[..., None]) / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(0, 15)
+        return q.to(torch.uint8).flatten(1), scales, lo
+
+    q, scales, mins = _by_rows(w, group, rows)
+    return QuantWeight("int4", q, scales, mins, group)
 
 
 @dataclass

@@ -239,3 +239,13 @@ def test_quantization_is_refused_off_the_cpu(tiny):
         ModelRunner(tiny, num_slots=64, device="cuda", quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         Engine(tiny, quantization="int2")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantizing_in_row_blocks_changes_nothing(monkeypatch, kind):
+    w = torch.randn(100, 256, generator=torch.Generator().manual_seed(4))
+    whole = _quantized(kind, w, 32)
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 256 * 7)  # blocks of 7 rows, the last one short
+    blocks = _quantized(kind, w, 32)
+    assert all(torch.equal(a, b) for a, b in ((whole.q, blocks.q), (whole.scales, blocks.scales)))
+    assert whole.mins is None or torch.equal(whole.mins, blocks.mins)
