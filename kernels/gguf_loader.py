@@ -1,10 +1,11 @@
-"""Reads the weights of a GGUF file (kernels/gguf_file.py checks and names them) into the engine's float dtype.
+"""Reads the weights of a GGUF file (kernels/gguf_file.py checks and names them): block tensors of linears kept as
+quant.QuantWeights where the quantized kernel runs (keeps_blocks), everything else in the engine's float dtype.
 
 Tensor by tensor through the file's memory map, each when the forward takes it (GGUFState): a quantized tensor is
 dequantized in row blocks (the `gguf` package's dequantizer, float32) straight into its output tensor, so at most one
 block's float32 copy exists at a time, and the pages of the map a tensor was read from are dropped from the process
-once it is done (a map keeps every page it touched resident). `tensor_weight` is the one place a GGUF tensor becomes an engine float tensor;
-with `keep_quantized`, gguf_quant.quant_weight the one place a block tensor becomes a quant.QuantWeight.
+once it is done (a map keeps every page it touched resident). `tensor_weight` is the one place a GGUF tensor
+becomes an engine float tensor, gguf_quant.quant_weight the one place a block tensor becomes a QuantWeight.
 
 llama.cpp's converter reorders the rows of Llama's q / k projections within each head (its rotary takes adjacent
 pairs); they are put back in HF order here, since the forward takes HF layout (and makes its own pair order).
@@ -70,8 +71,9 @@ class DequantReport:
 
 
 def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether block tensors stay quantized: on a CPU whose quantized tile kernel runs, in bf16 (that kernel's
-    result equals the bf16 linear on the bf16-rounded dequantized weights, so keeping them changes no output)."""
+    """Whether block tensors stay quantized: on a CPU whose quantized tile kernel runs, in bf16 (that kernel is at
+    least as exact as the bf16 linear on the bf16-rounded dequantized weights; elsewhere quant.linear would
+    dequantize the weights at every call)."""
     from . import native
 
     return device.type == "cpu" and dtype == torch.bfloat16 and native.tiles_ready()
