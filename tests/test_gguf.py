@@ -334,3 +334,44 @@ def test_quantization_flag_applies_to_a_float_gguf_as_to_its_checkpoint(tmp_path
             engine.shutdown()
 
     assert run(path) == run(src)
+
+
+def test_sentencepiece_gguf_tokenizer_reads_as_transformers_builds_it(tmp_path):
+    """A llama.cpp "llama" (sentencepiece) vocabulary, as Llama 2 and Mistral files hold: scores, byte fallback
+    tokens, BOS added. Our Tokenizer of the saved directory encodes, decodes and renders as transformers' GGUF one."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    for key, value in dict(block_count=1, context_length=128, embedding_length=32, feed_forward_length=64,
+                           head_count=2, head_count_kv=1).items():
+        getattr(writer, f"add_{key}")(value)
+    pieces = ["▁hello", "▁world", "▁he", "llo", "▁w", "orld", "▁", "h", "e", "l", "o", "w", "r", "d", "▁the"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}")
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+              "blk.0.ffn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32),
+              "blk.0.attn_v.weight": (16, 32), "blk.0.attn_output.weight": (32, 32),
+              "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32) * 0.1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    path = str(tmp_path / "spm.gguf")
+    ours, theirs = Tokenizer(path), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", "the world hello", "héllo wörld 😀", " hello  world "]:
+        ids = theirs(text).input_ids
+        assert ids[0] == 1 and ours.encode(text, add_special_tokens=True) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True) == text.removeprefix(" "), text
+    assert ours.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi</s>"
+    assert len(greedy(path)[0]) == 12  # and it serves (a tied head, the table read as the head)
