@@ -357,7 +357,8 @@ def test_sentencepiece_gguf_tokenizer_reads_as_transformers_builds_it(tmp_path):
     writer.add_add_bos_token(True)
     writer.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}</s>{% endfor %}")
     rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (len(tokens), 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+    shapes = {"token_embd.weight": (len(tokens), 32), "output_norm.weight": (32,),
+              "blk.0.attn_norm.weight": (32,),
               "blk.0.ffn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32),
               "blk.0.attn_v.weight": (16, 32), "blk.0.attn_output.weight": (32, 32),
               "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64)}
