@@ -78,8 +78,8 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             self.cache.lock(node)
             num_own = _round_up(len(tokens) - len(matched), page_size)
             own = self.allocator.alloc(num_own)
-            if own is None:
-                self.evict_and_sync(num_own - self.allocator.num_free_slots)
+            if own is None:  # the request's own match is locked already: it is not evictable
+                self.evict_and_sync(num_own - self.allocator.num_free_slots, pending=(salt, query[:len(matched)]))
                 own = self.allocator.alloc(num_own)
             if own is None:
                 assert self.allocator.num_free_slots + self.cache.evictable_size < num_own
@@ -182,12 +182,17 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             tree_slots = self.model_match(tokens, req.salt)
             req.slot_ids[req.num_cached:num_already] = tree_slots[req.num_cached:num_already]
 
-        def evict_and_sync(self, num_tokens: int) -> None:
+        def evict_and_sync(self, num_tokens: int, pending: tuple | None = None) -> None:
+            """`pending`: (salt, tokens) of a match locked by a request not yet in self.requests."""
             evictable_before = self.cache.evictable_size
             if self.cache.locked_size and num_tokens and evictable_before:
                 note(LOCKED_EVICTION)
             hinted = self.hinted_keys()
-            unhinted = sum(1 for key in self.model if key not in hinted and key not in self.locked_keys()) * page_size
+            locked = self.locked_keys()
+            if pending is not None:
+                locked |= {(pending[0], tuple(pending[1][:end])) for end in range(page_size, len(pending[1]) + 1,
+                                                                                   page_size)}
+            unhinted = sum(1 for key in self.model if key not in hinted and key not in locked) * page_size
             num_freed = self.cache.evict(num_tokens)
             assert min(num_tokens, evictable_before) <= num_freed <= evictable_before
             gone = [key for key, slots in self.model.items() if self.allocator.is_free(slots[0])]
