@@ -106,12 +106,15 @@ class FairShareMachine(RuleBasedStateMachine):
         self.num = 0
 
     @rule(tenant=st.sampled_from(sorted(TENANTS)), prompt_len=st.integers(4, MAX_PROMPT),
-          max_new=st.integers(1, MAX_OUT), priority=st.integers(0, 2), burst=st.integers(1, 4))
-    def arrive(self, tenant, prompt_len, max_new, priority, burst):
+          max_new=st.integers(1, MAX_OUT), priority=st.integers(0, 2), burst=st.integers(1, 4),
+          session=st.sampled_from([None, "s1", "s2"]))
+    def arrive(self, tenant, prompt_len, max_new, priority, burst, session):
+        """Requests of a tenant; with a session they are one program's (its attained service orders them)."""
         for _ in range(burst):
             self.num += 1
             prompt = [self.rng.randrange(5, 500) for _ in range(prompt_len)]
-            self.engine.add_request(prompt, _params(tenant, max_new, priority), rid=f"{tenant}{self.num}")
+            program = None if session is None else f"{tenant}-{session}"
+            self.engine.add_request(prompt, _params(tenant, max_new, priority, program), rid=f"{tenant}{self.num}")
 
     @rule(steps=st.integers(1, 6))
     def run(self, steps):
