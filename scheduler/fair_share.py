@@ -40,7 +40,8 @@ DEFAULT_TENANT = "default"
 IDLE_PRIORITY = 2**31 - 1
 W_IN, W_OUT, W_CACHED = 1.0, 2.0, 0.1  # service per computed prompt token, sampled token, cached prompt token
 LAS_QUANTUM = 2048.0  # service (in W_IN tokens) below which a program is at level 0; each doubling adds a level
-MAX_PROGRAMS = 65_536  # attained service kept for this many programs (least recently served dropped)
+MAX_PROGRAMS = 65_536
+MERGE_HEAD = 1024  # admission candidates merged by counter each step (a step admits far fewer)  # attained service kept for this many programs (least recently served dropped)
 
 
 def tenant_of(req: Req) -> str:
@@ -127,25 +128,35 @@ class FairShare:
 
     def order(self, base: list[Req]) -> list[Req]:
         """`base` (the cache-aware order) reordered by tenant share, priority and program level; stable, so ties
-        keep the cache-aware order. Returns `base` itself when nothing separates its requests."""
+        keep the cache-aware order. Returns `base` itself when nothing separates its requests. The tenants' queues
+        are merged by counter for the first MERGE_HEAD entries (more than a step admits); the rest follow in
+        `base`'s order. One pass over the queue when every request is at priority 0 without a session."""
         if len(base) < 2:
             return base
-        keys = [(r.params.priority, self.level(r)) for r in base]
-        tenants = {tenant_of(r) for r in base}
-        if len(tenants) == 1 and keys.count(keys[0]) == len(keys):
-            return base
         queues: dict[str, list[Req]] = {}
-        for pos in sorted(range(len(base)), key=keys.__getitem__):
-            queues.setdefault(tenant_of(base[pos]), []).append(base[pos])
+        plain = True
+        for r in base:
+            p = r.params
+            queues.setdefault(p.tenant or DEFAULT_TENANT, []).append(r)
+            plain = plain and not p.priority and p.session_id is None
+        if not plain:
+            for queue in queues.values():
+                queue.sort(key=self._key)
         if len(queues) == 1:
-            return next(iter(queues.values()))
-        # Merge the tenants' queues by counter, projecting each admission's prompt cost onto its tenant so that one
-        # step's admissions interleave as the counters would.
+            return base if plain else next(iter(queues.values()))
+        return self._merge(base, queues)
+
+    def _key(self, req: Req) -> tuple[int, int]:
+        return req.params.priority, self.level(req)
+
+    def _merge(self, base: list[Req], queues: dict[str, list[Req]]) -> list[Req]:
+        """The tenants' queues merged by counter, each admission's prompt cost projected onto its tenant so that one
+        step's admissions interleave as the counters would."""
         heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
         heapq.heapify(heap)
         heads = dict.fromkeys(queues, 0)
         out: list[Req] = []
-        while heap:
+        while heap and len(out) < MERGE_HEAD:
             counter, tie, tenant = heapq.heappop(heap)
             req = queues[tenant][heads[tenant]]
             heads[tenant] += 1
@@ -153,6 +164,9 @@ class FairShare:
             if heads[tenant] < len(queues[tenant]):
                 projected = counter + W_IN * len(req.prompt_ids) / self.weight(tenant)
                 heapq.heappush(heap, (projected, tie, tenant))
+        if len(out) < len(base):
+            taken = {id(r) for r in out}
+            out += [r for r in base if id(r) not in taken]
         return out
 
     # -- giving memory back -------------------------------------------------------------
@@ -175,11 +189,12 @@ class FairShare:
 
     def may_preempt(self, waiting: list[Req], running: list[Req]) -> bool:
         """A cheap test that some waiting request has something eligible to preempt (one pass over each queue)."""
-        lowest = min(self.counter(tenant_of(r)) for r in waiting)
-        if any(self.counter(tenant_of(r)) > lowest for r in running):
-            return True
-        best: dict[str, int] = {}
+        best: dict[str, int] = {}  # tenant -> its best waiting priority
         for r in waiting:
-            t = tenant_of(r)
-            best[t] = min(best.get(t, r.params.priority), r.params.priority)
-        return any(r.params.priority > best.get(tenant_of(r), r.params.priority) for r in running)
+            p = r.params
+            t = p.tenant or DEFAULT_TENANT
+            if p.priority < best.get(t, p.priority + 1):
+                best[t] = p.priority
+        lowest = min(self.counter(t) for t in best)
+        return any(self.counter(tenant_of(r)) > lowest or r.params.priority > best.get(tenant_of(r), r.params.priority)
+                   for r in running)
