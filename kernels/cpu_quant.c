@@ -55,10 +55,13 @@ AMX_TARGET static inline void put_pairs(__m512i q0, __m512i q1, __m512 s0, __m51
 AMX_TARGET static void dequant_tile(int int4, const uint8_t *src, const float *sc, const float *mn, int64_t k,
                                     int64_t g, uint16_t *out) {
     __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = m0;
+    int64_t gi = k / g, next = k; /* one division a tile: the group's index, and where the next one starts */
     for (int64_t i = k; i < k + 32; i += 4, out += 64) { /* two pair rows: 4 inputs x 16 columns */
-        if (i == k || i % g == 0) {
-            spread(sc + (i / g) * 16, &s0, &s1);
-            if (mn) spread(mn + (i / g) * 16, &m0, &m1);
+        if (i == next) {
+            gi = i / g;
+            next = (gi + 1) * g;
+            spread(sc + gi * 16, &s0, &s1);
+            if (mn) spread(mn + gi * 16, &m0, &m1);
         }
         if (int4) { /* 32 bytes: low nibbles pair row p, high nibbles p + 1 */
             const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
@@ -142,9 +145,8 @@ AMX_TARGET static inline void store_c(float *c) {
 
 /* Group gi's sums of values x inputs (in the C tiles) into acc, scaled: acc += scale * c (+ min * sum of the
  * group's inputs, xsum [rows][K / g]); the C tiles start again from zero. */
-AMX_TARGET static void fold_group(const qweight *w, int rows, int64_t blk0, int nblk, int64_t gi, const float *xsum,
-                                  float *c, float *acc) {
-    const int64_t groups = w->K / w->g;
+AMX_TARGET static void fold_group(const qweight *w, int rows, int64_t blk0, int nblk, int64_t gi, int64_t groups,
+                                  const float *xsum, float *c, float *acc) {
     store_c(c);
     for (int j = 0; j < nblk; ++j) {
         const int64_t at = ((blk0 + j) * groups + gi) * 16;
@@ -182,6 +184,8 @@ AMX_TARGET static void decode_group(const uint16_t *x, int rows, const qweight *
     _tile_zero(2);
     _tile_zero(3);
     fill_step(w, blk0, nblk, 0, xsum == NULL, buf);
+    int64_t gi = 0, fold_at = w->g;
+    const int64_t groups = K / w->g;
     for (int64_t k = 0; k < K; k += 32) {
         _tile_loadd(4, x + k, 2 * K);
         _tile_loadd(5, buf, 64);
@@ -201,7 +205,10 @@ AMX_TARGET static void decode_group(const uint16_t *x, int rows, const qweight *
         /* the next operands before folding this group: the tile products have finished by the time its sums
          * are stored (a tile store right after them waits for their latency) */
         if (k + 32 < K) fill_step(w, blk0, nblk, k + 32, xsum == NULL, buf);
-        if (xsum && (k + 32) % w->g == 0) fold_group(w, rows, blk0, nblk, (k + 32) / w->g - 1, xsum, st->c, acc);
+        if (xsum && k + 32 == fold_at) { /* a group ends (counted: no division per step) */
+            fold_group(w, rows, blk0, nblk, gi++, groups, xsum, st->c, acc);
+            fold_at += w->g;
+        }
     }
     if (!xsum) store_c(acc);
     for (int j = 0; j < nblk; ++j) rs_tiles_put_block(acc + 256 * j, rows, b, (blk0 + j) * 16, y, N);
