@@ -119,7 +119,7 @@ AMX_TARGET static void values_tile(const qweight *w, int64_t blk, int64_t k, uin
     }
 }
 
-#define PREFETCH_K 256 /* inputs ahead that a decode group asks the weight stream for */
+#define PREFETCH_K 128 /* inputs ahead that a decode group asks the weight stream for */
 
 /* The group's B operands at inputs [k, k + 32) into buf (nblk x 1 KB): values only where scales are applied to
  * the sums (`scaled` 0), else dequantized; asking for the weights PREFETCH_K inputs ahead. */
