@@ -59,6 +59,7 @@ class FairShare:
         self._weights: dict[str, float] = {}
         self._service: OrderedDict[str, float] = OrderedDict()  # program -> attained service
         self._backlogged: set[str] = set()
+        self._waiting: dict[str, int] = {}  # tenant -> its queue's length at the last merge
         self._last_left = 0.0  # the counter of the last tenant that stopped being backlogged
         for name, weight in (weights or {}).items():
             self.set_weight(name, weight)
@@ -152,18 +153,21 @@ class FairShare:
     def _merge(self, base: list[Req], queues: dict[str, list[Req]]) -> list[Req]:
         """The tenants' queues merged by counter, each admission's prompt cost projected onto its tenant so that one
         step's admissions interleave as the counters would."""
-        heap = [(self.counter(t), i, t) for i, t in enumerate(queues)]
+        # Equal counters (a tenant just lifted to the backlogged minimum) go to the shorter queue: the tenant that
+        # asks for less is not made to wait a step for the one that asks for more.
+        self._waiting = {t: len(q) for t, q in queues.items()}
+        heap = [(self.counter(t), len(queues[t]), i, t) for i, t in enumerate(queues)]
         heapq.heapify(heap)
         heads = dict.fromkeys(queues, 0)
         out: list[Req] = []
         while heap and len(out) < MERGE_HEAD:
-            counter, tie, tenant = heapq.heappop(heap)
+            counter, size, tie, tenant = heapq.heappop(heap)
             req = queues[tenant][heads[tenant]]
             heads[tenant] += 1
             out.append(req)
             if heads[tenant] < len(queues[tenant]):
                 projected = counter + W_IN * len(req.prompt_ids) / self.weight(tenant)
-                heapq.heappush(heap, (projected, tie, tenant))
+                heapq.heappush(heap, (projected, size, tie, tenant))
         if len(out) < len(base):
             taken = {id(r) for r in out}
             out += [r for r in base if id(r) not in taken]
@@ -183,9 +187,13 @@ class FairShare:
         counter is above `req`'s tenant's (above its share). Priority never reaches across tenants: another tenant's
         work goes only for the share, whatever `req`'s priority."""
         tenant = tenant_of(req)
-        level = self.counter(tenant)
+        level = self._rank(tenant)
         return [r for r in running if (tenant_of(r) == tenant and r.params.priority > req.params.priority)
-                or (tenant_of(r) != tenant and self.counter(tenant_of(r)) > level)]
+                or (tenant_of(r) != tenant and self._rank(tenant_of(r)) > level)]
+
+    def _rank(self, tenant: str) -> tuple[float, int]:
+        """A tenant's place in the last merge: its counter, then its queue's length (the merge's tie-break)."""
+        return self.counter(tenant), self._waiting.get(tenant, 0)
 
     def may_preempt(self, waiting: list[Req], running: list[Req]) -> bool:
         """A cheap test that some waiting request has something eligible to preempt (one pass over each queue)."""
