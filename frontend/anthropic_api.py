@@ -22,7 +22,7 @@ from .engine_client import collect
 from .errors import APIError
 from .openai_api import json_response, openai_usage, raise_if_failed, sse_events
 from .reasoning import ReasoningSplitter
-from .salt_policy import system_boundary
+from .salt_policy import system_boundary_of
 from .sessions_api import settle_turn
 from .sse import SSEResponse, sse_event
 from .state import ServerState
@@ -37,7 +37,7 @@ async def create_message(state: ServerState, request: Request, body: Any) -> Any
     plan = state.reasoning_plan(prompt_ids, req.reasoning.effective_budget())
     turn = _Turn(state, req, rid, prompt_ids, plan.splitter())
     kwargs = req.reasoning.render_kwargs(state.engine.tokenizer.chat_template)
-    system = lambda: system_boundary(state, req.messages, req.tools, kwargs, prompt_ids)  # noqa: E731
+    system = await system_boundary_of(state, req.sampling, req.messages, req.tools, kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, req.sampling, 1, rid, req.seed, ENGINE_NAMES, system=system,
                            max_new_tokens=req.max_tokens, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here

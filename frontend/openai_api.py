@@ -4,6 +4,7 @@ anthropic_api.py)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import sys
@@ -22,7 +23,7 @@ from .logprobs import chat_logprobs
 from .protocol import ChatRequest, CommonOptions, parse_chat_request
 from .reasoning import ReasoningPlan, ReasoningSplitter, split_output
 from .rewrite_prefetch import after_chat_turn
-from .salt_policy import system_boundary
+from .salt_policy import system_boundary_of
 from .sessions_api import settle_turn
 from .sse import DONE, SSEResponse, sse_event
 from .state import ServerState
@@ -42,7 +43,7 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     names = dict(_CHAT_NAMES, max_new_tokens=common.max_tokens_param)
     max_new = resolve_max_tokens(state, len(prompt_ids), common, names)
     rid = state.new_id("chatcmpl")
-    system = lambda: system_boundary(state, req.messages, req.tools, template_kwargs, prompt_ids)  # noqa: E731
+    system = await system_boundary_of(state, common.sampling, req.messages, req.tools, template_kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names, system=system,
                            max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
@@ -59,8 +60,8 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     choices = _chat_choices(state, req, results, splitters) if plan.syntax is None \
         else await asyncio.to_thread(_chat_choices, state, req, results, splitters)
     settle_turn(state, common.sampling.get("session_id"), any(c["finish_reason"] == "tool_calls" for c in choices))
-    after_chat_turn(state, req.messages, req.tools, template_kwargs, prompt_ids, results[0], choices[0]["message"],
-                    common.sampling)
+    after_chat_turn(state, req.messages, req.tools, template_kwargs, prompt_ids, results[0],
+                    lambda: choices[0]["message"], common.sampling)
     usage = openai_usage([len(prompt_ids)], results, len(jobs), reasoning_tokens(plan, splitters))
     note_openai_usage(request, usage)
     payload = dict(head, object="chat.completion", choices=choices, usage=usage)
@@ -240,12 +241,15 @@ class _ChatStream(ChunkStream):
             finish = chat_finish_reason(r, parser is not None and parser.num_calls > 0)
             if i == 0:  # a session's turn is settled by its first choice
                 settle_turn(self.state, self.req.common.sampling.get("session_id"), finish == "tool_calls")
-                message = _chat_choice(self.state, self.req, 0, r, self.plan.splitter())["message"]
                 prompt_ids, template_kwargs = self.rendered
                 after_chat_turn(self.state, self.req.messages, self.req.tools, template_kwargs, prompt_ids, r,
-                                message, self.req.common.sampling)
+                                functools.partial(self._message, r), self.req.common.sampling)
             out.append(self.chunk(i, {}, finish=finish))
         return out
+
+    def _message(self, r: GenerateResult) -> dict[str, Any]:
+        """The assistant message of a finished choice, as the non-streamed reply has it (built off the loop)."""
+        return _chat_choice(self.state, self.req, 0, r, self.plan.splitter())["message"]
 
     def usage(self) -> dict[str, Any]:
         return openai_usage([self.prompt_len], self.results, len(self.parsers),

@@ -39,7 +39,7 @@ from .responses_protocol import (
     parse_responses_request,
     rename_param,
 )
-from .salt_policy import system_boundary
+from .salt_policy import system_boundary_of
 from .sse import SSEResponse
 from .sessions_api import settle_turn
 from .state import ServerState
@@ -73,7 +73,7 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
         common.sampling["session_id"] = session
     instructions = [{"role": "system", "content": req.instructions}] if req.instructions else []
     kwargs = req.chat.reasoning.render_kwargs(state.engine.tokenizer.chat_template)
-    system = lambda: system_boundary(state, instructions, req.chat.tools, kwargs, prompt_ids)  # noqa: E731
+    system = await system_boundary_of(state, common.sampling, instructions, req.chat.tools, kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, system=system,
                            max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
     sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from ..scheduler.fair_share import IDLE_PRIORITY
 from ..scheduler.req import GenerateResult
@@ -34,15 +34,15 @@ _tasks: set[asyncio.Task] = set()  # running prefetches (a task needs a referenc
 
 def after_chat_turn(state: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                     template_kwargs: dict[str, Any], prompt_ids: list[int], result: GenerateResult,
-                    message: dict[str, Any], sampling: dict[str, Any]) -> None:
-    """Called with a chat turn's first choice once it is complete (streamed or not). Starts a background check
-    (the render runs off the event loop) when the history may be rewritten; returns at once."""
-    if not (tools or message.get("reasoning_content")) or result.cut_short:
+                    message_of: Callable[[], dict[str, Any]], sampling: dict[str, Any]) -> None:
+    """Called with a chat turn's first choice once it is complete (streamed or not); `message_of` builds its
+    assistant message. Starts a background check when the history may be rewritten (tools, or a reasoning parser)
+    and returns at once: the message and the render are made in a worker thread, off the event loop."""
+    if not (tools or state.reasoning is not None) or result.cut_short:
         return
     kept = {k: sampling[k] for k in _KEPT if sampling.get(k) is not None}
     computed = list(prompt_ids) + list(result.output_ids)
-    task = asyncio.ensure_future(_prefetch(state, [*messages, _as_sent_back(message)], tools, template_kwargs,
-                                           computed, kept))
+    task = asyncio.ensure_future(_prefetch(state, messages, message_of, tools, template_kwargs, computed, kept))
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)
 
@@ -57,13 +57,10 @@ def rewritten_history(canonical: list[int], computed: list[int]) -> bool:
     return common < min(len(canonical), len(computed)) - 1  # the last computed token's KV is never cached
 
 
-async def _prefetch(state: Any, history: list[dict[str, Any]], tools: Any, template_kwargs: dict[str, Any],
-                    computed: list[int], kept: dict[str, Any]) -> None:
-    try:
-        canonical = await asyncio.to_thread(state.render_chat, history, tools, False, **template_kwargs)
-    except APIError:
-        return  # a template that cannot render the history without a generation prompt: nothing to prefetch
-    if not rewritten_history(canonical, computed):
+async def _prefetch(state: Any, messages: list[dict[str, Any]], message_of: Callable[[], dict[str, Any]],
+                    tools: Any, template_kwargs: dict[str, Any], computed: list[int], kept: dict[str, Any]) -> None:
+    canonical = await asyncio.to_thread(_canonical, state, messages, message_of, tools, template_kwargs)
+    if canonical is None or not rewritten_history(canonical, computed):
         return
     state.metrics.history_rewrites += 1
     try:
@@ -83,6 +80,19 @@ async def _prefetch(state: Any, history: list[dict[str, Any]], tools: Any, templ
         pass
     finally:
         sub.close()
+
+
+def _canonical(state: Any, messages: list[dict[str, Any]], message_of: Callable[[], dict[str, Any]], tools: Any,
+               template_kwargs: dict[str, Any]) -> list[int] | None:
+    """The conversation with the turn's answer as the next turn renders it, or None when no rewrite is possible (no
+    tools and no reasoning in the answer) or the template cannot render it without a generation prompt."""
+    message = message_of()
+    if not (tools or message.get("reasoning_content")):
+        return None
+    try:
+        return state.render_chat([*messages, _as_sent_back(message)], tools, False, **template_kwargs)
+    except APIError:
+        return None
 
 
 def _as_sent_back(message: dict[str, Any]) -> dict[str, Any]:

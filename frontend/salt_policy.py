@@ -12,6 +12,7 @@ the two boundaries.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Callable
 
 from .errors import APIError, bad_request
@@ -50,6 +51,21 @@ def system_boundary(state: Any, messages: list[dict[str, Any]], tools: Any, temp
             break
         common += 1
     return common
+
+
+def _needs_boundary(state: Any, sampling: dict[str, Any]) -> bool:
+    return sampling.get("cache_salt_after") in SYSTEM_BOUNDARIES or (
+        getattr(state.config, "tenant_salt", "none") == "after-system" and state.tenants.keyed)
+
+
+async def system_boundary_of(state: Any, sampling: dict[str, Any], messages: list[dict[str, Any]], tools: Any,
+                             template_kwargs: dict[str, Any], prompt_ids: list[int]) -> Callable[[], int]:
+    """The prompt's system boundary for `resolve_salt`, rendered in a worker thread (as every chat render is) and
+    only when this request's salt needs it."""
+    if not _needs_boundary(state, sampling):
+        return lambda: 0  # never asked for
+    value = await asyncio.to_thread(system_boundary, state, messages, tools, template_kwargs, prompt_ids)
+    return lambda: value
 
 
 def resolve_salt(state: Any, sampling: dict[str, Any], boundary: Callable[[], int] | None) -> None:

@@ -110,10 +110,6 @@ class FairShare:
             level += 1
         return level
 
-    def forget_program(self, program: str) -> None:
-        """A closed session's service is no longer needed."""
-        self._service.pop(program, None)
-
     # -- admission ----------------------------------------------------------------------
 
     def observe(self, waiting: list[Req]) -> None:
