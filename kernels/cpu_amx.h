@@ -8,7 +8,7 @@
  *                would be rounded to bf16 again, so softmax_block scales the scores).
  *   O += P V     A: P [rows][keys] in bf16 (s transposed and rounded: the one approximation beyond
  *                fp32 sums; the softmax sum l stays fp32 over the unrounded p); B: V as key pairs
- *                vb [keys / 2][d][2]; C: 16 x 16 tiles of o [rows][d].
+ *                vb [keys / 2][d][2] (v_pairs, cpu_attn_dp.h); C: 16 x 16 tiles of o [rows][d].
  *
  * Keys come in multiples of 32 (the block's tail repeats a key, masked to p = 0) and rows in
  * multiples of 16 (padding rows see nothing). Tiles 0-3 accumulate, 4 and 5 are the operands.
@@ -85,23 +85,6 @@ AMX_TARGET static inline void p_rows(const float *s, int nkp, int np, uint16_t *
             transpose16(first, idx), transpose16(second, idx);
             for (int r = 0; r < 16; ++r)
                 _mm512_storeu_si512(pb + (i + r) * KB + j, (__m512i)_mm512_cvtne2ps_pbh(second[r], first[r]));
-        }
-}
-
-/* vb[p][c][0 / 1] = V[2p][c] / V[2p + 1][c] for key pairs p < nkp / 2: the B layout of P V. */
-AMX_TARGET static inline void v_pairs(const void *const *vp, int d, int nkp, uint16_t *vb) {
-    int lo_idx[16], hi_idx[16]; /* 16-bit lanes 2k, 2k + 1 <- a[k], b[k] (k < 16), then k + 16 */
-    for (int k = 0; k < 16; ++k) {
-        lo_idx[k] = (32 + k) << 16 | k;
-        hi_idx[k] = (48 + k) << 16 | (16 + k);
-    }
-    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
-    for (int p = 0; p < nkp / 2; ++p)
-        for (int c = 0; c < d; c += 32) {
-            const __m512i a = _mm512_loadu_si512((const uint16_t *)vp[2 * p] + c);
-            const __m512i b = _mm512_loadu_si512((const uint16_t *)vp[2 * p + 1] + c);
-            _mm512_storeu_si512(vb + 2 * (p * d + c), _mm512_permutex2var_epi16(a, lo, b));
-            _mm512_storeu_si512(vb + 2 * (p * d + c + 16), _mm512_permutex2var_epi16(a, hi, b));
         }
 }
 

@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_quant.c",
-                           "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h"))
+                           "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h",
+                           "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the KV pool is in the model's dtype)
@@ -82,7 +83,7 @@ class _Args(ctypes.Structure):
         ("tok", ctypes.c_void_p), ("tok_sb", ctypes.c_int64),
         ("out", ctypes.c_void_p), (("o_sb", "o_sh", "o_sr"), ctypes.c_int64),
         ("lse", ctypes.c_void_p), (("l_sb", "l_sh", "l_sr"), ctypes.c_int64),
-        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads", "bf16", "amx"),
+        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads", "bf16", "prod"),
          ctypes.c_int32),
         ("scale", ctypes.c_float),
     ] for name in ((names,) if isinstance(names, str) else names)]
@@ -307,9 +308,15 @@ def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_s
                  0 if hi is None else hi.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
                  out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
                  num_b, num_h, rows, slots.shape[1] if slots is not None else k_cache.shape[0], q.shape[-1],
-                 group, int(merge), torch.get_num_threads(), int(bf16), int(bf16 and _use_amx()), scale)
+                 group, int(merge), torch.get_num_threads(), int(bf16), _products(bf16), scale)
     if load().rs_attend(ctypes.byref(args)) != 0:
         raise ValueError(f"native attention refused head_dim {q.shape[-1]}, {rows} rows or group {group}")
+
+
+def _products(bf16: bool) -> int:
+    """How rs_attend multiplies bf16 in items of many rows: 1 on AMX tiles (``_use_amx``), 2 with
+    vdpbf16ps (``_use_dpbf16``), 0 widened to fp32 for FMAs (and always for fp32)."""
+    return 0 if not bf16 else 1 if _use_amx() else 2 if _use_dpbf16() else 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

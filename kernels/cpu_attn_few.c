@@ -1,0 +1,110 @@
+/* rs_attend's items of at most FEW rows (cpu_attn.h has the contract; cpu_kernels.c the items of many rows). */
+#include "cpu_attn.h"
+
+/* Items of at most FEW rows (a decode's stacked GQA heads): a register tile of 16 or 32 rows would
+ * be mostly padding, so scores are dot products along d (one horizontal sum per key and row),
+ * and O, Q stay in registers (nd = d / 16 and nr are constants after inlining). bf16 K/V are
+ * widened as they are loaded: the horizontal sums, not the products, bound this path. */
+RS_INLINE void attend_few_impl(const args_t *a, int b, int h, int r0, const int nr, const int nd, const int bf16) {
+    float s[FEW][KB] __attribute__((aligned(64)));
+    vf q[FEW][DMAX / 16], o[FEW][DMAX / 16];
+    float m[FEW], l[FEW];
+    int32_t lo[FEW], hi[FEW];
+    int jmin = a->num_keys, jmax = 0;
+    const float qscale = a->scale * LOG2E;
+    for (int r = 0; r < nr; ++r) {
+        const int64_t at = row_at(a, b, h, r0 + r, a->q_sb, a->q_sh, a->q_sr);
+        lo[r] = hi[r] = 0; /* a padding row sees nothing */
+        if (at >= 0) row_bounds(a, b, r0 + r, &lo[r], &hi[r], &jmin, &jmax);
+        m[r] = -INFINITY, l[r] = 0.0f;
+        for (int c = 0; c < nd; ++c) {
+            q[r][c] = at >= 0 ? vf_mul(row_load(a->q, at + 16 * c, bf16), vf_set1(qscale)) : vf_zero();
+            o[r][c] = vf_zero();
+        }
+    }
+    const int64_t h_off = h * a->kv_sh;
+    const int64_t *slots = a->slots ? a->slots + b * a->slots_sb : NULL;
+    const int row_bytes = nd * 16 * (bf16 ? 2 : 4);
+    const vf ninf = vf_set1(-INFINITY);
+    for (int j0 = jmin; j0 < jmax; j0 += KB) {
+        const int nk = jmax - j0 < KB ? jmax - j0 : KB;
+        for (int j = 0; j < nk; ++j) {
+            const int64_t off = (slots ? slots[j0 + j] : j0 + j) * a->kv_ss + h_off;
+            const void *kr = at_elt(a->kc, off, bf16);
+            if (j0 + j + 16 < jmax) /* decode keys lie on scattered slots: K 16 keys ahead, V for the P V pass */
+                PREFETCH_ROW(at_elt(a->kc, (slots ? slots[j0 + j + 16] : j0 + j + 16) * a->kv_ss + h_off, bf16),
+                             row_bytes, PREFETCH_T0);
+            PREFETCH_ROW(at_elt(a->vc, off, bf16), row_bytes, PREFETCH_T1);
+            vf acc[FEW];
+            for (int r = 0; r < nr; ++r) acc[r] = vf_mul(q[r][0], row_load(kr, 0, bf16));
+            for (int c = 1; c < nd; ++c) {
+                const vf kv = row_load(kr, 16 * c, bf16);
+                for (int r = 0; r < nr; ++r) acc[r] = vf_fmadd(q[r][c], kv, acc[r]);
+            }
+            for (int r = 0; r < nr; ++r) s[r][j] = vf_hsum(acc[r]);
+        }
+        for (int r = 0; r < nr; ++r) {
+            vf mx = ninf;
+            const vi lov = vi_set1(lo[r]), hiv = vi_set1(hi[r]);
+            for (int j = 0; j < nk; j += 16) {
+                const vi jj = vi_iota(j0 + j);
+                const vm seen = vm_and(vm_and(vi_ge(jj, lov), vi_lt(jj, hiv)), vm_first(nk - j));
+                const vf x = vf_blend(seen, vf_load(s[r] + j), ninf);
+                vf_store(s[r] + j, x);
+                mx = vf_max(mx, x);
+            }
+            const float bmax = vf_hmax(mx), m_new = bmax > m[r] ? bmax : m[r];
+            const float ref = m_new == -INFINITY ? 0.0f : m_new;
+            const vf refv = vf_set1(ref);
+            vf sum = vf_zero();
+            for (int j = 0; j < nk; j += 16) {
+                const vf p = exp2_ps(vf_sub(vf_load(s[r] + j), refv));
+                vf_store(s[r] + j, p);
+                sum = vf_add(sum, p);
+            }
+            const float alpha = m[r] == -INFINITY ? 0.0f : exp2f(m[r] - ref);
+            l[r] = l[r] * alpha + vf_hsum(sum);
+            m[r] = m_new;
+            for (int c = 0; c < nd; ++c) o[r][c] = vf_mul(o[r][c], vf_set1(alpha));
+        }
+        for (int j = 0; j < nk; ++j) {
+            const void *vr = at_elt(a->vc, (slots ? slots[j0 + j] : j0 + j) * a->kv_ss + h_off, bf16);
+            for (int c = 0; c < nd; ++c) {
+                const vf vv = row_load(vr, 16 * c, bf16);
+                for (int r = 0; r < nr; ++r) o[r][c] = vf_fmadd(vf_set1(s[r][j]), vv, o[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < nr; ++r) {
+        float row[DMAX] __attribute__((aligned(64)));
+        for (int c = 0; c < nd; ++c) vf_store(row + 16 * c, o[r][c]);
+        put_row(a, b, h, r0 + r, row, m[r], l[r]);
+    }
+}
+
+/* attend_few_impl specialised on the rows, d / 16 (d is a multiple of 32, at most DMAX = 128) and
+ * the element type. */
+#define FEW_D(NR, BF16)                                                                \
+    if (!FEW_CONST_D) { attend_few_impl(a, b, h, r0, NR, a->d / 16, BF16); return; } \
+    switch (a->d) {                                                                    \
+    case 32: attend_few_impl(a, b, h, r0, NR, 2, BF16); return;                        \
+    case 64: attend_few_impl(a, b, h, r0, NR, 4, BF16); return;                        \
+    case 96: attend_few_impl(a, b, h, r0, NR, 6, BF16); return;                        \
+    default: attend_few_impl(a, b, h, r0, NR, 8, BF16); return;                        \
+    }
+#define FEW_ENTRY(NAME, BF16)                                         \
+    static void NAME(const args_t *a, int b, int h, int r0, int nr) { \
+        switch (nr) {                                                 \
+        case 1: FEW_D(1, BF16)                                        \
+        case 2: FEW_D(2, BF16)                                        \
+        case 3: FEW_D(3, BF16)                                        \
+        default: FEW_D(4, BF16)                                       \
+        }                                                             \
+    }
+FEW_ENTRY(attend_few_f32, 0)
+FEW_ENTRY(attend_few_bf16, 1)
+
+void rs_attend_few(const args_t *a, int b, int h, int r0, int nr) {
+    (a->bf16 ? attend_few_bf16 : attend_few_f32)(a, b, h, r0, nr);
+}
+
