@@ -3,7 +3,8 @@
  * rs_linear_quant: y = x W^T + b for x [M, K] and b [N] in bf16, W the dequantized weight (int8 fp32(q) * scale,
  * int4 fma(q, scale, min)), fp32 sums, y rounded to bf16 once. Values come packed in the tile order of
  * native.pack_tiles ([N / 16][K / 32][16 pairs][16 columns][2]; int4 two per byte, pair rows 2r / 2r + 1 in the
- * low / high nibbles of row r's 32 bytes), scales (and mins) as [N / 16][K / g][16] fp32.
+ * low / high nibbles of row r's 32 bytes), scales (and mins) as [N / 16][K / g][16], fp32 or fp16. `flags`: 1 int4
+ * (else int8), 2 fp16 scales and mins (else fp32), as cpu_quant_vec.c's (the kernel for CPUs without tiles).
  *
  * Up to 16 rows (decode) with groups of 32 or more, the B operands are the values themselves (small integers,
  * exact in bf16: int4 by a 16-entry word table, the cheapest conversion), and each group's sums are scaled in fp32
@@ -25,9 +26,14 @@
 #if HAVE_AMX
 #define PANEL_BYTES (512 << 10) /* a thread's dequantized bf16 weights: a quarter of a 2 MB L2 */
 
+/* 16 scales (or mins) at element `at`, in fp32 (fp16 widened: exact). */
+AMX_TARGET static inline __m512 load16(const void *s, int64_t at, int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + at)));
+    return _mm512_loadu_ps((const float *)s + at);
+}
+
 /* The 16 column scales of a group spread over a pair row's 32 lanes: lo = columns 0-7, hi = 8-15, each twice. */
-AMX_TARGET static inline void spread(const float *s, __m512 *lo, __m512 *hi) {
-    const __m512 v = _mm512_loadu_ps(s);
+AMX_TARGET static inline void spread(__m512 v, __m512 *lo, __m512 *hi) {
     const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     *lo = _mm512_permutexvar_ps(idx, v);
     *hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), v);
@@ -50,18 +56,26 @@ AMX_TARGET static inline void put_pairs(__m512i q0, __m512i q1, __m512 s0, __m51
 /* Bytes of packed values per input of a 16-column block. */
 #define BYTES_PER_K(int4) ((int4) ? 8 : 16)
 
-/* The B operand of one block at inputs [k, k + 32) to out [16][16][2] bf16: src = the block's values at k, sc / mn
- * the block's [K / g][16] scales and mins. */
-AMX_TARGET static void dequant_tile(int int4, const uint8_t *src, const float *sc, const float *mn, int64_t k,
-                                    int64_t g, uint16_t *out) {
+typedef struct { /* a packed quantized weight (quant.PackedQuant) */
+    int int4, half; /* half: scales and mins fp16, else fp32 */
+    const uint8_t *data;
+    const void *scales, *mins;
+    int64_t K, g;
+} qweight;
+
+/* The B operand of one block at inputs [k, k + 32) to out [16][16][2] bf16: src = the block's values at k, at =
+ * the element where the block's [K / g][16] scales (and mins) start. */
+AMX_TARGET static void dequant_tile(const qweight *w, const uint8_t *src, int64_t at, int64_t k, uint16_t *out) {
+    const int int4 = w->int4, half = w->half;
+    const int64_t g = w->g;
     __m512 s0, s1, m0 = _mm512_setzero_ps(), m1 = m0;
     int64_t gi = k / g, next = k; /* one division a tile: the group's index, and where the next one starts */
     for (int64_t i = k; i < k + 32; i += 4, out += 64) { /* two pair rows: 4 inputs x 16 columns */
         if (i == next) {
             gi = i / g;
             next = (gi + 1) * g;
-            spread(sc + gi * 16, &s0, &s1);
-            if (mn) spread(mn + gi * 16, &m0, &m1);
+            spread(load16(w->scales, at + gi * 16, half), &s0, &s1);
+            if (w->mins) spread(load16(w->mins, at + gi * 16, half), &m0, &m1);
         }
         if (int4) { /* 32 bytes: low nibbles pair row p, high nibbles p + 1 */
             const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)src));
@@ -80,18 +94,10 @@ AMX_TARGET static void dequant_tile(int int4, const uint8_t *src, const float *s
     }
 }
 
-typedef struct { /* a packed quantized weight (quant.PackedQuant) */
-    int int4;
-    const uint8_t *data;
-    const float *scales, *mins;
-    int64_t K, g;
-} qweight;
-
 /* Block blk's B operand at inputs [k, k + 32) to out. */
 AMX_TARGET static inline void block_tile(const qweight *w, int64_t blk, int64_t k, uint16_t *out) {
     const int64_t per = w->K / w->g * 16;
-    dequant_tile(w->int4, w->data + (blk * w->K + k) * BYTES_PER_K(w->int4), w->scales + blk * per,
-                 w->mins ? w->mins + blk * per : NULL, k, w->g, out);
+    dequant_tile(w, w->data + (blk * w->K + k) * BYTES_PER_K(w->int4), blk * per, k, out);
 }
 
 /* bf16 of 0, 1, ..., 15: an int4 value's exact bf16 by one word permute */
@@ -150,7 +156,7 @@ AMX_TARGET static void fold_group(const qweight *w, int rows, int64_t blk0, int 
     store_c(c);
     for (int j = 0; j < nblk; ++j) {
         const int64_t at = ((blk0 + j) * groups + gi) * 16;
-        const __m512 s = _mm512_loadu_ps(w->scales + at), mn = w->mins ? _mm512_loadu_ps(w->mins + at) : s;
+        const __m512 s = load16(w->scales, at, w->half), mn = w->mins ? load16(w->mins, at, w->half) : s;
         for (int m = 0; m < rows; ++m) {
             __m512 a = _mm512_fmadd_ps(_mm512_loadu_ps(c + 256 * j + 16 * m), s, _mm512_load_ps(acc + 256 * j + 16 * m));
             if (w->mins) a = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * groups + gi]), a);
@@ -281,16 +287,17 @@ AMX_TARGET static int linear_quant(const uint16_t *x, int64_t M, const qweight *
 
 /* Returns 0; -1 where tiles cannot run (not the AVX-512 build, no AMX permission) or the shape is not one the
  * formats allow (N % 16, K % 32, g a multiple of 16 dividing K); -2 when a panel could not be allocated. */
-int rs_linear_quant(const uint16_t *x, int64_t M, int int4, const uint8_t *data, const float *scales,
-                    const float *mins, int64_t N, int64_t K, int64_t g, const uint16_t *b, uint16_t *y,
+int rs_linear_quant(const uint16_t *x, int64_t M, int flags, const uint8_t *data, const void *scales,
+                    const void *mins, int64_t N, int64_t K, int64_t g, const uint16_t *b, uint16_t *y,
                     int num_threads) {
 #if HAVE_AMX
+    const int int4 = flags & 1;
     if (!amx_ready() || N % 16 != 0 || K % 32 != 0 || g <= 0 || g % 16 != 0 || K % g != 0 || (int4 && !mins))
         return -1;
-    const qweight w = {int4, data, scales, mins, K, g};
+    const qweight w = {int4, (flags & 2) != 0, data, scales, int4 ? mins : NULL, K, g};
     return M > 0 ? linear_quant(x, M, &w, N, b, y, num_threads) : 0;
 #else
-    (void)x, (void)M, (void)int4, (void)data, (void)scales, (void)mins, (void)N, (void)K, (void)g, (void)b, (void)y,
+    (void)x, (void)M, (void)flags, (void)data, (void)scales, (void)mins, (void)N, (void)K, (void)g, (void)b, (void)y,
         (void)num_threads;
     return -1;
 #endif

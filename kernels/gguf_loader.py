@@ -71,20 +71,21 @@ class DequantReport:
 
 
 def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether block tensors stay quantized: on a CPU whose quantized tile kernel runs, in bf16 (that kernel is at
-    least as exact as the bf16 linear on the bf16-rounded dequantized weights; elsewhere quant.linear would
-    dequantize the weights at every call)."""
-    from . import native
+    """Whether block tensors stay quantized: on a CPU where a native quantized kernel runs (quant.kernel(): AMX
+    tiles or AVX512-BF16), in bf16 (that kernel is at least as exact as the bf16 linear on the bf16-rounded
+    dequantized weights; elsewhere quant.linear would dequantize the weights at every call)."""
+    from .quant import kernel
 
-    return device.type == "cpu" and dtype == torch.bfloat16 and native.tiles_ready()
+    return device.type == "cpu" and dtype == torch.bfloat16 and kernel() is not None
 
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
                          transform: Callable[[str, torch.Tensor], Any] | None = None,
                          keep_quantized: bool = False) -> "GGUFState":
     """The weights of the GGUF file, keyed by HF name (model.CausalLM takes them), each read when taken (GGUFState).
-    With `keep_quantized`, linear weights of a type gguf_quant maps without loss stay quantized (quant.QuantWeight,
-    on the CPU; a tied LM head too, from the embedding's blocks) instead of being dequantized to `dtype`;
+    With `keep_quantized`, linear weights and the embedding table of a type gguf_quant maps without loss stay
+    quantized (quant.QuantWeight, on the CPU: the model looks rows up from it, and a tied LM head is the same packed
+    weight) instead of being dequantized to `dtype`;
     `transform(name, tensor)` (quant.load_transform, --quantization) may replace any other tensor, given in
     float32 (a block type dequantized first)."""
     return GGUFState(open_gguf(path), dtype, device, transform, keep_quantized)
@@ -104,9 +105,6 @@ class GGUFState(Mapping):
         self._row_heads = {"attn_q": heads, "attn_k": int(gguf_field(header, f"{arch}.attention.head_count_kv")
                                                              or heads)} if arch == "llama" else {}
         self._infos = {name: t for t in header.tensors if (name := hf_tensor_name(t.name)) is not None}
-        embd = self._infos.get("model.embed_tokens.weight")
-        if keep_quantized and "lm_head.weight" not in self._infos and embd and _keeps("lm_head.weight", embd):
-            self._infos["lm_head.weight"] = embd  # a tied head, quantized from the table's own blocks
         self._kept = _kept_names(self._infos) if keep_quantized else set()
         self.report = DequantReport(dtype)
         self._bar = tqdm(total=sum(t.n_bytes for t in self._infos.values()), desc="loading GGUF weights",
@@ -215,7 +213,7 @@ def unpermute_rows(w: torch.Tensor | QuantWeight, num_heads: int) -> torch.Tenso
 
 
 def _keeps(name: str, t) -> bool:
-    """A linear weight (not the embedding table, which lookups read) whose type maps onto a QuantWeight."""
+    """A linear weight or the embedding table whose type maps onto a QuantWeight."""
     kind = t.tensor_type.name
-    return (name != "model.embed_tokens.weight" and len(t.dims) == 2 and kind in LOSSLESS
+    return (len(t.dims) == 2 and kind in LOSSLESS
             and t.dims[0] % LOSSLESS[kind][1] == 0 and packable(t.shape))

@@ -8,7 +8,9 @@ mins) the file stores, in the unpacked form the quantized linears take.
     Q4_1  int4 q,      group 32, scale d, min m
     Q4_K  int4 q,      group 32, scale d * sc, min -dmin * m (sc, m 6-bit per 32 values)
 
-Every scale and min is exact in float32 (a float16 times an integer of at most 8 bits). The scales are read from
+Every scale and min is exact in float32 (a float16 times an integer of at most 8 bits), and those of Q8_0, Q5_0,
+Q4_1 and Q4_0 in float16 (the file's own fp16; -8 d is exact too, unless it overflows), so those keep fp16 scales
+(HALF_SCALES: quant.py's compact form, 1 bit per weight for scale and min). The scales are read from
 the blocks' bytes; so are Q8_0's and Q4_0 / Q4_1's integers (plain bytes and nibbles); the others' (high bits and
 6-bit layouts) are recovered from the gguf package's float32 dequantization, q = (x - min) / scale rounded (exact:
 x carries at most one rounding of a value whose q is an integer of 4-6 bits), so those layouts are decoded in one
@@ -24,6 +26,7 @@ from .quant import QuantWeight
 # GGUF type -> (QuantWeight kind, group along K)
 LOSSLESS = {"Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q6_K": ("int8", 16), "Q4_0": ("int4", 32),
             "Q4_1": ("int4", 32), "Q4_K": ("int4", 32)}
+HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")  # scales and mins exactly fp16
 
 
 def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20) -> QuantWeight:
@@ -36,15 +39,22 @@ def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20) -> Quan
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     rows, row_len = data.shape[0], data.shape[1] // block_bytes * block
     q = torch.empty((rows, row_len), dtype=torch.int8 if kind == "int8" else torch.uint8)
-    scales = torch.empty((rows, row_len // group), dtype=torch.float32)
+    scales = torch.empty((rows, row_len // group), dtype=torch.float16 if qtype.name in HALF_SCALES else torch.float32)
     mins = torch.empty_like(scales) if kind == "int4" else None
     step = max(1, block_elements // row_len)
     for start in range(0, rows, step):
         part = slice(start, start + step)
-        q[part], scales[part], part_mins = _rows(np.asarray(data[part]), qtype, kind, group)
+        q[part], part_scales, part_mins = _rows(np.asarray(data[part]), qtype, kind, group)
+        if scales.dtype == torch.float16 and not all(_exact_half(t) for t in (part_scales, part_mins) if t is not None):
+            scales, mins = scales.float(), None if mins is None else mins.float()  # fp16 widens exactly
+        scales[part] = part_scales
         if mins is not None:
             mins[part] = part_mins
     return QuantWeight(kind, q, scales, mins, group)
+
+
+def _exact_half(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t.half()).all())  # the file's fp16 values widened: exact unless -8 d overflowed
 
 
 def _rows(data: np.ndarray, qtype, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

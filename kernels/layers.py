@@ -35,7 +35,8 @@ class Linear:
         """``tiles=False`` packs for oneDNN even where the tile kernel could run (bench/decode_floor.py's
         side-by-side)."""
         self.bias = bias
-        self.quant = quant.pack(weight) if isinstance(weight, quant.QuantWeight) else None
+        self.quant = quant.pack(weight) if isinstance(weight, quant.QuantWeight) else (
+            weight if isinstance(weight, quant.PackedQuant) else None)  # a packed one: a quantized tied table
         if self.quant is not None:
             self.tiles = self.packed = self.weight = None
             self.native = False

@@ -45,8 +45,10 @@ class CausalLM:
         quant.QuantWeights (quant.load_transform), and a tied LM head quantizes a copy of the embedding as loaded
         (in the model's dtype)."""
         self.config = config
-        self.embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]
-        self.layers = [_layer_weights(config, state, i, self.embed.dtype) for i in range(config.num_layers)]
+        embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]; a GGUF file's may stay quantized
+        self.embed = quant.pack(embed) if isinstance(embed, quant.QuantWeight) else embed
+        self.dtype = torch.bfloat16 if isinstance(self.embed, quant.PackedQuant) else self.embed.dtype
+        self.layers = [_layer_weights(config, state, i, self.dtype) for i in range(config.num_layers)]
         self.final_norm = take(state, "model.norm.weight")
         lm_head = state.pop("lm_head.weight", None)
         tied = lm_head is None
@@ -54,11 +56,12 @@ class CausalLM:
             if not config.tie_word_embeddings:
                 raise ValueError("checkpoint is missing weight 'lm_head.weight' "
                                  "(and tie_word_embeddings is false)")
-            lm_head = self.embed
-            if quantization is not None and quant.quantizable(lm_head.shape, quantization):
+            lm_head = self.embed  # a quantized table is the head as it is
+            if (quantization is not None and isinstance(lm_head, torch.Tensor)
+                    and quant.quantizable(lm_head.shape, quantization)):
                 lm_head = quant.quantize(lm_head, quantization)
         # hidden -> vocab; a tied head packs (or quantizes) a copy: the lookups keep the table
-        self.lm_head = Linear(quant.linear_weight(lm_head, self.embed.dtype), None)
+        self.lm_head = Linear(quant.linear_weight(lm_head, self.dtype), None)
         if tied and self.lm_head.is_packed and self.lm_head.quant is None:
             # The packed layout streams the head faster than the plain table at every row count, and the head is a
             # decode step's largest matmul: worth the table's size once (bench/results/decode_floor_L.md's head table).
@@ -81,7 +84,7 @@ class CausalLM:
         v_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states before the last norm
-        hidden = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
+        hidden = self.embed_rows(input_ids)  # [num_tokens, hidden]
         rotation = self.rotary.rotation(positions, hidden.dtype)  # per token, per rotary pair
         for layer_idx, layer in enumerate(self.layers):
             residual = hidden
@@ -93,6 +96,12 @@ class CausalLM:
             x = layer.down(silu_and_mul(layer.gate_up(x)))
             hidden = x.add_(residual)
         return hidden
+
+    def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding table's rows of `input_ids` (a quantized table dequantizes only those)."""
+        if isinstance(self.embed, quant.PackedQuant):
+            return self.embed.lookup(input_ids, self.dtype)
+        return F.embedding(input_ids, self.embed)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] (pre-norm) -> logits [num_rows, vocab] in float32."""

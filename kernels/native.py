@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_quant.c",
-                           "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h",
+                           "cpu_quant_vec.c", "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h",
                            "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
@@ -181,6 +181,11 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int]
     lib.rs_linear_quant.restype = ctypes.c_int
+    lib.rs_quant_rows.argtypes = lib.rs_linear_quant.argtypes
+    lib.rs_quant_rows.restype = ctypes.c_int
+    lib.rs_quant_dequant_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_int]
+    lib.rs_quant_dequant_t.restype = ctypes.c_int
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
     lib.rs_amx_ready.argtypes, lib.rs_amx_ready.restype = [], ctypes.c_int
     if lib.rs_isa().decode() != isa.name:  # e.g. a compiler whose defaults target more than the baseline

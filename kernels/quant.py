@@ -2,30 +2,37 @@
 
 Two formats, each a lossless target for the block types of GGUF files (kernels' GGUF reader maps onto them):
 
-- **int8**: w[n, k] = scale[n, k // g] * q[n, k], q int8 (-128..127), one fp32 scale per group of g inputs along K;
+- **int8**: w[n, k] = scale[n, k // g] * q[n, k], q int8 (-128..127), one scale per group of g inputs along K;
   g = K is one scale per output channel. Covers Q8_0 (g 32), Q6_K (6-bit values, g 16; d * sub-scale is the
   group's scale), Q5_0 (g 32, q - 16).
-- **int4** (affine): w[n, k] = scale[n, k // g] * q[n, k] + min[n, k // g], q 0..15, fp32 scale and min per group
+- **int4** (affine): w[n, k] = scale[n, k // g] * q[n, k] + min[n, k // g], q 0..15, a scale and a min per group
   (g 32, or 128). Covers Q4_0 (min = -8 * scale), Q4_1 (its m is min) and Q4_K (per-32 sub-block:
   scale = d * sc, min = -dmin * m).
 
-Scales and mins are fp32: GGUF's fp16 scales and Q4_K's products of an fp16 and a 6-bit integer are exact in fp32
-(not in bf16). The unpacked form is ``QuantWeight``: values [N, K] one per byte, scales / mins [N, K / g]. It is what
-``quantize_int8`` / ``quantize_int4`` (from a float tensor) and a GGUF mapping produce, what the loader concatenates
+Scales and mins are fp16 where that is exact (GGUF's Q8_0 / Q5_0 / Q4_0 / Q4_1 store fp16 scales; the quantizers
+here round their scale up and min down to fp16 and quantize against those), else fp32 (Q4_K's and Q6_K's products of
+an fp16 and an integer; a scale past fp16's range). At group 32 fp16 scales cost 0.5 bit per weight (int4: 1 with
+its mins), fp32 twice that: Q4_0 (4.5 bits) kept as int4 takes 5 bits per weight, not 6. The unpacked form is
+``QuantWeight``: values [N, K] one per byte, scales / mins [N, K / g]. It is what ``quantize_int8`` /
+``quantize_int4`` (from a float tensor) and a GGUF mapping produce, what the loader concatenates
 (q / k / v, gate / up) and reorders (rotary pairs) row-wise, and what ``pack`` turns into the kernel's layout:
 
 - ``PackedQuant.data``: the values in the AMX tile order of ``native.pack_tiles``, [N / 16][K / 32][16 input
   pairs][16 columns][2]; int8 one byte each, int4 two per byte (byte j of row r of a 32-input block holds
   element j of pair row 2r in its low nibble and of pair row 2r + 1 in its high nibble).
-- ``PackedQuant.scales`` / ``mins``: [N / 16][K / g][16] fp32, a column block's 16 scales of a group together.
+- ``PackedQuant.scales`` / ``mins``: [N / 16][K / g][16], a column block's 16 scales of a group together.
 
-Dequantization, defined once here: int8 fp32(q) * scale (one fp32 rounding); int4 fma(q, scale, min) (one
-rounding). The native kernel (cpu_quant.c) runs on AMX tiles, fp32 sums, the output rounded to bf16 once. For up
+Dequantization, defined once here (scales widened to fp32, exact): int8 fp32(q) * scale (one fp32 rounding); int4
+fma(q, scale, min) (one rounding). ``PackedQuant.lookup`` dequantizes only the rows it gathers: an embedding table
+kept quantized (a GGUF file's), whose tied LM head is the same PackedQuant. The native kernels: cpu_quant.c on AMX
+tiles, cpu_quant_vec.c with AVX512-BF16 where there are no tiles (``kernel()`` names the one that runs); fp32
+sums, the output rounded to bf16 once. For up
 to 16 rows (decode) with groups of 32 or more it multiplies the integer values themselves (exact in bf16) and
 scales each group's sums in fp32 (adding min times the group's input sum), so the weights are never rounded;
 otherwise it rounds each dequantized weight to bf16 (nearest even) and equals the bf16 tile linear on
-``dequantize(...).bfloat16()`` bit for bit. Where tiles cannot run, ``linear`` dequantizes per call and uses
-F.linear (correct, slow).
+``dequantize(...).bfloat16()`` bit for bit. Without tiles, up to 16 rows take the same values-then-scale arithmetic
+on vdpbf16ps; more rows a bf16 matmul (torch) over the weights dequantized to bf16 a column chunk at a time. Where
+neither kernel runs, ``linear`` dequantizes per call and uses F.linear (correct, slow).
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ from .quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
 KINDS = ("int8", "int4")
+SCALE_DTYPES = (torch.float16, torch.float32)
+DEQUANT_CHUNK_BYTES = 32 << 20  # a many-row linear without tiles dequantizes this much bf16 at a time
 LINEAR_WEIGHT = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$|^lm_head\.weight$")
 
 
@@ -56,8 +65,8 @@ class QuantWeight:
 
     kind: str
     q: torch.Tensor  # [N, K]
-    scales: torch.Tensor  # [N, K / group] float32
-    mins: torch.Tensor | None  # [N, K / group] float32 (int4), None (int8)
+    scales: torch.Tensor  # [N, K / group] float16 or float32
+    mins: torch.Tensor | None  # [N, K / group] scales' dtype (int4), None (int8)
     group: int
 
     def __post_init__(self) -> None:
@@ -69,8 +78,10 @@ class QuantWeight:
         for name, t in (("scales", self.scales), ("mins", self.mins)):
             if (t is None) != (name == "mins" and self.kind == "int8"):
                 raise ValueError(f"{self.kind} weights {'take no' if t is not None else 'need'} {name}")
-            if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != (n, k // self.group)):
-                raise ValueError(f"{name} must be float32 [{n}, {k // self.group}], got {t.dtype} {tuple(t.shape)}")
+            if t is not None and (t.dtype not in SCALE_DTYPES or t.dtype != self.scales.dtype
+                                  or tuple(t.shape) != (n, k // self.group)):
+                raise ValueError(f"{name} must be float16 or float32 (scales' dtype) [{n}, {k // self.group}], got "
+                                 f"{t.dtype} {tuple(t.shape)}")
         if self.kind == "int4" and self.q.numel() and int(self.q.max()) > 15:
             raise ValueError("int4 values must lie in 0..15")
 
@@ -80,11 +91,7 @@ class QuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weights this stands for (the definition the kernel matches)."""
-        scales = self.scales.repeat_interleave(self.group, dim=1)
-        if self.kind == "int8":
-            return self.q.float() * scales
-        mins = self.mins.repeat_interleave(self.group, dim=1)
-        return (self.q.double() * scales.double() + mins.double()).float()  # exact product: one rounding, an fma
+        return dequantize_values(self.q, self.scales, self.mins, self.group)
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
         """The weight with its rows reordered / selected (rows are independent in every format)."""
@@ -102,6 +109,22 @@ class QuantWeight:
                            first.group)
 
 
+def dequantize_values(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int) -> torch.Tensor:
+    """float32 weights of values q [n, K] and their scales (and mins) [n, K / group] (the formats' definition)."""
+    scales = scales.float().repeat_interleave(group, dim=1)
+    if mins is None:
+        return q.float() * scales
+    mins = mins.float().repeat_interleave(group, dim=1)
+    return (q.double() * scales.double() + mins.double()).float()  # exact product: one rounding, an fma
+
+
+def _half(t: torch.Tensor, up: bool) -> torch.Tensor:
+    """t rounded to fp16 upward (`up`) or downward (never toward the other side of t)."""
+    h = t.half()
+    off = h.float() < t if up else h.float() > t
+    return torch.where(off, torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf"))), h)
+
+
 CHUNK_ELEMENTS = 1 << 22  # a quantizer's float32 temporaries cover this many weights at a time (16 MB each)
 
 
@@ -112,17 +135,27 @@ def _by_rows(w: torch.Tensor, group: int, quantize_rows: Callable[[torch.Tensor]
     check_group(k, group)
     rows = max(1, CHUNK_ELEMENTS // k)
     parts = [quantize_rows(w[i:i + rows].float().reshape(-1, k // group, group)) for i in range(0, n, rows)]
+    if any(p[1].dtype == torch.float32 for p in parts):  # one dtype per weight (fp16 widens exactly)
+        parts = [tuple(t if t is None or t.dtype == torch.int8 or t.dtype == torch.uint8 else t.float() for t in p)
+                 for p in parts]
     return tuple(torch.cat(p) if p[0] is not None else None for p in zip(*parts))
+
+
+def _compact(*ts: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
     """Symmetric int8 of a float [N, K] weight: per group of `group` inputs (None: per output channel) scale =
-    max |w| / 127, q = round(w / scale)."""
+    max |w| / 127 rounded up to fp16 (fp32 past its range), q = round(w / scale)."""
     group = group or w.shape[1]
 
     def rows(g: torch.Tensor) -> tuple:
         scales = g.abs().amax(dim=2) / 127.0
-        q = torch.round(g / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(-127, 127)
+        if _compact(half := _half(scales, up=True)):
+            scales = half
+        s32 = scales.float()
+        q = torch.round(g / torch.where(s32 > 0, s32, 1.0)[..., None]).clamp_(-127, 127)
         return q.to(torch.int8).flatten(1), scales
 
     q, scales = _by_rows(w, group, rows)
@@ -130,12 +163,16 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> QuantWeight:
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantWeight:
-    """Affine int4 of a float [N, K] weight: per group min = min w, scale = (max w - min) / 15,
-    q = round((w - min) / scale)."""
+    """Affine int4 of a float [N, K] weight: per group min = min w (rounded down to fp16), scale =
+    (max w - min) / 15 (rounded up to fp16; both fp32 past its range), q = round((w - min) / scale)."""
     def rows(g: torch.Tensor) -> tuple:
         lo, hi = g.amin(dim=2), g.amax(dim=2)
-        scales = (hi - lo) / 15.0
-        q = torch.round((g - lo[..., None]) / torch.where(scales > 0, scales, 1.0)[..., None]).clamp_(0, 15)
+        if _compact(lo16 := _half(lo, up=False)) and _compact(s16 := _half((hi - lo16.float()) / 15.0, up=True)):
+            lo, scales = lo16, s16
+        else:
+            scales = (hi - lo) / 15.0
+        s32 = scales.float()
+        q = torch.round((g - lo.float()[..., None]) / torch.where(s32 > 0, s32, 1.0)[..., None]).clamp_(0, 15)
         return q.to(torch.uint8).flatten(1), scales, lo
 
     q, scales, mins = _by_rows(w, group, rows)
@@ -151,12 +188,34 @@ class PackedQuant:
     k: int
     group: int
     data: torch.Tensor  # int8 [N/16, K/32, 16, 32] or uint8 [N/16, K/32, 8, 32]
-    scales: torch.Tensor  # [N/16, K/group, 16] float32
+    scales: torch.Tensor  # [N/16, K/group, 16] float16 or float32
     mins: torch.Tensor | None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.n, self.k))
+
+    @property
+    def flags(self) -> int:
+        """The kernels' format flags: 1 int4 (else int8), 2 fp16 scales and mins (else fp32)."""
+        return int(self.kind == "int4") | 2 * int(self.scales.dtype == torch.float16)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight, in `dtype` (an embedding lookup: only those rows dequantized)."""
+        ids = ids.reshape(-1).to(torch.int64)
+        blk, col = ids // 16, ids % 16
+        if self.kind == "int8":  # [n, K/32, 16 pair rows, 2]
+            q = self.data.view(self.n // 16, self.k // 32, 16, 16, 2)[blk, :, :, col]
+        else:  # bytes [n, K/32, 8, 2]: low nibbles pair row 2r, high 2r + 1
+            raw = self.data.view(self.n // 16, self.k // 32, 8, 16, 2)[blk, :, :, col]
+            q = torch.stack((raw & 15, raw >> 4), dim=3)
+        pick = lambda t: None if t is None else t[blk, :, col]  # noqa: E731  [n, K / group]
+        w = dequantize_values(q.reshape(len(ids), self.k), pick(self.scales), pick(self.mins), self.group)
+        return w.to(dtype)
 
     def unpack(self) -> QuantWeight:
         """The QuantWeight this was packed from (exact)."""
@@ -196,35 +255,74 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: 
 
 
 def pack(w: QuantWeight) -> PackedQuant:
-    """w in the kernel's layout (module docstring); N must be a multiple of 16, K of 32."""
-    tiles = _tile_order(w.q)
-    if w.kind == "int4":
-        tiles = tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
+    """w in the kernel's layout (module docstring); N must be a multiple of 16, K of 32. Packed in row blocks
+    of about CHUNK_ELEMENTS weights (the reordering's temporaries stay small beside an 8B model's embedding)."""
     n, k = w.shape
+    _tile_order(w.q[:0])  # the shape check
+    data = torch.empty((n // 16, k // 32, 16 if w.kind == "int8" else 8, 32), dtype=w.q.dtype)
+    step = max(16, CHUNK_ELEMENTS // k // 16 * 16)
+    for i in range(0, n, step):
+        tiles = _tile_order(w.q[i:i + step])
+        data[i // 16:(i + step) // 16] = tiles if w.kind == "int8" else tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
     mins = None if w.mins is None else _block_cols(w.mins)
-    return PackedQuant(w.kind, n, k, w.group, tiles.contiguous(), _block_cols(w.scales), mins)
+    return PackedQuant(w.kind, n, k, w.group, data, _block_cols(w.scales), mins)
+
+
+def kernel() -> str | None:
+    """The native quantized kernel that runs here: "tiles" (AMX, cpu_quant.c), "avx512-bf16" (cpu_quant_vec.c),
+    or None (linear dequantizes per call)."""
+    from . import native
+
+    if native.tiles_ready():
+        return "tiles"
+    return "avx512-bf16" if native.load() is not None and native._use_dpbf16() else None
 
 
 def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ dequantize(w)^T + bias, in x's dtype. On AMX tiles (cpu_quant.c) where they run: x and bias
-    rounded to bf16, each weight rounded to bf16 once dequantized, fp32 sums, the output rounded to bf16 and cast
-    to x's dtype. Elsewhere F.linear on weights dequantized for the call (correct, slow)."""
+    """x [M, K] @ dequantize(w)^T + bias, in x's dtype, on the native kernel (``kernel()``): x and bias rounded
+    to bf16, fp32 sums, the output rounded to bf16 and cast to x's dtype (the module docstring says where weights
+    are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow)."""
     from . import native
 
-    if x.device.type != "cpu" or not native.tiles_ready():
+    path = kernel() if x.device.type == "cpu" else None
+    if path is None:
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
     xb = x.to(torch.bfloat16).contiguous()
     if xb.dim() != 2 or xb.shape[1] != w.k:
         raise ValueError(f"a quantized linear takes x [M, {w.k}], got {tuple(x.shape)}")
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    if path != "tiles" and xb.shape[0] > 16:
+        return _dequantized_matmul(xb, w, bias).to(x.dtype)
     out = torch.empty((xb.shape[0], w.n), dtype=torch.bfloat16)
-    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    code = native.load().rs_linear_quant(xb.data_ptr(), xb.shape[0], int(w.kind == "int4"), w.data.data_ptr(),
-                                         w.scales.data_ptr(), ptr(w.mins), w.n, w.k, w.group, ptr(bias),
-                                         out.data_ptr(), torch.get_num_threads())
+    fn = native.load().rs_linear_quant if path == "tiles" else native.load().rs_quant_rows
+    code = fn(xb.data_ptr(), xb.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n, w.k,
+              w.group, _ptr(bias), out.data_ptr(), torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"the quantized linear kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
     return out.to(x.dtype)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _dequantized_matmul(xb: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+    """Many rows without tiles: per chunk of columns, the weights dequantized to bf16 (transposed, [K, cols],
+    cpu_quant_vec.c) and one bf16 matmul."""
+    from . import native
+
+    out = torch.empty((xb.shape[0], w.n), dtype=torch.bfloat16)
+    cols = max(16, min(w.n, DEQUANT_CHUNK_BYTES // (2 * w.k)) // 16 * 16)
+    wt = torch.empty((w.k, cols), dtype=torch.bfloat16)
+    for n0 in range(0, w.n, cols):
+        n1 = min(w.n, n0 + cols)
+        part = wt if n1 - n0 == cols else torch.empty((w.k, n1 - n0), dtype=torch.bfloat16)
+        code = native.load().rs_quant_dequant_t(w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n,
+                                                w.k, w.group, n0, n1, part.data_ptr(), torch.get_num_threads())
+        if code != 0:
+            raise RuntimeError(f"the dequantizing kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        out[:, n0:n1] = xb @ part if bias is None else torch.addmm(bias[n0:n1], xb, part)
+    return out
 
 
 def quantize(w: torch.Tensor, spec: QuantSpec) -> QuantWeight:

@@ -11,8 +11,10 @@ it sums inputs times the integer values exactly in fp32 and scales each group's 
 bf16 rounding and fp32 ulps remain, within the same bound."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -28,11 +30,26 @@ from radixserve.scheduler import Engine, SamplingParams
 from _engine_helpers import hf_logprobs, hf_model, make_checkpoint
 
 TILES = native.cannot_build() is None and native.tiles_ready()
-needs_tiles = pytest.mark.skipif(not TILES, reason="needs the native library and AMX-BF16 tiles")
+KERNEL = native.cannot_build() is None and quant.kernel() is not None
+VEC = native.cannot_build() is None and native.load() is not None and native._use_dpbf16()
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the native library and AMX tiles or AVX512-BF16")
 
 
-def _quantized(kind: str, w: torch.Tensor, group: int) -> quant.QuantWeight:
-    return quant.quantize_int8(w, group) if kind == "int8" else quant.quantize_int4(w, group)
+def _quantized(kind: str, w: torch.Tensor, group: int, half: bool = True) -> quant.QuantWeight:
+    """The quantizer's weight (fp16 scales), or with `half` False the same with fp32 scales (the other format)."""
+    qw = quant.quantize_int8(w, group) if kind == "int8" else quant.quantize_int4(w, group)
+    assert qw.scales.dtype == torch.float16
+    if half:
+        return qw
+    return quant.QuantWeight(kind, qw.q, qw.scales.float(), None if qw.mins is None else qw.mins.float(), group)
+
+
+def _on(path: str):
+    """Runs quant.linear on `path` ("tiles" or "vec": tiles refused even where they run)."""
+    return mock.patch.object(native, "tiles_ready", lambda: False) if path == "vec" else contextlib.nullcontext()
+
+
+PATHS = [p for p, ok in (("tiles", TILES), ("vec", VEC)) if ok]
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, b: torch.Tensor | None) -> None:
@@ -48,56 +65,65 @@ kinds_and_groups = st.sampled_from([("int8", 16), ("int8", 32), ("int8", 128), (
                                     ("int4", 128)])
 
 
-@needs_tiles
-@settings(max_examples=60, deadline=None)
+@needs_kernel
+@settings(max_examples=80, deadline=None)
 @given(kg=kinds_and_groups, m=st.integers(1, 64), blocks=st.integers(1, 9), kb=st.integers(1, 6),
-       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
-def test_quantized_matmul_matches_float64(kg, m, blocks, kb, bias, threads, seed):
-    """Rows 1-64 (one 16-row tile, or the panel path from 17 rows on), column counts leaving a partial group of
-    four blocks, reductions of 1-6 groups (group 0: one per output channel)."""
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), half=st.booleans(), path=st.sampled_from(PATHS or ["-"]),
+       seed=st.integers(0, 2**16))
+def test_quantized_matmul_matches_float64(kg, m, blocks, kb, bias, threads, half, path, seed):
+    """Rows 1-64 (one 16-row tile, or the panel path from 17 rows on; without tiles the vdpbf16ps rows up to 16,
+    the dequantized bf16 matmul past), column counts leaving a partial group of four blocks, reductions of 1-6 groups
+    (group 0: one per output channel), fp16 and fp32 scales, on each kernel this CPU runs."""
     kind, group = kg
     gen = torch.Generator().manual_seed(seed)
     n, k = 16 * blocks, max(32, group) * kb
-    qw = _quantized(kind, torch.randn(n, k, generator=gen), group or k)
+    qw = _quantized(kind, torch.randn(n, k, generator=gen), group or k, half)
     x = torch.randn(m, k, generator=gen).bfloat16()
     b = torch.randn(n, generator=gen).bfloat16() if bias else None
     torch.set_num_threads(threads)
     try:
-        got = quant.linear(x, quant.pack(qw), b)
-        tiles = native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), b)
+        with _on(path):
+            got = quant.linear(x, quant.pack(qw), b)
+        tiles = native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), b) if path == "tiles" else None
     finally:
         torch.set_num_threads(1)
     _check(got, x, qw, b)
-    if m > 16 or group == 16:  # the dequantizing path
+    if tiles is not None and (m > 16 or group == 16):  # the dequantizing tile path
         assert torch.equal(got, tiles)
 
 
-@needs_tiles
+@needs_kernel
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_prefill_rows_and_long_rows(kind):
-    """Hundreds of rows (the dequantized panel, rows in pairs of tiles) and K past one panel of four blocks."""
+def test_prefill_rows_and_long_rows(kind, monkeypatch):
+    """Hundreds of rows (the dequantized panel, rows in pairs of tiles; without tiles, column chunks of the
+    dequantized bf16 weights, the last one short) and K past one panel of four blocks."""
     gen = torch.Generator().manual_seed(5)
     qw = _quantized(kind, torch.randn(80, 4864, generator=gen), 32)
     x = torch.randn(300, 4864, generator=gen).bfloat16()
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_BYTES", 2 * 4864 * 48)
     got = quant.linear(x, quant.pack(qw), None)
     _check(got, x, qw, None)
-    assert torch.equal(got, native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), None))
+    if TILES:
+        assert torch.equal(got, native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), None))
 
 
-@needs_tiles
-def test_a_wrong_scale_column_or_row_would_show():
+@needs_kernel
+@pytest.mark.parametrize("rows", [20, 3])
+def test_a_wrong_scale_column_or_row_would_show(rows):
+    """Many rows (the dequantizing paths) and a few (the values-then-scale paths)."""
     gen = torch.Generator().manual_seed(1)
     qw = quant.quantize_int4(torch.randn(48, 64, generator=gen), 32)
-    x = torch.randn(20, 64, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
     got = quant.linear(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     with pytest.raises(AssertionError):
         _check(got[:, [1, 0, *range(2, 48)]], x, qw, None)
     with pytest.raises(AssertionError):
-        _check(got[[17, *range(1, 17), 0, 18, 19]], x, qw, None)
-    swapped = quant.QuantWeight("int4", qw.q, qw.scales.flip(1).contiguous(), qw.mins, 32)
-    with pytest.raises(AssertionError):
-        _check(quant.linear(x, quant.pack(swapped), None), x, qw, None)
+        _check(got[[rows - 1, *range(1, rows - 1), 0]], x, qw, None)
+    for swapped in (quant.QuantWeight("int4", qw.q, qw.scales.flip(1).contiguous(), qw.mins, 32),
+                    quant.QuantWeight("int4", qw.q, qw.scales, qw.mins.flip(1).contiguous(), 32)):
+        with pytest.raises(AssertionError):
+            _check(quant.linear(x, quant.pack(swapped), None), x, qw, None)
 
 
 @settings(max_examples=40, deadline=None)
@@ -134,7 +160,7 @@ def test_bad_formats_are_clear_errors():
     q8, q4 = torch.zeros(16, 64, dtype=torch.int8), torch.zeros(16, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="group 48"):
         quant.pack_int8(q8, torch.ones(16, 1), 48)
-    with pytest.raises(ValueError, match="scales must be float32"):
+    with pytest.raises(ValueError, match="scales must be float16 or float32"):
         quant.pack_int8(q8, torch.ones(16, 3), 32)
     with pytest.raises(ValueError, match="0..15"):
         quant.pack_int4(q4 + 16, torch.ones(16, 2), torch.zeros(16, 2), 32)
@@ -206,7 +232,7 @@ def _faithfulness(reference, prompts, results) -> tuple[int, float]:
     return decisive, worst
 
 
-@needs_tiles
+@needs_kernel
 @pytest.mark.parametrize("name", ["int8", "int4", "int4-g128"])
 def test_engine_matches_the_float_model_of_its_dequantized_weights(tiny, tmp_path, name):
     """The quantized engine's greedy tokens, teacher-forced through transformers' float32 forward of the
@@ -249,3 +275,29 @@ def test_quantizing_in_row_blocks_changes_nothing(monkeypatch, kind):
     blocks = _quantized(kind, w, 32)
     assert all(torch.equal(a, b) for a, b in ((whole.q, blocks.q), (whole.scales, blocks.scales)))
     assert whole.mins is None or torch.equal(whole.mins, blocks.mins)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_lookup_dequantizes_the_rows_it_gathers(kind):
+    """An embedding table kept quantized: the rows looked up equal those of the whole dequantized weight."""
+    gen = torch.Generator().manual_seed(6)
+    qw = _quantized(kind, torch.randn(64, 96, generator=gen), 32)
+    ids = torch.tensor([5, 0, 63, 17, 5, 31])
+    got = quant.pack(qw).lookup(ids, torch.float32)
+    assert torch.equal(got, qw.dequantize()[ids])
+    assert torch.equal(quant.pack(qw).lookup(ids[:2], torch.bfloat16), qw.dequantize()[ids[:2]].bfloat16())
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_scales_are_fp16_unless_out_of_its_range(kind):
+    """fp16 scales (and mins): 1 bit per weight at group 32 for int4's pair, against 2 in fp32; weights past fp16's
+    range keep fp32 scales (the whole tensor, every row block alike), and both still round to the nearest level."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+    small, big = _quantized(kind, w, 32), quant.quantize_int8(w * 1e7, 32) if kind == "int8" else \
+        quant.quantize_int4(w * 1e7, 32)
+    assert small.scales.dtype == torch.float16 and big.scales.dtype == torch.float32
+    values, tables = (32 * 64, 1) if kind == "int8" else (32 * 64 // 2, 2)  # bytes; scales (and mins)
+    assert quant.pack(small).nbytes == values + tables * 32 * 2 * 2
+    for qw, scale in ((small, 1), (big, 1e7)):
+        step = qw.scales.float().repeat_interleave(32, dim=1)
+        assert ((qw.dequantize() - w * scale).abs() <= step / 2 * (1 + 1e-5) + 1e-6 * scale).all()
