@@ -11,7 +11,9 @@ Admission order, most significant first:
   2. within a tenant, `priority` (lower value first, vLLM's meaning);
   3. within a priority, the program's least attained service (Autellix's PLAS): a program is a session
      (`SamplingParams.session_id`), or the request alone. Service is discretised into levels (0 below
-     LAS_QUANTUM, then one per doubling), so that
+     LAS_QUANTUM, then one per doubling). A waiting request is not starved: once the engine has served others
+     STARVATION_RATIO times its program's attained service since it joined the queue, it goes at level 0
+     (Autellix's wait-to-service bound, in the engine's work rather than seconds), so that
   4. the cache-aware order (scheduler/policy.py) decides among the requests of one level.
 
 Giving memory back (retraction when decode runs short; the planner's victim) takes the reverse: the running
@@ -40,8 +42,9 @@ DEFAULT_TENANT = "default"
 IDLE_PRIORITY = 2**31 - 1
 W_IN, W_OUT, W_CACHED = 1.0, 2.0, 0.1  # service per computed prompt token, sampled token, cached prompt token
 LAS_QUANTUM = 2048.0  # service (in W_IN tokens) below which a program is at level 0; each doubling adds a level
-MAX_PROGRAMS = 65_536
-MERGE_HEAD = 1024  # admission candidates merged by counter each step (a step admits far fewer)  # attained service kept for this many programs (least recently served dropped)
+STARVATION_RATIO = 1.0  # service to others while waiting, over the program's own, that lifts it to level 0
+MAX_PROGRAMS = 65_536  # attained service kept for this many programs (least recently served dropped)
+MERGE_HEAD = 1024  # admission candidates merged by counter each step (a step admits far fewer)
 
 
 def tenant_of(req: Req) -> str:
@@ -61,6 +64,8 @@ class FairShare:
         self._backlogged: set[str] = set()
         self._waiting: dict[str, int] = {}  # tenant -> its queue's length at the last merge
         self._last_left = 0.0  # the counter of the last tenant that stopped being backlogged
+        self._served = 0.0  # all service charged so far
+        self._queued: dict[int, float] = {}  # id of a waiting request -> _served when it joined the queue
         for name, weight in (weights or {}).items():
             self.set_weight(name, weight)
 
@@ -85,6 +90,7 @@ class FairShare:
         """Books service to the request's tenant and program; returns the (unweighted) cost."""
         cost = W_IN * computed + W_CACHED * cached + W_OUT * sampled
         if cost:
+            self._served += cost
             tenant = tenant_of(req)
             self.counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
             program = req.params.session_id
@@ -105,6 +111,8 @@ class FairShare:
     def level(self, req: Req) -> int:
         program = req.params.session_id
         service = self._service.get(program, 0.0) if program is not None else 0.0
+        if self._served - self._queued.get(id(req), self._served) > STARVATION_RATIO * service:
+            return 0  # waited long enough for its service: not starved behind newer programs
         level = 0
         while service >= LAS_QUANTUM * (1 << level) and level < 62:
             level += 1
@@ -113,7 +121,9 @@ class FairShare:
     # -- admission ----------------------------------------------------------------------
 
     def observe(self, waiting: list[Req]) -> None:
-        """Lifts the counters of tenants that became backlogged since the previous call (VTC's rule)."""
+        """Lifts the counters of tenants that became backlogged since the previous call (VTC's rule), and notes
+        when each waiting request joined the queue (a retracted one joins again)."""
+        self._queued = {id(r): self._queued.get(id(r), self._served) for r in waiting}
         now = {tenant_of(r) for r in waiting}
         before = self._backlogged & now
         for tenant in self._backlogged - now:

@@ -88,6 +88,23 @@ def test_programs_with_less_attained_service_go_first_within_a_priority():
     assert share.order([long_run, short]) == [short, long_run]
 
 
+def test_a_long_program_waiting_behind_new_ones_is_not_starved():
+    share = FairShare()
+    long_run = _req("t", session="long")
+    share.charge(long_run, computed=10_000)  # its earlier turns
+    shorts = [_req("t", session=f"short{i}") for i in range(3)]
+    share.observe([long_run, shorts[0]])  # it joins the queue; the engine then serves the short programs
+    share.charge(shorts[0], computed=6_000)
+    share.observe([long_run, shorts[1]])
+    assert share.order([long_run, shorts[1]]) == [shorts[1], long_run]  # served others 6,000 < its own 10,000
+    share.charge(shorts[1], computed=4_001)
+    share.observe([long_run, shorts[2]])
+    assert share.level(long_run) == 0 and share.order([long_run, shorts[2]]) == [long_run, shorts[2]]
+    share.observe([shorts[2]])  # admitted; when it waits again (its next turn), the count starts again
+    share.observe([long_run, shorts[2]])
+    assert share.level(long_run) > 0
+
+
 # -- VTC's bound, as a state machine over the real engine ---------------------------------------------------------
 
 # The largest weighted cost of one request (w_in x input + w_out x max output), over the smallest weight.
