@@ -13,11 +13,14 @@ Per budget and mode it reports prompt tokens recomputed (prompt - cached), the *
 compute (first-time tokens: an app's prompt the first time it is sent, each agent's first message, each tool
 result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
 (send to the turn's last token) and agent completion time p50/p99, throughput, the server's busy fraction (its
-engine's step time over the run's wall time), the server's pin counters, and the
-excess of two yardsticks replayed on each run's realised trace at the same capacity (bench/cache_sim.py): an LRU
-cache and Bélády's (evict what is next used furthest away).
-Budgets are fractions of the trace's working set: every app prompt plus every agent's final history, the most
-that can be alive at once. The modes alternate per budget on fresh servers.
+engine's step time over the run's wall time, and over the arrivals: until the last agent arrives, before the drain
+of the slowest tools dilutes it), the server's pin counters, and the excess of two yardsticks replayed on each
+run's realised trace at the same capacity (bench/cache_sim.py): an LRU cache and Bélády's (evict what is next used
+furthest away).
+Budgets are fractions of the trace's peak working set: the most tokens its live histories and their apps'
+prompts held at once on the realised timeline of a calibration run with a pool that never evicts
+(`peak_working_set`). Every repetition is another seed (another trace), calibrated on its own. The modes
+alternate per budget on fresh servers.
 
     python -m radixserve.bench.agent_trace --model S --budgets 0.25,0.5,1.0 --repeats 3
 """
@@ -56,13 +59,16 @@ class TraceConfig:
     vocab: int = 4000  # token ids are drawn from [10, vocab)
     seed: int = 0
 
-    def working_set(self) -> int:
-        """Every app prompt plus every agent's longest possible final history."""
-        per_agent = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
-        return self.apps * self.app_tokens + self.agents * per_agent
+    def upper_bound(self) -> int:
+        """Every app prompt plus every agent's longest possible history, as if all were alive at once: a pool this
+        large never evicts (the calibration run's)."""
+        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
+        return self.apps * self.app_tokens + self.agents * longest
 
     def max_sequence(self) -> int:
-        return self.app_tokens + self.working_set() // max(self.agents, 1) + self.answer_tokens
+        """An upper bound on one request's prompt plus output."""
+        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
+        return self.app_tokens + longest + self.answer_tokens
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,31 @@ class TurnRecord:
     sent_s: float  # monotonic clock
     prompt_ids: list[int]
     output_ids: list[int]
+
+
+def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
+    """The most tokens alive at once on a run's realised timeline: at every turn's send and finish, the histories of
+    the agents alive then (from their first send to their last turn's finish; while a turn runs, its prompt, after
+    it, prompt and output) plus the prompts of the apps they use, counted once. A cache of this size need not evict
+    a history that will be used again; budgets are fractions of it."""
+    last_turn = {}
+    for r in records:
+        last_turn[r.agent] = max(last_turn.get(r.agent, 0), r.turn)
+    events = []  # (time, order, agent, tokens held beyond the app's prompt, ends the agent)
+    for r in records:
+        own = len(r.prompt_ids) - cfg.app_tokens
+        events.append((r.sent_s, 0, r.agent, own, False))
+        events.append((r.sent_s + r.latency_s, 1, r.agent, own + len(r.output_ids), r.turn == last_turn[r.agent]))
+    events.sort()
+    held: dict[int, int] = {}
+    peak = 0
+    for _, _, agent, tokens, ends in events:
+        held[agent] = tokens
+        live_apps = {a % cfg.apps for a in held}
+        peak = max(peak, sum(held.values()) + cfg.app_tokens * len(live_apps))
+        if ends:
+            del held[agent]
+    return peak
 
 
 async def send_generate(client: httpx.AsyncClient, history: list[int], max_tokens: int,
@@ -158,14 +189,34 @@ async def run_trace(url: str, cfg: TraceConfig, sessions: bool, kv_tokens: int,
     apps_sent: set[int] = set()
     limits = httpx.Limits(max_connections=cfg.agents + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        before = (await client.get("/get_server_info")).json()["stats"] if server_stats else {}
+        read = (lambda: _stats(client)) if server_stats else None
+        before = await read() if read else {}
         start = time.monotonic()
-        done = await asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records, send)
-                                      for a in agents))
+        work = asyncio.gather(*(run_agent(client, cfg, apps[a.app], a, sessions, apps_sent, records, send)
+                                for a in agents))
+        at_last_arrival = asyncio.create_task(_stats_at(read, agents[-1].arrival_s)) if read else None
+        done = await work
         wall = time.monotonic() - start
-        stats = (await client.get("/get_server_info")).json()["stats"] if server_stats else {}
-    busy = (stats["step_time_s"] - before["step_time_s"]) / wall if wall and server_stats else None
-    return summarize(records, done, wall, stats) | {"busy": busy, "sim": simulated_excess(records, kv_tokens)}
+        stats = await read() if read else {}
+        window = await at_last_arrival if at_last_arrival else None
+    busy = busy_arrivals = None
+    if server_stats and wall:
+        busy = (stats["step_time_s"] - before["step_time_s"]) / wall
+        busy_arrivals = (window["step_time_s"] - before["step_time_s"]) / agents[-1].arrival_s
+    return summarize(records, done, wall, stats) | {"busy": busy, "busy_arrivals": busy_arrivals,
+                                                    "peak_tokens": peak_working_set(records, cfg),
+                                                    "sim": simulated_excess(records, kv_tokens)}
+
+
+async def _stats(client: httpx.AsyncClient) -> dict[str, Any]:
+    return (await client.get("/get_server_info")).json()["stats"]
+
+
+async def _stats_at(read: Callable[[], Awaitable[dict[str, Any]]], at_s: float) -> dict[str, Any]:
+    """The server's counters when the last agent arrives: the busy fraction of the offered-load window, before
+    the drain (the slowest tools' agents alone) dilutes it."""
+    await asyncio.sleep(at_s)
+    return await read()
 
 
 def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
@@ -216,7 +267,7 @@ def medians(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in runs if (r["budget"], r["sessions"]) == key]
         row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins", "sim")}
         for k, v in row.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "kv_tokens"):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "seed"):
                 row[k] = statistics.median(r[k] for r in mine)
         for nested in ("pins", "sim"):
             row[nested] = {k: statistics.median(r[nested][k] for r in mine) for k in mine[0][nested]}
@@ -230,19 +281,21 @@ def markdown(report: dict[str, Any]) -> str:
              f"`{report['command']}`", "",
              f"{cfg['apps']} apps of {cfg['app_tokens']} tokens; tool results {cfg['tool_tokens']} tokens; tool "
              f"latency lognormal, median {cfg['tool_median_s']} s, p95 {cfg['tool_p95_s']} s; arrivals "
-             f"{cfg['arrivals_per_s']}/s. Working set {report['working_set']} tokens. Greedy, ignore_eos; sessions "
-             "on: each request names its agent's session, closed after its last turn. Excess = recomputed - cold "
-             f"(first-time tokens). Each row: the median of {report['repeats']} run(s), the modes alternating on "
-             "fresh servers.", "",
+             f"{cfg['arrivals_per_s']}/s. Peak working set {report['working_set']:g} tokens (median; per seed "
+             f"{', '.join(str(p) for p in report['peaks'])}: the calibration runs' realised peaks, which the budgets "
+             "are fractions of). Greedy, ignore_eos; sessions on: each request names its agent's session, closed "
+             "after its last turn. Excess = recomputed - cold (first-time tokens). Each row: the median over "
+             f"{report['repeats']} seed(s), the modes alternating on fresh servers.", "",
              "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
-             "| busy | pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
+             "| busy (arrivals) | pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
-        lines.append(f"| {row['budget']:g} ({row['kv_tokens']}) | {'on' if row['sessions'] else 'off'} "
+        lines.append(f"| {row['budget']:g} ({row['kv_tokens']:g}) | {'on' if row['sessions'] else 'off'} "
                      f"| {row['recomputed']:g} | {row['cold']:g} | {row['excess']:g} "
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
-                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} | {row['busy']:.0%} | {p['num_pins_used']:g} / "
+                     f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
+                     f"| {row['busy']:.0%} ({row['busy_arrivals']:.0%}) | {p['num_pins_used']:g} / "
                      f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} "
                      f"| {row['sim']['lru']:g} / {row['sim']['belady']:g}{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"
@@ -263,16 +316,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       tool_median_s=args.tool_median_s, tool_p95_s=args.tool_p95_s, vocab=args.vocab,
                       seed=args.seed)
     model_path = bench_model_path(args.model)
-    runs = []
+    runs, peaks = [], []
     for rep in range(args.repeats):
+        seeded = dataclasses.replace(cfg, seed=cfg.seed + rep)
+        # The calibration run: a pool that never evicts, sessions off; its realised peak sets the budgets.
+        peaks.append(run_budget(model_path, seeded, seeded.upper_bound(), False, args.threads)["peak_tokens"])
         for i, budget in enumerate(args.budgets):
-            kv_tokens = max(int(budget * cfg.working_set()), cfg.max_sequence() + cfg.answer_tokens)
+            kv_tokens = max(int(budget * peaks[-1]), cfg.max_sequence() + cfg.answer_tokens)
             for sessions in ((True, False) if (i + rep) % 2 == 0 else (False, True)):  # alternating the first
-                row = run_budget(model_path, cfg, kv_tokens, sessions, args.threads)
-                runs.append({"rep": rep, "budget": budget, "kv_tokens": kv_tokens, "sessions": sessions, **row})
+                row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads)
+                runs.append({"rep": rep, "seed": seeded.seed, "budget": budget, "kv_tokens": kv_tokens,
+                             "sessions": sessions, **row})
     report = {"bench": "agent_trace", "command": args.command, "model": args.model, "repeats": args.repeats,
-              "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "rows": medians(runs),
-              "runs": runs}
+              "config": dataclasses.asdict(cfg), "working_set": statistics.median(peaks), "peaks": peaks,
+              "rows": medians(runs), "runs": runs}
     out = BenchOutput("agent_trace", args.out)
     title = f"Agent trace, model {args.model}: medians of {args.repeats}"
     draw = lambda path: plot_agent_trace(report["rows"], path, title)  # noqa: E731

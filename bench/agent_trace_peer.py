@@ -131,7 +131,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         by = {r["server"]: r for r in rows if r["kv_gib"] == gib}
         ratios[gib] = by["ours"]["agents_per_min"] / by["vllm"]["agents_per_min"]
     report = {"bench": "agent_trace_peer", "command": args.command, "model": args.model, "dtype": args.dtype,
-              "config": dataclasses.asdict(cfg), "working_set": cfg.working_set(), "kv_bytes_per_token": per_token,
+              "config": dataclasses.asdict(cfg), "kv_bytes_per_token": per_token,
+              # the trace's peak working set as radixserve's runs realised it (bench/agent_trace.peak_working_set)
+              "working_set": max(r["peak_tokens"] for r in runs if r["server"] == "ours"),
               "rows": rows, "ratios": ratios, "runs": runs}
     out = BenchOutput("agent_trace_peer", args.out)
     out.finish(out.write_report(f"agent_trace_peer_{args.model}", report, markdown(report)))

@@ -17,7 +17,23 @@ def test_plans_are_seeded_and_shaped_as_asked():
     assert all(len(a.tool_results) == len(a.waits_s) == 2 for a in agents)
     assert all(10 <= len(t) <= 20 for a in agents for t in a.tool_results)
     assert all(x < y for x, y in zip([a.arrival_s for a in agents], [a.arrival_s for a in agents][1:]))
-    assert cfg.working_set() == 2 * 40 + 5 * (64 + 2 * (32 + 20) + 64)
+    assert cfg.upper_bound() == 2 * 40 + 5 * (64 + 2 * (32 + 20) + 64)
+
+
+def test_the_peak_working_set_counts_live_histories_and_their_apps():
+    cfg = TraceConfig(agents=2, apps=2, turns=2, app_tokens=10)
+    app = [1] * 10
+    # agent 0 (app 0): turn 0 sent at 0 (prompt 10 + 4), done at 1 (+3 out); turn 1 sent at 5 (+3 + 6 tool), done 6.
+    # agent 1 (app 1): turn 0 sent at 2 (10 + 5), done at 3 (+2); turn 1 sent at 5.5 (+2 + 9), done at 7 (+5).
+    records = [TurnRecord(0, 0, 14, 0, 14, 1.0, 0.0, app + [2] * 4, [3] * 3),
+               TurnRecord(0, 1, 23, 0, 7, 1.0, 5.0, app + [2] * 13, [3] * 5),
+               TurnRecord(1, 0, 15, 0, 15, 1.0, 2.0, app + [2] * 5, [3] * 2),
+               TurnRecord(1, 1, 26, 0, 10, 1.5, 5.5, app + [2] * 16, [3] * 5)]
+    # At 5.5 agent 0 runs its last turn (13 own tokens) and agent 1 sends 16: 13 + 16 + both apps (20) = 49; at 6
+    # agent 0 finishes (13 + 5 = 18) beside 16: 54, the peak; then agent 0 is gone: 21 + 10 at 7.
+    assert agent_trace.peak_working_set(records, cfg) == 54
+    # One turn each, over by the time the other starts: never alive together, the larger alone counts.
+    assert agent_trace.peak_working_set(records[:1] + records[2:3], cfg) == 7 + 10
 
 
 def test_excess_is_recompute_beyond_the_cold_tokens():
@@ -37,8 +53,9 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     for row in (on, off):  # the yardsticks recompute at least the cold tokens (the same definition of first-time)
         assert row["sim"]["lru"] >= 0 and row["sim"]["belady"] >= 0
         assert 0 < row["busy"] < 1  # the engine stepped for part of the run, and idled while the tools ran
+        assert 0 < row["busy_arrivals"] <= 1.05  # (a step that straddles the window's ends counts whole)
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
-    assert len(saved["rows"]) == 2 and "| 0.5 (408) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
+    assert len(saved["rows"]) == 2 and f"| 0.5 ({on['kv_tokens']}) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
     assert (tmp_path / "agent_trace_tiny.png").stat().st_size > 10_000  # recompute and p99 against the budget
 
 
