@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import orjson
 
+from ..scheduler.gc_freeze import freeze_startup_heap
 from .http_client import HTTPConnection
 from .output import BenchOutput, bench_parser, parse_args, percentile
 
@@ -267,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     cfg = TenantsConfig(duration_s=args.duration, probes=args.probes, max_running=args.max_running, seed=args.seed)
     model_path = bench_model_path(args.model)
+    freeze_startup_heap()  # the client imported torch too: its full collections would stall the light tenant's streams
     keys = os.path.join(tempfile.mkdtemp(prefix="tenants-"), "keys.json")
     write_keys(keys)
     rows = []

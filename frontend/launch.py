@@ -33,6 +33,7 @@ from .errors import APIError
 from .server import build_app, build_state
 from .state import ServerState
 from .tenants import Tenants
+from ..scheduler.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger("radixserve.frontend")
 
@@ -84,6 +85,7 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self.state.engine.attach(self._loop, self._on_engine_death)
         await super().startup(sockets=sockets)
+        freeze_startup_heap()  # torch, the tokenizer, the app: never walked by a full collection mid-request
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             logger.info("radixserve ready: serving %s on http://%s:%d (attention: %s)", self.state.model_name,

@@ -18,6 +18,7 @@ forward block forever, "slow-grammar" makes every grammar compile (a cache miss)
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import zmq
 
 from . import messages as msg
 from .errors import RequestError
+from .gc_freeze import freeze_startup_heap
 from .grammar import xgrammar_installed
 from .grammar_prep import PendingGrammars
 
@@ -63,6 +65,7 @@ def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, 
     try:
         engine = _load(model, engine_kwargs, outbox, tenants or {})
         if engine is not None:
+            freeze_startup_heap()  # the model and torch: never walked by a full collection mid-step
             EngineServer(engine, inbox, outbox, parent).run()
     finally:
         inbox.close(linger=0)
@@ -199,6 +202,7 @@ class EngineServer:
         as waiting (they are queued work: the router's load and the idle checks must see them)."""
         stats = self.engine.stats()
         stats["num_grammar_pending"] = len(self.pending)
+        stats["gc_frozen_objects"] = gc.get_freeze_count()
         stats["num_waiting"] += len(self.pending)
         return stats
 

@@ -140,6 +140,13 @@ def test_admin_endpoints_need_an_admin_key(server):
         assert http.get("/get_load", headers=bearer("sk-beta")).status_code == 200  # what a router balances on
 
 
+def test_both_processes_freeze_their_startup_heap(server):
+    """torch and the model stay out of full collections (scheduler/gc_freeze.py): each process froze >10k objects."""
+    with server.client() as http:
+        info = http.get("/get_server_info", headers=ADMIN).json()
+    assert info["gc_frozen_objects"] > 10_000 and info["stats"]["gc_frozen_objects"] > 10_000, info
+
+
 # -- limits --------------------------------------------------------------------------------------
 
 
