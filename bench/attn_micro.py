@@ -10,10 +10,10 @@ a model's shapes, the calls the CPU backend makes for a workload like gsp_long (
 
 ``--lib`` times another build of the library (e.g. compiled from an older commit's sources with
 native.py's flags; with ``--widen`` where it predates the vdpbf16ps products) through the same calls,
-for before / after figures; each case reports the
-median and the minimum of ``--reps`` timed calls (after one warm-up) in ms, GFLOP/s of the two
-products at the median, and the median CPU time of the process (on a loaded machine, with ``--threads
-1``, the steadier figure: time the process was not running is left out).
+for before / after figures. Each case reports the median and the minimum of ``--reps`` timed calls
+(after one warm-up) in ms, GFLOP/s of the two products at the median, and the median and minimum
+CPU time of the process (on a loaded machine, with ``--threads 1``, the steadier figures: time the
+process was not running is left out).
 """
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.lib:
         lib = ctypes.CDLL(args.lib)
         lib.rs_attend.argtypes, lib.rs_attend.restype = [ctypes.POINTER(native._Args)], ctypes.c_int
+        lib.rs_isa.restype, lib.rs_amx_ready.restype = ctypes.c_char_p, ctypes.c_int
         native.load = lambda: lib
     if args.widen:
         native._products = lambda bf16: 0
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             cpu.append((time.process_time() - c0) * 1e3)
         med, cpu_med = statistics.median(times), statistics.median(cpu)
         print(f"{name:15s} median {med:8.3f} ms  min {min(times):8.3f} ms  {4 * d * pairs / med / 1e6:6.1f} GFLOP/s"
-              f"  cpu {cpu_med:8.3f} ms ({4 * d * pairs / cpu_med / 1e6:6.1f} GFLOP/s a cpu-second)")
+              f"  cpu {cpu_med:8.3f} ms ({4 * d * pairs / cpu_med / 1e6:6.1f} GFLOP/s a cpu-second) min {min(cpu):8.3f}")
 
 
 if __name__ == "__main__":
