@@ -14,6 +14,7 @@ Qwen2 / Qwen3 files keep HF order (llama.cpp runs them with NeoX rotary).
 from __future__ import annotations
 
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -25,14 +26,16 @@ from tqdm import tqdm
 
 from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
 from .gguf_header import GGUFHeader
-from .gguf_quant import LOSSLESS, quant_weight
-from .quant import QuantWeight, packable
+from .gguf_quant import LOSSLESS, packed_weight, quant_weight
+from .quant import PackedQuant, QuantWeight, packable
 
 logger = logging.getLogger(__name__)
 
 BLOCK_ELEMENTS = 1 << 20  # elements dequantized at a time by one thread (4 MB of float32)
 SAMPLE_ELEMENTS = 1 << 16  # elements of each quantized tensor the error report compares
 _FLOAT_NUMPY = {"F32": np.float32, "F16": np.float16}
+# weights kept quantized that the forward takes as they are (no fusion, no row reorder): given packed (PackedQuant)
+STANDALONE = re.compile(r"^model\.embed_tokens\.weight$|^lm_head\.weight$|\.(o_proj|down_proj)\.weight$")
 
 
 @dataclass
@@ -114,7 +117,9 @@ class GGUFState(Mapping):
         t = self._infos[name]
         if name in self._kept:
             self.report.keep(t.tensor_type.name)
-            weight = quant_weight(self.header.data(t), t.tensor_type)
+            # one linear of its own (not fused, rows in order): packed a block of rows at a time
+            convert = packed_weight if STANDALONE.search(name) else quant_weight
+            weight = convert(self.header.data(t), t.tensor_type)
         elif self.transform is not None:
             weight = tensor_weight(self.header.data(t), t.tensor_type, torch.float32, self.report)
             kept = self.transform(name, weight)
@@ -125,7 +130,7 @@ class GGUFState(Mapping):
         if part in self._row_heads:
             weight = unpermute_rows(weight, self._row_heads[part])
         self.header.drop_pages(t)
-        return weight if isinstance(weight, QuantWeight) else weight.to(self.device)
+        return weight if isinstance(weight, (QuantWeight, PackedQuant)) else weight.to(self.device)
 
     def pop(self, name: str, *default: Any) -> Any:
         if name not in self._infos:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant import QuantWeight
+from .quant import PackedQuant, QuantWeight, pack
 
 # GGUF type -> (QuantWeight kind, group along K)
 LOSSLESS = {"Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q6_K": ("int8", 16), "Q4_0": ("int4", 32),
@@ -51,6 +51,30 @@ def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20) -> Quan
         if mins is not None:
             mins[part] = part_mins
     return QuantWeight(kind, q, scales, mins, group)
+
+
+def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22) -> PackedQuant:
+    """quant.pack(quant_weight(data, qtype)) made a block of rows (a multiple of 16, about `block_elements` values)
+    at a time straight into the packed tensors: the unpacked values (a byte per weight) of one block exist at a time,
+    not of the whole tensor (525 MB for an 8B model's embedding or head)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    rows, row_len, out = data.shape[0], data.shape[1] // block_bytes * block, None
+    step = max(16, block_elements // row_len // 16 * 16)
+    for start in range(0, rows, step):
+        part = pack(quant_weight(data[start:start + step], qtype))
+        if out is None:
+            empty = lambda t: None if t is None else torch.empty((rows // 16, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
+            out = PackedQuant(part.kind, rows, part.k, part.group, empty(part.data), empty(part.scales),
+                              empty(part.mins))
+        if part.scales.dtype != out.scales.dtype:  # a block past fp16's range: fp32 for the whole weight
+            out.scales, out.mins = out.scales.float(), None if out.mins is None else out.mins.float()
+        blocks = slice(start // 16, start // 16 + part.n // 16)
+        out.data[blocks], out.scales[blocks] = part.data, part.scales
+        if out.mins is not None:
+            out.mins[blocks] = part.mins
+    return out
 
 
 def _exact_half(t: torch.Tensor) -> bool:

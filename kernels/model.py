@@ -46,7 +46,7 @@ class CausalLM:
         (in the model's dtype)."""
         self.config = config
         embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]; a GGUF file's may stay quantized
-        self.embed = quant.pack(embed) if isinstance(embed, quant.QuantWeight) else embed
+        self.embed = quant.pack(embed) if isinstance(embed, quant.QuantWeight) else embed  # or given packed
         self.dtype = torch.bfloat16 if isinstance(self.embed, quant.PackedQuant) else self.embed.dtype
         self.layers = [_layer_weights(config, state, i, self.dtype) for i in range(config.num_layers)]
         self.final_norm = take(state, "model.norm.weight")

@@ -34,10 +34,10 @@ from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached
 from radixserve.kernels import ModelRunner, SeqInput, gguf_loader, native, quant
 from radixserve.kernels import runner as runner_module
 from radixserve.kernels.gguf_file import hf_tensor_name
-from radixserve.kernels.gguf_quant import LOSSLESS, quant_weight
+from radixserve.kernels.gguf_quant import LOSSLESS, packed_weight, quant_weight
 from radixserve.kernels.loader import load_state_dict
 from radixserve.kernels.model_config import load_model_config
-from radixserve.kernels.quant import QuantWeight
+from radixserve.kernels.quant import PackedQuant, QuantWeight, pack
 from radixserve.scheduler import Engine, SamplingParams
 from radixserve.scheduler.tokenizer import Tokenizer
 
@@ -235,11 +235,28 @@ def test_block_tensors_map_onto_quant_weights_without_loss(tmp_path):
         assert torch.equal(qw.dequantize(), want), qtype.name
     floats = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
     kept = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU, keep_quantized=True)
-    assert isinstance(kept["model.embed_tokens.weight"], QuantWeight)  # looked up row by row, and a tied head
+    assert isinstance(kept["model.embed_tokens.weight"], PackedQuant)  # looked up row by row, and a tied head
+    assert isinstance(kept["model.layers.0.mlp.down_proj.weight"], PackedQuant)  # packed as read: no fusion
     assert isinstance(kept["model.layers.0.self_attn.q_proj.weight"], QuantWeight)
     for name, tensor in floats.items():
-        got = kept[name].dequantize() if isinstance(kept[name], QuantWeight) else kept[name]
+        got = kept[name]
+        got = got.unpack() if isinstance(got, PackedQuant) else got
+        got = got.dequantize() if isinstance(got, QuantWeight) else got
         assert torch.equal(got, tensor), name
+
+
+def test_packing_in_row_blocks_as_read_changes_nothing():
+    """gguf_quant.packed_weight (embedding, head, o / down: packed a block of rows at a time) equals packing the whole
+    QuantWeight, every LOSSLESS type, blocks of 16 rows and the last one short."""
+    w = np.random.default_rng(1).standard_normal((80, 256)).astype(np.float32)
+    reader = GGUFReader(FIXTURE)
+    cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS and t.data.ndim == 2
+             and t.data.shape[0] % 16 == 0]
+    cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
+    for data, qtype in cases:
+        whole, blocks = pack(quant_weight(data, qtype)), packed_weight(data, qtype, block_elements=3000)
+        assert all(torch.equal(a, b) for a, b in ((whole.data, blocks.data), (whole.scales, blocks.scales))), qtype
+        assert whole.mins is None or torch.equal(whole.mins, blocks.mins)
 
 
 def test_a_load_transform_sees_float_tensors_in_float32(tmp_path):
@@ -312,6 +329,16 @@ def test_q4_k_m_fixture_kept_quantized_is_as_accurate_as_bf16(monkeypatch, caplo
 def test_round_trip_kept_quantized_is_as_accurate_as_bf16(tmp_path, monkeypatch, caplog, qtype):
     path = export_gguf(cached_checkpoint("llama", **TINY), str(tmp_path / f"{qtype}.gguf"), qtype)
     check_kept_quantized(path, monkeypatch, caplog, f"kept {qtype} (16 tensors) quantized")
+
+
+def test_tied_table_kept_quantized_is_the_head_and_as_accurate_as_bf16(tmp_path, monkeypatch, caplog):
+    """A tied Q4_0 table stays packed: the rows the forward looks up and the LM head are one PackedQuant (no second
+    copy), as accurate as the bf16 model of the rounded weights."""
+    src = cached_checkpoint("llama", **TINY, tie_word_embeddings=True)
+    path = export_gguf(src, str(tmp_path / "tied.gguf"), "Q4_0")
+    check_kept_quantized(path, monkeypatch, caplog, "kept Q4_0 (15 tensors) quantized")
+    model = ModelRunner(path, num_slots=64, dtype="bfloat16", num_threads=1).model
+    assert isinstance(model.embed, quant.PackedQuant) and model.lm_head.quant is model.embed
 
 
 def test_engine_keeps_blocks_where_a_quantized_kernel_runs():
