@@ -86,11 +86,13 @@ def parse_slots(settings: str, clients: int) -> tuple[int, bool]:
 
 
 def single_llama(binary: str, gguf: str, context: int, new_tokens: int, threads: int,
-                 attempts: int = 3) -> dict[str, float]:
-    """llama-batched-bench at batch 1 (-b/-ub: llama.cpp's defaults): prefill and decode tokens/s from its JSON
-    line. Run again when the line is missing: its asynchronous logger sometimes exits before printing it."""
-    cmd = [binary, "-m", gguf, "-c", str(context + new_tokens + 64), "-b", "2048", "-ub", "512", "-npp", str(context),
-           "-ntg", str(new_tokens), "-npl", "1", "-t", str(threads), "-tb", str(threads), "--output-format", "jsonl"]
+                 attempts: int = 6, batch: int = 1) -> dict[str, float]:
+    """llama-batched-bench at `batch` sequences of their own prompt (-npl; -b/-ub: llama.cpp's defaults): prefill
+    and decode tokens/s (all sequences together) from its JSON line. Run again when the line is missing: its
+    asynchronous logger often exits before printing it (most runs of a tiny model on a loaded machine)."""
+    cmd = [binary, "-m", gguf, "-c", str(batch * (context + new_tokens) + 64), "-b", "2048", "-ub", "512",
+           "-npp", str(context), "-ntg", str(new_tokens), "-npl", str(batch), "-t", str(threads), "-tb", str(threads),
+           "--output-format", "jsonl"]
     for _ in range(attempts):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
         if proc.returncode != 0:
@@ -101,25 +103,29 @@ def single_llama(binary: str, gguf: str, context: int, new_tokens: int, threads:
     raise RuntimeError(f"llama-batched-bench gave no result (rc {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
-def single_ours(engine: Any, context: int, new_tokens: int, seed: int) -> dict[str, float]:
-    """One request of `context` random ids on an empty cache: prefill = context / TTFT; decode = the tokens
-    after the first / the time after the first."""
+def single_ours(engine: Any, context: int, new_tokens: int, seed: int, batch: int = 1) -> dict[str, float]:
+    """`batch` requests of `context` random ids each on an empty cache, together: prefill = their prompt tokens /
+    the last TTFT; decode = the tokens after each one's first / the time from the last first token to the end (all
+    sequences together, as llama-batched-bench counts them)."""
     from ..scheduler import SamplingParams
 
     if not engine.flush_cache():
         raise RuntimeError("flush_cache refused: the engine still has requests")
     rng = random.Random(seed)
-    prompt = [rng.randrange(10, 4000) for _ in range(context)]
-    res = engine.generate([prompt], SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))[0]
-    return {"prefill_tok_s": context / res.ttft_s, "decode_tok_s": (new_tokens - 1) / (res.e2e_s - res.ttft_s)}
+    prompts = [[rng.randrange(10, 4000) for _ in range(context)] for _ in range(batch)]
+    res = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    first, last = max(r.ttft_s for r in res), max(r.e2e_s for r in res)
+    return {"prefill_tok_s": batch * context / first, "decode_tok_s": batch * (new_tokens - 1) / (last - first)}
 
 
 def measure_single(args: argparse.Namespace, model_path: str, gguf: str, on_run: Callable[[], object]) -> list[dict]:
     from .harness import warm_up
     from ..scheduler import Engine
 
+    batch = args.single_batch
     engine = Engine(model_path, dtype=DTYPES[args.dtype], num_threads=args.threads,
-                    kv_cache_tokens=args.single_context + args.single_new_tokens + 256)
+                    kv_cache_tokens=batch * (args.single_context + args.single_new_tokens) + 256,
+                    max_running_requests=max(batch, 16))
     batched = os.path.join(os.path.dirname(args.llama_server), "llama-batched-bench")
     out = []
     try:
@@ -128,11 +134,12 @@ def measure_single(args: argparse.Namespace, model_path: str, gguf: str, on_run:
             for name in order:
                 time.sleep(args.settle_s)
                 if name == OURS:
-                    rates = single_ours(engine, args.single_context, args.single_new_tokens, args.seed + rep)
+                    rates = single_ours(engine, args.single_context, args.single_new_tokens, args.seed + rep, batch)
                 else:
-                    rates = single_llama(batched, gguf, args.single_context, args.single_new_tokens, args.threads)
+                    rates = single_llama(batched, gguf, args.single_context, args.single_new_tokens, args.threads,
+                                         batch=batch)
                 out.append({"engine": name, "rep": rep, "context": args.single_context,
-                            "new_tokens": args.single_new_tokens, **rates})
+                            "new_tokens": args.single_new_tokens, "batch": batch, **rates})
                 logger.info("single stream rep %d %s: prefill %.1f tok/s, decode %.1f tok/s", rep, name,
                             rates["prefill_tok_s"], rates["decode_tok_s"])
                 on_run()

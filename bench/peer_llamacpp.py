@@ -6,6 +6,9 @@ workloads; then single-stream prefill and decode tokens/s of both (~25 min on mo
         --gguf /tmp/peers/gguf                  # the first time converts the checkpoint into /tmp/peers/gguf/
     python -m radixserve.bench.peer_llamacpp --model tiny --size tiny --runs 1 --llama-slots c \\
         --llama-server ... --gguf ...            # a smoke test (about a minute)
+    python -m radixserve.bench.peer_llamacpp --model /tmp/peers/gguf/L-q4_0.gguf --workloads gsp \\
+        --llama-server ...                       # the very same quantized file in both engines (issue 39)
+    python -m radixserve.bench.peer_llamacpp --model FILE.gguf --workloads "" --single-batch 16 --llama-server ...
 
 llama.cpp is not a dependency; build it outside the repository (Release, about 15 min on 2 cores):
 
@@ -276,9 +279,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from .harness import bench_model_path
 
     started, load_start = time.perf_counter(), os.getloadavg()[0]
-    model_path = bench_model_path(args.model)
-    gguf = resolve_gguf(args.gguf, model_path, args.dtype, args.llama_server, args.convert_script,
-                        args.convert_python)
+    same_file = args.model.endswith(".gguf") and os.path.isfile(args.model)  # both engines load the very file
+    model_path = args.model if same_file else bench_model_path(args.model)
+    gguf = args.model if same_file else resolve_gguf(args.gguf, model_path, args.dtype, args.llama_server,
+                                                     args.convert_script, args.convert_python)
     kv = max((sum(len(p) + len(o) for items in stand_in_rounds(lambda n=n: PRESETS[n][args.size](args.seed))
                   for p, o, _ in items) for n in args.workloads), default=0) + 256
     sweeps = sum(len(args.llama_slots) for _ in args.workloads) if len(args.llama_slots) > 1 else 0
@@ -323,12 +327,13 @@ def _run_workloads(args: argparse.Namespace, model_path: str, gguf: str, kv: int
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = bench_parser("peer_llamacpp", __doc__)
     p.epilog = __doc__.split("\n\n", 1)[1]  # usage, how to build llama.cpp and convert the checkpoint, the method
-    p.add_argument("--model", default="L", help=MODEL_HELP)
+    p.add_argument("--model", default="L", help=MODEL_HELP + "; or a GGUF file, which both engines load")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES), help="weights of both engines (and of the GGUF)")
     p.add_argument("--llama-server", required=True, metavar="PATH",
                    help="llama.cpp's llama-server binary (llama-batched-bench is looked for beside it)")
-    p.add_argument("--gguf", required=True, metavar="PATH",
-                   help="the checkpoint as a GGUF file in --dtype, or a directory to convert it into (once)")
+    p.add_argument("--gguf", metavar="PATH",
+                   help="the checkpoint as a GGUF file in --dtype, or a directory to convert it into (once); not "
+                        "with --model FILE.gguf, which both engines load (radixserve keeps its blocks quantized)")
     p.add_argument("--convert-script", metavar="PATH",
                    help="llama.cpp's convert_hf_to_gguf.py (default: in the source tree above llama-server)")
     p.add_argument("--convert-python", default=sys.executable, metavar="PYTHON",
@@ -347,6 +352,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="threads of each engine")
     p.add_argument("--single-context", type=int, default=1024, help="single stream: prompt tokens")
     p.add_argument("--single-new-tokens", type=int, default=64, help="single stream: tokens generated")
+    p.add_argument("--single-batch", type=int, default=1,
+                   help="sequences decoded together in the single-stream part (16: batch-16 decode)")
     p.add_argument("--no-single-stream", action="store_true", help="skip the single-stream prefill/decode part")
     p.add_argument("--llama-arg", action="append", default=[], metavar="ARG",
                    help="extra llama-server argument (repeatable)")
@@ -365,6 +372,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
             p.error(str(exc))
     if args.runs < 1 or (args.clients is not None and args.clients < 1):
         p.error("--runs and --clients must be >= 1")
+    if args.gguf is None and not args.model.endswith(".gguf"):
+        p.error("--gguf is needed unless --model is a GGUF file")
     if not os.access(args.llama_server, os.X_OK):
         p.error(f"--llama-server {args.llama_server}: not an executable file")
     return args

@@ -73,7 +73,8 @@ def summarize_single(single: Sequence[dict[str, Any]]) -> dict[str, Any]:
     engines: dict[str, dict[str, Any]] = {}
     for engine in dict.fromkeys(r["engine"] for r in single):
         rs = [r for r in single if r["engine"] == engine]
-        engines[engine] = {"num_runs": len(rs), "context": rs[0]["context"], "new_tokens": rs[0]["new_tokens"]}
+        engines[engine] = {"num_runs": len(rs), "context": rs[0]["context"], "new_tokens": rs[0]["new_tokens"],
+                           "batch": rs[0].get("batch", 1)}
         for key in ("prefill_tok_s", "decode_tok_s"):
             values = [r[key] for r in rs]
             engines[engine].update({key: statistics.median(values), key + "_min": min(values),
@@ -97,7 +98,8 @@ def write_report(report: dict[str, Any], out: BenchOutput) -> str:
     """Writes peer_llamacpp_MODEL_DTYPE.{json,md} (MODEL: a checkpoint directory's name; `_single` after a run of
     the single stream only); returns the Markdown."""
     model = os.path.basename(str(report.get("model")).rstrip("/"))
-    single_only = "_single" if not report.get("rows") else ""
+    batch = next(iter((report.get("single_stream") or {}).get("engines", {}).values()), {}).get("batch", 1)
+    single_only = ("_single" if batch == 1 else f"_batch{batch}") if not report.get("rows") else ""
     return out.write_report(f"peer_llamacpp_{model}_{report.get('dtype')}{single_only}", report, markdown(report))
 
 
@@ -167,7 +169,9 @@ def _single_lines(single: dict[str, Any]) -> list[str]:
     if not engines:
         return []
     first = next(iter(engines.values()))
-    lines = ["", f"Single stream (batch 1, {first['context']}-token prompt of random ids, {first['new_tokens']} new "
+    batch = first.get("batch", 1)
+    what = "Single stream (batch 1" if batch == 1 else f"Batch decode ({batch} sequences together, tokens/s of all"
+    lines = ["", f"{what}, {first['context']}-token prompts of random ids, {first['new_tokens']} new "
              "tokens; median (min–max); llama.cpp: llama-batched-bench, radixserve: Engine in-process, alternating):",
              "", "| engine | prefill tok/s | decode tok/s | runs |", "|---|---|---|---|"]
     for name, e in engines.items():

@@ -212,6 +212,16 @@ def test_gsp_long_is_one_long_prefix_read_by_32_requests():
         assert len(make_workload("gsp_long", size).make_round(0, {}).requests) >= 8
 
 
+def test_a_batch_decode_report_says_its_batch(tmp_path):
+    """--single-batch 16: the same medians and ratios, headed and named as a batch-16 decode."""
+    batched = [{**r, "batch": 16} for r in SINGLE]
+    report = build_report([], [], batched, {"model": "/g/L-q4_0.gguf", "dtype": "bf16", "size": "full", "runs": 3,
+                                            "threads": 2, "engines": {}, "load_average": {"start": 0.1, "end": 0.2}})
+    text = peer_llamacpp.write_report(report, BenchOutput("peer_llamacpp", str(tmp_path)))
+    assert "Batch decode (16 sequences together" in text and "decode **0.56x**" in text
+    assert (tmp_path / "peer_llamacpp_L-q4_0.gguf_bf16_batch16.md").read_text() == text
+
+
 def test_command_line_errors(tmp_path, capsys):
     binary = tmp_path / "llama-server"
     binary.write_text("#!/bin/sh\n")
@@ -221,6 +231,12 @@ def test_command_line_errors(tmp_path, capsys):
     assert "not an executable file" in capsys.readouterr().err
     binary.chmod(0o755)
     assert peer_llamacpp._parse(base).workloads == ["gsp", "react", "gsp_long"]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert peer_llamacpp._parse(["--llama-server", str(binary), "--model", str(gguf)]).gguf is None  # the same file
+    with pytest.raises(SystemExit):
+        peer_llamacpp._parse(["--llama-server", str(binary)])
+    assert "--gguf is needed unless --model is a GGUF file" in capsys.readouterr().err
     for extra, message in ((["--workloads", "gsp,fewshot"], "unknown workload(s) fewshot"),
                            (["--llama-slots", "4,x"], "bad llama.cpp slot setting 'x'"),
                            (["--runs", "0"], "--runs and --clients must be >= 1")):
