@@ -7,7 +7,11 @@ Admission order, most significant first:
      admission (W_CACHED: cheaper, they are read, not computed) and output tokens sampled (W_OUT), divided by the
      tenant's weight. The backlogged tenant (one with requests waiting) with the lowest counter goes next. A
      tenant that becomes backlogged is lifted to the lowest counter of the tenants already backlogged (or, with
-     none, to the counter of the last one that stopped being backlogged), so an idle tenant does not bank credit;
+     none, to the counter of the last one that stopped being backlogged), so an idle tenant does not bank credit.
+     Counters within the next request's cache discount are tied ((W_IN - W_CACHED) x its cached tokens: its
+     counter after admission stays within W_IN x its prompt of the lowest, as VTC's bound assumes), and a tie goes
+     to the tenant with fewer requests waiting: a light tenant whose previous request was just admitted does not
+     wait steps for a heavy one to be charged as much (issue 41: a burst of two light requests waited 1-3 steps);
   2. within a tenant, `priority` (lower value first, vLLM's meaning);
   3. within a priority, the program's least attained service (Autellix's PLAS): a program is a session
      (`SamplingParams.session_id`), or the request alone. Service is discretised into levels (0 below
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .req import Req
 
@@ -45,6 +49,7 @@ LAS_QUANTUM = 2048.0  # service (in W_IN tokens) below which a program is at lev
 STARVATION_RATIO = 1.0  # service to others while waiting, over the program's own, that lifts it to level 0
 MAX_PROGRAMS = 65_536  # attained service kept for this many programs (least recently served dropped)
 MERGE_HEAD = 1024  # admission candidates merged by counter each step (a step admits far fewer)
+TIE_HEAD = 32  # of those, the first ones placed with ties (cached lengths looked up); the rest strictly by counter
 
 
 def tenant_of(req: Req) -> str:
@@ -133,11 +138,16 @@ class FairShare:
             self.counters[tenant] = max(self.counter(tenant), floor)
         self._backlogged = now
 
-    def order(self, base: list[Req]) -> list[Req]:
+    def slack(self, req: Req, cached: int) -> float:
+        """How far above the lowest counter `req`'s tenant still ties: the discount its `cached` tokens get."""
+        return (W_IN - W_CACHED) * cached / self.weight(tenant_of(req))
+
+    def order(self, base: list[Req], cached_len: Callable[[Req], int] | None = None) -> list[Req]:
         """`base` (the cache-aware order) reordered by tenant share, priority and program level; stable, so ties
         keep the cache-aware order. Returns `base` itself when nothing separates its requests. The tenants' queues
         are merged by counter for the first MERGE_HEAD entries (more than a step admits); the rest follow in
-        `base`'s order. One pass over the queue when every request is at priority 0 without a session."""
+        `base`'s order. One pass over the queue when every request is at priority 0 without a session.
+        `cached_len(req)`: its cached prefix now (None: no ties but equal counters, prompts charged in full)."""
         if len(base) < 2:
             return base
         queues: dict[str, list[Req]] = {}
@@ -151,33 +161,54 @@ class FairShare:
                 queue.sort(key=self._key)
         if len(queues) == 1:
             return base if plain else next(iter(queues.values()))
-        return self._merge(base, queues)
+        return self._merge(base, queues, cached_len or _nothing_cached)
 
     def _key(self, req: Req) -> tuple[int, int]:
         return req.params.priority, self.level(req)
 
-    def _merge(self, base: list[Req], queues: dict[str, list[Req]]) -> list[Req]:
-        """The tenants' queues merged by counter, each admission's prompt cost projected onto its tenant so that one
-        step's admissions interleave as the counters would."""
-        # Equal counters (a tenant just lifted to the backlogged minimum) go to the shorter queue: the tenant that
-        # asks for less is not made to wait a step for the one that asks for more.
+    def _merge(self, base: list[Req], queues: dict[str, list[Req]], cached_len: Callable[[Req], int]) -> list[Req]:
+        """The tenants' queues merged by counter, each admission's cost projected onto its tenant so that one step's
+        admissions interleave as the counters would; tied counters (`slack`) go to the shorter queue: the tenant
+        that asks for less is not made to wait a step for the one that asks for more."""
         self._waiting = {t: len(q) for t, q in queues.items()}
         heap = [(self.counter(t), len(queues[t]), i, t) for i, t in enumerate(queues)]
         heapq.heapify(heap)
         heads = dict.fromkeys(queues, 0)
         out: list[Req] = []
         while heap and len(out) < MERGE_HEAD:
-            counter, size, tie, tenant = heapq.heappop(heap)
+            ties = len(out) < TIE_HEAD
+            entry = self._tied(heap, queues, heads, cached_len) if ties else heap[0]
+            if entry is heap[0]:
+                heapq.heappop(heap)
+            else:
+                heap.remove(entry)
+                heapq.heapify(heap)
+            counter, size, tie, tenant = entry
             req = queues[tenant][heads[tenant]]
             heads[tenant] += 1
             out.append(req)
             if heads[tenant] < len(queues[tenant]):
-                projected = counter + W_IN * len(req.prompt_ids) / self.weight(tenant)
-                heapq.heappush(heap, (projected, size, tie, tenant))
+                cached = cached_len(req) if ties else 0
+                cost = W_IN * (len(req.prompt_ids) - cached) + W_CACHED * cached
+                heapq.heappush(heap, (counter + cost / self.weight(tenant), size, tie, tenant))
         if len(out) < len(base):
             taken = {id(r) for r in out}
             out += [r for r in base if id(r) not in taken]
         return out
+
+    def _tied(self, heap: list, queues: dict[str, list[Req]], heads: dict[str, int],
+              cached_len: Callable[[Req], int]) -> tuple:
+        """The heap entry that goes next: the lowest counter's, or a shorter queue's whose counter ties with it."""
+        best = heap[0]
+        lowest = best[0]
+        for entry in heap:
+            counter, size, _, tenant = entry
+            head = queues[tenant][heads[tenant]]
+            if size >= best[1] or counter - lowest > (W_IN - W_CACHED) * len(head.prompt_ids) / self.weight(tenant):
+                continue  # cannot win: no shorter queue, or beyond any slack its head could have (checked cheaply)
+            if counter - lowest <= self.slack(head, cached_len(head)):
+                best = entry
+        return best
 
     # -- giving memory back -------------------------------------------------------------
 
@@ -188,27 +219,45 @@ class FairShare:
         return max(candidates, key=lambda r: (self.counter(tenant_of(r)), r.params.priority, self.level(r),
                                               -len(r.output_ids), r.arrival_step))
 
-    def eligible(self, req: Req, running: list[Req]) -> list[Req]:
-        """The running requests `req` may preempt: its own tenant's of a worse priority, and any of a tenant whose
-        counter is above `req`'s tenant's (above its share). Priority never reaches across tenants: another tenant's
-        work goes only for the share, whatever `req`'s priority."""
+    def eligible(self, req: Req, running: list[Req], cached: int = 0) -> list[Req]:
+        """The running requests `req` (with `cached` tokens cached) may preempt: its own tenant's of a worse
+        priority, and any of a tenant that the merge would place after `req`'s (`goes_before`). Priority never
+        reaches across tenants: another tenant's work goes only for the share, whatever `req`'s priority."""
         tenant = tenant_of(req)
-        level = self._rank(tenant)
+        slack = self.slack(req, cached)
         return [r for r in running if (tenant_of(r) == tenant and r.params.priority > req.params.priority)
-                or (tenant_of(r) != tenant and self._rank(tenant_of(r)) > level)]
+                or (tenant_of(r) != tenant and self.goes_before(tenant, tenant_of(r), slack))]
 
-    def _rank(self, tenant: str) -> tuple[float, int]:
-        """A tenant's place in the last merge: its counter, then its queue's length (the merge's tie-break)."""
-        return self.counter(tenant), self._waiting.get(tenant, 0)
+    def goes_before(self, tenant: str, other: str, slack: float) -> bool:
+        """Whether `tenant` (its next request tying within `slack`) goes before `other`, as the last merge placed
+        them: tied counters go to the shorter queue (then the lower counter), others to the lower counter."""
+        mine, theirs = self.counter(tenant), self.counter(other)
+        if abs(mine - theirs) <= slack:
+            return (self._waiting.get(tenant, 0), mine) < (self._waiting.get(other, 0), theirs)
+        return mine < theirs
 
     def may_preempt(self, waiting: list[Req], running: list[Req]) -> bool:
         """A cheap test that some waiting request has something eligible to preempt (one pass over each queue)."""
         best: dict[str, int] = {}  # tenant -> its best waiting priority
+        counts: dict[str, int] = {}  # tenant -> its requests waiting
+        longest = 0  # the longest prompt waiting: no slack is larger than its whole discount
         for r in waiting:
             p = r.params
             t = p.tenant or DEFAULT_TENANT
             if p.priority < best.get(t, p.priority + 1):
                 best[t] = p.priority
+            counts[t] = counts.get(t, 0) + 1
+            longest = max(longest, len(r.prompt_ids))
         lowest = min(self.counter(t) for t in best)
-        return any(self.counter(tenant_of(r)) > lowest or r.params.priority > best.get(tenant_of(r), r.params.priority)
-                   for r in running)
+        if any(self.counter(tenant_of(r)) > lowest or r.params.priority > best.get(tenant_of(r), r.params.priority)
+               for r in running):
+            return True
+        # A tie (goes_before): a waiting tenant a little above a running one that has more requests waiting.
+        slack = (W_IN - W_CACHED) * longest
+        running_tenants = {tenant_of(r) for r in running}
+        return any(counts.get(g, 0) > n and self.counter(t) - self.counter(g) <= slack / self.weight(t)
+                   for g in running_tenants for t, n in counts.items() if t != g)
+
+
+def _nothing_cached(req: Req) -> int:
+    return 0

@@ -273,11 +273,12 @@ class Planner:
                      if not self._capped(r, running)), None)
         if head is None:
             return
-        eligible = share.eligible(head, self.running)
+        cached = self.policy.cached_len(head)
+        eligible = share.eligible(head, self.running, cached)
         if self._fits(head) or not self._fits(head, freed=eligible):
             return
         while not self._fits(head):
-            victim = share.victim(share.eligible(head, self.running))
+            victim = share.victim(share.eligible(head, self.running, cached))
             logger.info("preempting %s (tenant %s, priority %d) for %s (tenant %s, priority %d)", victim.rid,
                         victim.params.tenant, victim.params.priority, head.rid, head.params.tenant,
                         head.params.priority)

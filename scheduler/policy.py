@@ -64,7 +64,7 @@ class SchedulePolicy:
         order = self._cache_order(waiting, step, running)
         if self.share is not None:
             self.share.observe(waiting)
-            order = self.share.order(order)
+            order = self.share.order(order, self.cached_len)
         self._last_order = order
         return order
 

@@ -71,6 +71,20 @@ def test_tenants_interleave_by_counter_and_priority_orders_within_a_tenant():
     assert [r for r in order if r.params.tenant == "heavy"] == [heavy[1], heavy[0], heavy[2]]  # priority 0 first
 
 
+def test_counters_within_the_cache_discount_tie_and_the_shorter_queue_goes_first():
+    share = FairShare()
+    heavy, light = [_req("heavy", prompt_len=100) for _ in range(5)], _req("light", prompt_len=100)
+    share.observe(heavy + [light])
+    share.charge(light, computed=50)  # light is 50 above heavy; 80 cached tokens tie within (1 - 0.1) x 80 = 72
+    assert share.order(heavy + [light], lambda r: 80)[0] is light
+    assert share.goes_before("light", "heavy", share.slack(light, 80))
+    assert not share.goes_before("heavy", "light", share.slack(heavy[0], 80))  # heavy may not preempt light
+    assert share.order(heavy + [light])[0] is heavy[0]  # without cached lengths only equal counters tie
+    share.charge(light, computed=30)  # 80 above: beyond the slack, heavy goes first and may preempt light
+    assert share.order(heavy + [light], lambda r: 80)[0] is heavy[0]
+    assert share.goes_before("heavy", "light", share.slack(heavy[0], 80))
+
+
 def test_a_tenant_that_was_idle_does_not_bank_credit():
     share = FairShare()
     busy, idle = _req("busy"), _req("idle")
@@ -109,6 +123,7 @@ def test_a_long_program_waiting_behind_new_ones_is_not_starved():
 
 # The largest weighted cost of one request (w_in x input + w_out x max output), over the smallest weight.
 BOUND = 2 * request_cost(MAX_PROMPT, MAX_OUT) / min(TENANTS.values())
+SHARED = list(range(300, 300 + MAX_PROMPT))  # a prompt prefix every tenant may share: cached, so counters tie (slack)
 
 
 class FairShareMachine(RuleBasedStateMachine):
@@ -124,12 +139,13 @@ class FairShareMachine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(sorted(TENANTS)), prompt_len=st.integers(4, MAX_PROMPT),
           max_new=st.integers(1, MAX_OUT), priority=st.integers(0, 2), burst=st.integers(1, 4),
-          session=st.sampled_from([None, "s1", "s2"]))
-    def arrive(self, tenant, prompt_len, max_new, priority, burst, session):
-        """Requests of a tenant; with a session they are one program's (its attained service orders them)."""
+          session=st.sampled_from([None, "s1", "s2"]), shared=st.integers(0, MAX_PROMPT))
+    def arrive(self, tenant, prompt_len, max_new, priority, burst, session, shared):
+        """Requests of a tenant; with a session they are one program's (its attained service orders them). The first
+        `shared` tokens are SHARED's (cached once computed: their discount is the slack within which counters tie)."""
         for _ in range(burst):
             self.num += 1
-            prompt = [self.rng.randrange(5, 500) for _ in range(prompt_len)]
+            prompt = (SHARED[:shared] + [self.rng.randrange(5, 500) for _ in range(prompt_len)])[:prompt_len]
             program = None if session is None else f"{tenant}-{session}"
             self.engine.add_request(prompt, _params(tenant, max_new, priority, program), rid=f"{tenant}{self.num}")
 
@@ -218,6 +234,29 @@ def test_priority_never_takes_from_another_tenant(ckpt):
 def test_a_tenant_below_its_share_preempts_one_above_it(ckpt):
     first, retractions = _first_token_of_b(ckpt, priority=0)
     assert retractions >= 1 and first <= 5  # not after one of a's 40-token requests finished
+
+
+def test_a_light_tenants_second_request_is_not_kept_waiting_for_the_heavy_ones_charge(ckpt):
+    """Two tenants on one cached system prompt, the heavy one backlogged: the light tenant's request right after its
+    previous one leaves it a little above the heavy counter (within the cache discount of its prompt), so it still
+    preempts and runs in the next step (issue 41; strict VTC made it wait for the heavy one to be charged as much)."""
+    engine = _engine(ckpt, max_running_requests=4, kv_cache_tokens=2048)
+    system = SHARED[:40]
+    engine.generate([system + [9]], _params("light", max_new=1))  # the system prompt cached
+    for i in range(12):
+        engine.add_request(system + [100 + i] * 8, _params("a", max_new=12), rid=f"heavy{i}")
+    for _ in range(3):
+        engine.step()
+    waits = []
+    for i in range(2):  # one light request, then another at the very next step
+        engine.add_request(system + [200 + i] * 8, _params("b", max_new=12), rid=f"light{i}")
+        steps = 1
+        while not any(d.rid == f"light{i}" and d.token_ids for d in engine.step()):
+            steps += 1
+        waits.append(steps)
+    assert waits == [1, 1], waits
+    _run_all(engine)
+    engine.shutdown()
 
 
 def test_charges_follow_the_batch_the_engine_ran(ckpt):
