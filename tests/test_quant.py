@@ -173,11 +173,11 @@ def test_bad_formats_are_clear_errors():
     assert parse_quantization("int4-g128") == parse_quantization("int4-g128") and parse_quantization("none") is None
 
 
-def test_linear_falls_back_to_dequantized_float_without_tiles(monkeypatch):
+def test_linear_falls_back_to_dequantized_float_without_a_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     qw = quant.quantize_int8(torch.randn(32, 64, generator=gen), 32)
     x = torch.randn(3, 64, generator=gen).bfloat16()
-    monkeypatch.setattr(native, "tiles_ready", lambda: False)
+    monkeypatch.setattr(quant, "kernel", lambda: None)  # neither tiles nor AVX512-BF16
     layer = Linear(qw, None)
     assert layer.quant is not None and layer.weight is None
     _check(layer(x), x, qw, None)
