@@ -68,22 +68,28 @@ class Client:
         head = [10 + self.sent % span, 10 + self.sent // span % span]
         return head + [self.rng.randrange(10, self.cfg.vocab) for _ in range(self.cfg.private_tokens - 2)]
 
-    async def ttft(self, key: str, suffix: list[int], salt: str | None = None, output_tokens: int | None = None
-                   ) -> float:
-        """Send system + suffix as `key`'s tenant; seconds to the first streamed output (the stream is drained)."""
+    async def ttft(self, key: str, suffix: list[int], salt: str | None = None, output_tokens: int | None = None,
+                   engine: list[tuple[float, float]] | None = None) -> float:
+        """Send system + suffix as `key`'s tenant; seconds to the first streamed output (the stream is drained).
+        `engine` gets the engine's own (TTFT, queue time) of the request, from its final event's meta_info."""
         params: dict[str, Any] = {"max_new_tokens": output_tokens or self.cfg.output_tokens, "temperature": 0.0,
                                   "ignore_eos": True}
         if salt is not None:
             params |= {"cache_salt": salt, "cache_salt_after": len(self.system)}
         body = orjson.dumps({"input_ids": self.system + suffix, "sampling_params": params, "stream": True})
         conn = HTTPConnection(self.host, self.port, {"Authorization": f"Bearer {key}"})
-        start, first = time.perf_counter(), None
+        start, first, last = time.perf_counter(), None, b""
         try:
             async for line in conn.post_lines("/generate", body):
-                if first is None and line.startswith(b"data:") and not line.endswith(b"[DONE]"):
-                    first = time.perf_counter() - start
+                if line.startswith(b"data:") and not line.endswith(b"[DONE]"):
+                    first = time.perf_counter() - start if first is None else first
+                    last = line
         finally:
             await conn.close()
+        if engine is not None and last:
+            meta = orjson.loads(last[5:]).get("meta_info", {})
+            if meta.get("engine_ttft") is not None:
+                engine.append((meta["engine_ttft"], meta["queue_time"]))
         return first if first is not None else float("nan")
 
     async def stats(self) -> dict[str, Any]:
@@ -117,13 +123,15 @@ async def capacity(client: Client, seconds: float) -> float:
     return done / (time.perf_counter() - start)
 
 
-async def poisson(client: Client, key: str, rate: float, seconds: float, out: list[float]) -> list[asyncio.Task]:
-    """Requests of one tenant as a Poisson stream for `seconds`; each task appends its TTFT to `out`."""
+async def poisson(client: Client, key: str, rate: float, seconds: float, out: list[float],
+                  engine: list[tuple[float, float]] | None = None) -> list[asyncio.Task]:
+    """Requests of one tenant as a Poisson stream for `seconds`; each task appends its TTFT to `out` (and the
+    engine's TTFT and queue time to `engine`)."""
     rng = random.Random(f"{client.cfg.seed}-{key}")
     tasks, stop = [], time.perf_counter() + seconds
 
     async def one() -> None:
-        out.append(await client.ttft(key, client.private()))
+        out.append(await client.ttft(key, client.private(), engine=engine))
     while time.perf_counter() < stop:
         tasks.append(asyncio.ensure_future(one()))
         await asyncio.sleep(rng.expovariate(rate))
@@ -134,8 +142,9 @@ async def offered_load(client: Client, light_rate: float, heavy: bool) -> dict[s
     cfg = client.cfg
     before = await client.stats()
     light: list[float] = []
+    engine: list[tuple[float, float]] = []  # the light requests' TTFT and queue time on the engine's clock
     heavy_out: list[float] = []
-    streams = [poisson(client, "sk-light", light_rate, cfg.duration_s, light)]
+    streams = [poisson(client, "sk-light", light_rate, cfg.duration_s, light, engine)]
     if heavy:
         streams.append(poisson(client, "sk-heavy", light_rate * cfg.heavy_ratio, cfg.duration_s, heavy_out))
     light_tasks, *heavy_tasks = await asyncio.gather(*streams)
@@ -150,6 +159,8 @@ async def offered_load(client: Client, light_rate: float, heavy: bool) -> dict[s
     optimal = prompt * cfg.system_tokens / (cfg.system_tokens + cfg.private_tokens)
     return {"light_requests": len(light), "light_ttft_p50_s": percentile(light, 50),
             "light_ttft_p99_s": percentile(light, 99), "heavy_finished": len(heavy_out),
+            "light_engine_ttft_p99_s": percentile([t for t, _ in engine], 99),
+            "light_queue_p99_s": percentile([q for _, q in engine], 99),
             "step_s": (after.get("step_time_s", 0) - before.get("step_time_s", 0)) / steps if steps else None,
             "hit_vs_optimal": cached / optimal if optimal else None}
 
@@ -228,10 +239,12 @@ async def repetition(url: str, cfg: TenantsConfig, fair: bool, extras: bool) -> 
 def markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [f"# Tenants (model {report['model']}, median of {report['repeats']})", "",
-             "| | light p99 TTFT | light p50 TTFT | step under load | hit / optimal |", "|---|---|---|---|---|"]
+             "| | light p99 TTFT | light p50 TTFT | p99 in the engine (queued) | step under load | hit / optimal |",
+             "|---|---|---|---|---|---|"]
     for name in ("alone", "fair_on", "fair_off"):
         r = s[name]
         lines.append(f"| {name} | {_ms(r['light_ttft_p99_s'])} | {_ms(r['light_ttft_p50_s'])} | "
+                     f"{_ms(r.get('light_engine_ttft_p99_s'))} ({_ms(r.get('light_queue_p99_s'))}) | "
                      f"{_ms(r.get('step_s'))} | {_num(r.get('hit_vs_optimal'))} |")
     lines += ["", f"- fair on: light p99 {_ms(s['fair_on']['light_ttft_p99_s'])} vs alone + 2 steps "
                   f"{_ms(s['target_p99_s'])}; vs fair off: {_num(s['on_vs_off'])}x",
@@ -250,8 +263,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     parts = {"alone": [r["alone"] for r in rows if "alone" in r],
              "fair_on": [r["load"] for r in rows if r["fair_share"]],
              "fair_off": [r["load"] for r in rows if not r["fair_share"]]}
-    out = {name: {k: med(rs, k) for k in ("light_ttft_p50_s", "light_ttft_p99_s", "step_s", "hit_vs_optimal")}
-           for name, rs in parts.items()}
+    keys = ("light_ttft_p50_s", "light_ttft_p99_s", "light_engine_ttft_p99_s", "light_queue_p99_s", "step_s",
+            "hit_vs_optimal")
+    out = {name: {k: med(rs, k) for k in keys} for name, rs in parts.items()}
     on, off, alone = out["fair_on"], out["fair_off"], out["alone"]
     out["target_p99_s"] = (alone["light_ttft_p99_s"] or 0) + 2 * (on["step_s"] or 0)
     out["on_vs_off"] = (on["light_ttft_p99_s"] / off["light_ttft_p99_s"]) if off["light_ttft_p99_s"] else None

@@ -87,6 +87,8 @@ def _output(state: ServerState, item: NativeItem, job: Job, r: GenerateResult) -
     meta: dict[str, Any] = {
         "id": job.rid, "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
         "cached_tokens": r.cached_tokens, "finish_reason": finish_reason(r), "e2e_latency": r.e2e_s,
+        # The engine's own clock, from the request's arrival there: to its first admission, and to its first token.
+        "queue_time": r.queue_s, "engine_ttft": r.ttft_s,
     }
     if item.return_logprob:
         meta.update(_logprob_meta(state, item, job, r.prompt_logprobs, r.output_ids, r.logprobs or []))

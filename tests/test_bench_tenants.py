@@ -19,6 +19,8 @@ def test_a_tiny_run_measures_both_settings_and_the_shared_prompt(tmp_path):
     assert {r["fair_share"] for r in report["runs"]} == {True, False}
     for name in ("alone", "fair_on", "fair_off"):
         assert s[name]["light_ttft_p99_s"] > 0 and 0.9 <= s[name]["hit_vs_optimal"] <= 1.0 + 1e-9
+        # The engine's own TTFT (meta_info.engine_ttft) is a part of the client's, its queue time a part of that.
+        assert 0 <= s[name]["light_queue_p99_s"] <= s[name]["light_engine_ttft_p99_s"] <= s[name]["light_ttft_p99_s"]
     # 64 tenants salted after one system prompt compute it once, and each private suffix.
     assert s["shared"]["computed"] == s["shared"]["one_system_prompt_plus_suffixes"] == 1024 + 64 * 64
     assert json.loads((tmp_path / "tenants_tiny.json").read_text())["summary"]["shared"] == s["shared"]
