@@ -5,9 +5,10 @@ Three measurements in one process (torch threads as --threads):
 
 - the read bandwidth: torch.sum over an fp32 buffer of --stream-gib (at least 4x the last-level cache, so it
   comes from memory; bench/roofline.py's measure_stream_gbs);
-- the model's layer shapes in its dtype at each of --rows: the engine's Linear (the AMX tile kernel where it
-  applies, and oneDNN's packed weights) and torch.matmul on the plain weight, GFLOP/s and weight GB/s (median
-  of --repeats, the methods alternating; up to 64 rows over distinct copies of the layer past the LLC);
+- the model's layer shapes in its dtype at each of --rows: the engine's Linear (the tile kernel where it
+  applies: AMX, or vdpbf16ps over the same layout; and oneDNN's packed weights) and torch.matmul on the plain
+  weight, GFLOP/s and weight GB/s (median of --repeats, the methods alternating; up to 64 rows over distinct
+  copies of the layer past the LLC);
 - the engine in-process at each of --batches: requests of --context random prompt tokens decode --new-tokens;
   the median decode step, the time inside the model's linears and LM head (timed around each call), and the
   floor = weight bytes read per step / bandwidth (KV bytes beside it).
@@ -34,7 +35,8 @@ FEW_ROWS = 64  # up to here a linear streams its weights; beyond, it is compute-
 
 
 def _methods(weight: Any) -> dict[str, Any]:
-    """The ways the engine can run a weight: the AMX tile kernel where it applies, oneDNN's packed layout."""
+    """The ways the engine can run a weight: the tile kernel (AMX or vdpbf16ps) where it applies, oneDNN's packed
+    layout."""
     from ..kernels.layers import Linear
 
     tiled = Linear(weight, None)

@@ -18,10 +18,11 @@ NATIVE_MAX_ROWS = 2  # rows of an unpacked bf16 weight that take the native kern
 
 class Linear:
     """y = x W^T + b for 2-D x. On the CPU, a bfloat16 weight whose shape tiles (N a multiple of 16, K of
-    32) on a CPU with AMX is packed once for the native tile kernel (``native.linear_tiles``), which
-    streams it at the machine's read bandwidth at every decode row count and keeps up with oneDNN to
-    a few hundred rows (bench/results/decode_floor_L.md). Otherwise float32 / bfloat16 weights are
-    packed once into oneDNN's blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler
+    32) on a CPU with AMX or AVX512-BF16 is packed once for the native tile kernel (``native.linear_tiles``:
+    AMX tiles, else vdpbf16ps over the same layout), which streams it at the machine's read bandwidth at
+    every decode row count and keeps up with oneDNN to a few hundred rows (AMX) or at every row count
+    (vdpbf16ps; bench/results/decode_floor_L.md), with no per-shape state. Otherwise float32 / bfloat16
+    weights are packed once into oneDNN's blocked layout (``torch.ops.mkldnn``, what torch's own CPU compiler
     uses), which streams a skinny batch's weights faster than ``F.linear``. A weight kept as it is
     (``pack=False``: a tied LM head, whose rows the embedding lookup reads) in bf16 takes the native
     row kernel (``native.linear_bf16``) for a step of at most ``NATIVE_MAX_ROWS`` rows, where it

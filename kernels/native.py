@@ -3,8 +3,8 @@
 ``attend_paged`` / ``attend_tokens`` are the attention over the paged KV pool that the CPU attention
 backend reads with (kernels/attention/torch_backend.py), fp32 or bf16 (fp32 sums either way; in bf16
 on AMX tiles where the CPU has AMX-BF16, ``_use_amx``); ``argmax_rows`` is the sampler's greedy
-argmax; ``linear_bf16`` the few-row bf16 linears. The C sources (over one vector layer,
-``cpu_simd.h``, written per instruction set) are compiled on first use with the system C compiler
+argmax; ``linear_bf16`` the few-row bf16 linears, ``linear_tiles`` the packed ones. The C sources (over
+one vector layer, ``cpu_simd.h``, written per instruction set) are compiled on first use with the system C compiler
 (``$CC``, else ``cc``) for one of ``ISAS``: AVX-512, AVX2 + FMA, or the portable build with the
 compiler's baseline flags, each with explicit ``-m`` flags (never ``-march=native``, so nothing built
 here assumes more than the named instruction set; AVX512-BF16 and AMX code sits behind function
@@ -40,8 +40,8 @@ from .loader import cpu_flags as this_cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_quant.c",
-                           "cpu_quant_vec.c", "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h",
+                for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_linear_dp.c",
+                             "cpu_quant.c", "cpu_quant_vec.c", "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h",
                            "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
@@ -177,6 +177,7 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
     lib.rs_linear_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.rs_linear_tiles.restype = ctypes.c_int
+    lib.rs_linear_dp.argtypes, lib.rs_linear_dp.restype = lib.rs_linear_tiles.argtypes, ctypes.c_int
     lib.rs_linear_quant.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_void_p, ctypes.c_int]
@@ -377,9 +378,10 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def tiles_supported(weight: torch.Tensor) -> bool:
     """Whether ``linear_tiles`` can run this weight: bf16 [N, K] on the CPU with N a multiple of 16 and
-    K of 32, where AMX tiles can be used (``_use_amx``)."""
+    K of 32, where AMX tiles (``_use_amx``) or vdpbf16ps (``_use_dpbf16``) can be used."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and load() is not None and _use_amx())
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and load() is not None
+            and (_use_amx() or _use_dpbf16()))
 
 
 def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -389,17 +391,22 @@ def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
-def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] @ weight^T + bias on AMX tiles, with ``packed = pack_tiles(weight)``: all bf16, fp32 sums
-    rounded once."""
+def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 dp: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ weight^T + bias with ``packed = pack_tiles(weight)``: all bf16, fp32 sums rounded once. On
+    AMX tiles where ``_use_amx``, else with vdpbf16ps over the same layout (cpu_linear_dp.c); ``dp`` forces
+    one (True: vdpbf16ps, where ``_use_dpbf16``)."""
     n, k = packed.shape[0] * 16, packed.shape[1] * 32
     x = x.contiguous()
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"linear_tiles takes x [M, {k}] bf16, got {tuple(x.shape)} {x.dtype}")
     out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-    if load().rs_linear_tiles(x.data_ptr(), x.shape[0], packed.data_ptr(), n, k, _ptr(bias), out.data_ptr(),
-                              torch.get_num_threads()) != 0:
-        raise ValueError("linear_tiles: AMX tiles are not available here")
+    dp = not _use_amx() if dp is None else dp
+    if dp and not _use_dpbf16():  # the AVX512-BF16 code would fault
+        raise ValueError("linear_tiles: vdpbf16ps is not available here")
+    run = load().rs_linear_dp if dp else load().rs_linear_tiles
+    if run(x.data_ptr(), x.shape[0], packed.data_ptr(), n, k, _ptr(bias), out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"linear_tiles: {'vdpbf16ps' if dp else 'AMX tiles'} not available here")
     return out
 
 

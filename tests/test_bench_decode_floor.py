@@ -1,6 +1,8 @@
 """bench/decode_floor.py: the bytes a decode step must read, the floor they give, and its report."""
 from __future__ import annotations
 
+import torch
+
 from radixserve.bench import decode_floor, roofline
 from radixserve.kernels import native
 
@@ -31,7 +33,8 @@ def test_report_divides_by_the_floor():
 
 
 def _methods() -> list[str]:
-    return (["tiles"] if native.cannot_build() is None and native._use_amx() else []) + ["oneDNN packed"]
+    tiles = native.cannot_build() is None and native.tiles_supported(torch.zeros(16, 32, dtype=torch.bfloat16))
+    return (["tiles"] if tiles else []) + ["oneDNN packed"]
 
 
 def test_head_rates_time_every_layout_of_a_small_head():
