@@ -15,8 +15,13 @@ llama.cpp is not a dependency; build it outside the repository (Release, about 1
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/peers   # the sdist vendors llama.cpp
     tar xzf /tmp/peers/llama_cpp_python-*.tar.gz -C /tmp/peers
     mv /tmp/peers/llama_cpp_python-*/vendor/llama.cpp /tmp/peers/llama.cpp && cd /tmp/peers/llama.cpp
-    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-    cmake --build build -j --target llama-server llama-batched-bench
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_NATIVE=OFF \\
+        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
+    cmake --build build -j2 --target llama-server llama-batched-bench llama-bench llama-quantize
+
+(the instruction sets named, not -march=native: this machine's image has moved between hosts of different CPUs,
+an Intel one with AMX at one stop, an AMD Zen 5 without AMX or AVX512-FP16 at the next, and a build for the
+first host's CPU can trap with invalid opcodes on the second; on a CPU without AVX-512 drop those flags.)
 
 --gguf is a GGUF of the checkpoint in --dtype, or a directory: the bench then converts the checkpoint there (once)
 with the source tree's convert_hf_to_gguf.py (found two levels above llama-server, or --convert-script), run by
