@@ -60,10 +60,12 @@ class Planner:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
+        self._step_order: tuple | None = None  # (queue state, order) of this step (_order)
         self.tenant_caps: dict[str, int] = {}  # tenant -> most requests running at once (Engine.set_tenants)
 
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
+        self._step_order = None
         self._preempt(step)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
@@ -129,7 +131,7 @@ class Planner:
         admitted: list[Req] = []
         if not self.waiting or budget <= 0:
             return admitted
-        order = self.policy.order(self.waiting, step, running=self.running)
+        order = self._order(step)
         # The running requests' decode room, kept up to date as requests join them (nothing
         # else changes it within _admit: outputs, the ratio and the others stay as they are).
         decode_room = self._decode_room_estimate()
@@ -269,8 +271,7 @@ class Planner:
         if share is None or not self.waiting or not self.running or not share.may_preempt(self.waiting, self.running):
             return  # the common case, in one pass over each queue
         running = self._running_per_capped_tenant()
-        head = next((r for r in self.policy.order(self.waiting, step, running=self.running)
-                     if not self._capped(r, running)), None)
+        head = next((r for r in self._order(step) if not self._capped(r, running)), None)
         if head is None:
             return
         cached = self.policy.cached_len(head)
@@ -283,6 +284,14 @@ class Planner:
                         victim.params.tenant, victim.params.priority, head.rid, head.params.tenant,
                         head.params.priority)
             self._retract(victim)
+
+    def _order(self, step: int) -> list[Req]:
+        """The policy's admission order, computed once per step: preemption's look at the queue's head and admission
+        share it unless a retraction (the only change to the queue within a step) came between."""
+        key = (self.num_retractions, len(self.waiting), len(self.running))
+        if self._step_order is None or self._step_order[0] != key:
+            self._step_order = (key, self.policy.order(self.waiting, step, running=self.running))
+        return self._step_order[1]
 
     def _fits(self, req: Req, freed: list[Req] = ()) -> bool:
         """Whether admission would take `req` now, or once the `freed` running requests gave their slots back: a
