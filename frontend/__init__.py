@@ -15,8 +15,8 @@ def drop_checkout_root() -> None:
     (transformers imports Hugging Face's `kernels` when it is installed, and would find ours). radixserve itself is
     imported as `radixserve.*` through its install, never through that path. Processes this one spawns inherit
     the cleaned path."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # real paths: a checkout reached by a link
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
 
 
 drop_checkout_root()
