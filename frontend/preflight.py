@@ -77,6 +77,8 @@ def check_context_fits_pool(config: ServerConfig) -> None:
         return  # the engine caps the model's context to the pool instead
     if engine.kv_cache_tokens is not None:
         pool = kv_pool_slots(engine.kv_cache_tokens, engine.page_size)
+    elif engine.kv_cache_dtype != "auto":
+        return  # its default pool is sized from the model's KV bytes (kv_budget.default_cpu_kv_tokens) at load
     elif engine.device == "cpu" or (engine.device is None and cuda_device_count() == 0):
         pool = kv_pool_slots(DEFAULT_CPU_KV_TOKENS, engine.page_size)
     else:

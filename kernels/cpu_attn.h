@@ -7,7 +7,10 @@
  * lse[b, h, r]; a row that sees no key gets out 0 and lse -inf. K/V are read in place from the
  * paged pool [slot, kv_head, d] (nothing gathered); GQA rows come stacked by the caller.
  *
- * q, K and V are all fp32 or all bf16 (the model's dtype); sums, softmax and merges are fp32, and
+ * q, K and V are all fp32 or all bf16 (the model's dtype), or (kv_i8) q fp32 / bf16 over an int8 pool
+ * whose row (slot, head) dequantizes as ks / vs[slot * sc_ss + head * sc_sh] times its ints: the ints
+ * are widened exactly, K's scale multiplies the row's scores and V's its probabilities in P V (the
+ * softmax sum stays over the unscaled ones); never on AMX tiles. Sums, softmax and merges are fp32, and
  * so are out / lse. The element type and the product path are constant parameters of the
  * always-inline bodies, specialised per entry point. bf16 is widened to fp32 as it is read (a
  * shift) for the same FMAs, except in items of many rows with `prod` (native.py decides where):
@@ -49,7 +52,9 @@ typedef struct {
     float *lse; int64_t l_sb, l_sh, l_sr;
     int32_t num_b, num_h, num_rows, num_keys, d, group, merge, num_threads;
     int32_t bf16, prod; /* q, K, V bf16 (else fp32); prod: PROD_AMX tiles (cpu_amx.h), PROD_DP (cpu_attn_dp.h) */
+    int32_t kv_i8;      /* K, V int8 with per-row scales ks / vs (q still fp32 or bf16, as bf16 says) */
     float scale;
+    const float *ks, *vs; int64_t sc_ss, sc_sh; /* kv_i8: scales [slot, kv_head] */
 } args_t;
 
 /* Software prefetch of one K or V row of `bytes` bytes. The hardware prefetchers stop at 4 KB pages,
@@ -57,6 +62,18 @@ typedef struct {
  * shared prefixes streamed at a fraction of the bandwidth a plain read gets. */
 #define PREFETCH_ROW(row, bytes, PREFETCH)                                              \
     for (int c_ = 0; c_ < (bytes); c_ += 64) PREFETCH((const char *)(row) + c_)
+
+/* K / V rows: of q's type (bf16 or fp32), or int8 (i8); both constants after inlining. */
+RS_INLINE vf kv_load(const void *row, int64_t c, const int bf16, const int i8) {
+    return i8 ? vf_load_i8((const int8_t *)row + c) : row_load(row, c, bf16);
+}
+RS_INLINE const void *kv_at(const void *base, int64_t i, const int bf16, const int i8) {
+    return (const char *)base + i * (i8 ? 1 : bf16 ? 2 : 4);
+}
+/* The dequantization scale of (slot, head) in ks or vs (kv_i8). */
+RS_INLINE float kv_scale(const args_t *a, const float *sc, int64_t slot, int h) {
+    return sc[slot * a->sc_ss + h * a->sc_sh];
+}
 
 /* Offset of row r of (b, h) in a tensor with strides (sb, sh, sr); -1 for a padding row. */
 static inline int64_t row_at(const args_t *a, int b, int h, int r, int64_t sb, int64_t sh, int64_t sr) {

@@ -73,6 +73,15 @@ DP_TARGET static inline void v_pairs(const void *const *vp, int d, int nkp, uint
         }
 }
 
+/* dst[0 .. d) = the int8 row src as bf16 (exact: |x| <= 127 has 7 significant bits), for the int8 KV cache. */
+DP_TARGET static inline void i8_to_bf16(const void *src, uint16_t *dst, int d) {
+    for (int c = 0; c < d; c += 32) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)src + c))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)src + c + 16))));
+        _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 /* o[i0 + k][c0 : c0 + 16 * PV_NV] += sum_t pp[t][i0 + k] . vb[t][c0 : ...] for k < TILE, key pairs t < nt. */
 DP_TARGET static inline void pv_dp_tile(const uint32_t *pp, int i0, const uint16_t *vb, int c0, int nt, float *o,
                                     int d) {

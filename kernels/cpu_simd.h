@@ -1,6 +1,6 @@
 /* The vector layer of cpu_kernels.c and cpu_linear.c: 16-float vectors (vf), 16-int vectors (vi) and
  * 16-lane masks (vm), once per instruction set, so that the kernels' algorithm is written once; bf16
- * inputs are widened to fp32 on load (vf_load_bf16, bf16_to_f32).
+ * inputs are widened to fp32 on load (vf_load_bf16, bf16_to_f32), int8 too (vf_load_i8: the int8 KV cache).
  *
  * AVX-512 (compiled with -mavx512f ...): thin wrappers over the intrinsics, one zmm register per
  * vector and a k register per mask. Everything else (AVX2 + FMA, or the plain baseline of the
@@ -58,6 +58,9 @@ RS_INLINE vf vf_loadu_first(const float *p, int64_t n, float fill) {
 RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact: a shift) */
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 RS_INLINE vi vi_load(const int32_t *p) { return _mm512_load_si512(p); } /* 64-byte aligned */
 RS_INLINE vi vi_set1(int32_t s) { return _mm512_set1_epi32(s); }
@@ -167,6 +170,16 @@ RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact
         vh h;
         memcpy(&h, p + VW * i, sizeof h);
         x.p[i] = (vn)(__builtin_convertvector(h, vni) << 16);
+    }
+    return x;
+}
+typedef int8_t vq8 __attribute__((vector_size(VW)));
+RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
+    vf x;
+    EACH(i) {
+        vq8 q;
+        memcpy(&q, p + VW * i, sizeof q);
+        x.p[i] = __builtin_convertvector(q, vn);
     }
     return x;
 }

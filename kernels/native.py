@@ -2,7 +2,8 @@
 
 ``attend_paged`` / ``attend_tokens`` are the attention over the paged KV pool that the CPU attention
 backend reads with (kernels/attention/torch_backend.py), fp32 or bf16 (fp32 sums either way; in bf16
-on AMX tiles where the CPU has AMX-BF16, ``_use_amx``); ``argmax_rows`` is the sampler's greedy
+on AMX tiles where the CPU has AMX-BF16, ``_use_amx``), or q in either over an int8 pool
+(attention/kv_int8.py); ``argmax_rows`` is the sampler's greedy
 argmax; ``linear_bf16`` the few-row bf16 linears, ``linear_tiles`` the packed ones. The C sources (over
 one vector layer, ``cpu_simd.h``, written per instruction set) are compiled on first use with the system C compiler
 (``$CC``, else ``cc``) for one of ``ISAS``: AVX-512, AVX2 + FMA, or the portable build with the
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from .attention.kv_int8 import Int8KV
 from .cache_dir import private_cache_dir, refusal
 from .loader import cpu_flags as this_cpu_flags
 
@@ -45,7 +47,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                            "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
-DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the KV pool is in the model's dtype)
+DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the model's dtype), or of q over an int8 pool
 ISA_ENV = "RADIXSERVE_NATIVE_ISA"
 FALLBACK_COST = "attention falls back to torch's flash op, ~1.5-2.5x slower"
 
@@ -83,9 +85,10 @@ class _Args(ctypes.Structure):
         ("tok", ctypes.c_void_p), ("tok_sb", ctypes.c_int64),
         ("out", ctypes.c_void_p), (("o_sb", "o_sh", "o_sr"), ctypes.c_int64),
         ("lse", ctypes.c_void_p), (("l_sb", "l_sh", "l_sr"), ctypes.c_int64),
-        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads", "bf16", "prod"),
+        (("num_b", "num_h", "num_rows", "num_keys", "d", "group", "merge", "num_threads", "bf16", "prod", "kv_i8"),
          ctypes.c_int32),
         ("scale", ctypes.c_float),
+        (("ks", "vs"), ctypes.c_void_p), (("sc_ss", "sc_sh"), ctypes.c_int64),
     ] for name in ((names,) if isinstance(names, str) else names)]
 
 
@@ -266,7 +269,8 @@ def attend_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     run of the pool). ``bounds`` = (lo, hi), int32 [b, rows] with the same strides: row r sees keys
     [lo, hi) (None: all; lo None: from 0).
     Returns (out [b, h, rows, d] float32, natural-log LSE [b, h, rows]); a row that sees no key
-    gets out 0 and LSE -inf. q, K and V share one of DTYPES; every tensor's last dimension must be
+    gets out 0 and LSE -inf. q, K and V share one of DTYPES, or K and V are int8 pools (kv_int8.Int8KV, one
+    layout) read by q in one of DTYPES; every tensor's last dimension must be
     contiguous; ``supports`` must hold."""
     num_b, num_h, rows, d = q.shape
     if out is None:
@@ -299,9 +303,16 @@ def _by_token(t: torch.Tensor, group: int) -> tuple[int, int, int]:
 
 def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_strides, lse, l_strides,
           num_b, num_h, rows, scale, merge) -> None:
-    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"native attention takes q, K and V all float32 or all bfloat16, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
+    i8 = isinstance(k_cache, Int8KV)
+    if q.dtype not in DTYPES or (i8 != isinstance(v_cache, Int8KV)) or (
+            not i8 and (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype)):
+        raise ValueError(f"native attention takes q, K and V all float32 or all bfloat16, or q one of them over "
+                         f"an int8 pool, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    scales = (k_cache.scale, v_cache.scale) if i8 else None
+    if i8:
+        k_cache, v_cache = k_cache.data, v_cache.data
+        if scales[0].stride() != scales[1].stride() or k_cache.stride() != v_cache.stride():
+            raise ValueError("native attention needs K and V (and their scales) laid out alike")
     if out.dtype != torch.float32 or lse.dtype != torch.float32:
         raise ValueError(f"native attention writes float32 out and lse, got {out.dtype}, {lse.dtype}")
     bf16 = q.dtype == torch.bfloat16
@@ -314,15 +325,16 @@ def _call(q, q_strides, k_cache, v_cache, slots, bounds, tokens, group, out, o_s
                  0 if hi is None else hi.stride(0), _ptr(tokens), 0 if tokens is None else tokens.stride(0),
                  out.data_ptr(), *o_strides, lse.data_ptr(), *l_strides,
                  num_b, num_h, rows, slots.shape[1] if slots is not None else k_cache.shape[0], q.shape[-1],
-                 group, int(merge), torch.get_num_threads(), int(bf16), _products(bf16), scale)
+                 group, int(merge), torch.get_num_threads(), int(bf16), _products(bf16, i8), int(i8), scale,
+                 *((_ptr(scales[0]), _ptr(scales[1]), *scales[0].stride()[:2]) if i8 else (None, None, 0, 0)))
     if load().rs_attend(ctypes.byref(args)) != 0:
         raise ValueError(f"native attention refused head_dim {q.shape[-1]}, {rows} rows or group {group}")
 
 
-def _products(bf16: bool) -> int:
-    """How rs_attend multiplies bf16 in items of many rows: 1 on AMX tiles (``_use_amx``), 2 with
-    vdpbf16ps (``_use_dpbf16``), 0 widened to fp32 for FMAs (and always for fp32)."""
-    return 0 if not bf16 else 1 if _use_amx() else 2 if _use_dpbf16() else 0
+def _products(bf16: bool, i8: bool = False) -> int:
+    """How rs_attend multiplies bf16 in items of many rows: 1 on AMX tiles (``_use_amx``; never over an int8
+    pool), 2 with vdpbf16ps (``_use_dpbf16``), 0 widened to fp32 for FMAs (and always for fp32 q)."""
+    return 0 if not bf16 else 1 if _use_amx() and not i8 else 2 if _use_dpbf16() else 0
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -48,7 +48,9 @@ from .attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from .attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
 from .forward_io import SeqInput, SeqOutput, TokenLogprob
 from .host_memory import retain_freed_memory
-from .kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, kv_pool_slots
+from .attention.kv_int8 import make_pool
+from .kv_budget import (CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, default_cpu_kv_tokens, kv_bytes_per_token,
+                        kv_pool_slots)
 from .gguf_file import is_gguf_path
 from .gguf_loader import keeps_blocks, load_gguf_state_dict
 from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
@@ -88,7 +90,7 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 native_kernels: bool = True, quantization: str | None = None) -> None:
+                 native_kernels: bool = True, quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -106,8 +108,11 @@ class ModelRunner:
         config = load_model_config(model_path)
         self.dtype = resolve_dtype(dtype, checkpoint_dtype(model_path, config), self.device)
         self.config: ModelConfig = replace(config, dtype=str(self.dtype).removeprefix("torch."))
+        if kv_cache_dtype == "int8" and _make_backend_name(attention_backend, self.device) == "triton":
+            raise ValueError("kv_cache_dtype int8 is read by the torch attention backend only (the native CPU kernel "
+                             "or its torch fallback), not by triton: use kv_cache_dtype auto on CUDA")
         if num_slots is None:
-            num_slots = default_kv_slots(config, self.dtype, self.device)
+            num_slots = default_kv_slots(config, self.dtype, self.device, kv_cache_dtype)
         self.num_slots = num_slots = kv_pool_slots(num_slots, page_size)
         self.context_length = min(config.max_position_embeddings, context_length or config.max_position_embeddings)
         if context_length and context_length > config.max_position_embeddings:
@@ -123,8 +128,8 @@ class ModelRunner:
             state = load_state_dict(model_path, self.dtype, self.device, load_transform(spec))
         self.model = CausalLM(self.config, state, self.device, spec)
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
-        self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
+        self.kv_cache_dtype = kv_cache_dtype  # auto: tensors in the model's dtype; int8: kv_int8.Int8KV pools
+        self.k_cache, self.v_cache = make_pool(kv_shape, kv_cache_dtype, self.dtype, self.device)
         # The request->slot table; _row_len[r] = leading entries of row r that are valid.
         self.slot_table = torch.zeros((max_running_requests, self.context_length), dtype=torch.int64,
                                       device=self.device)
@@ -136,8 +141,8 @@ class ModelRunner:
         self.last_profile: dict[str, float] = {}  # seconds of the latest step: build / forward / sample
         self.forward_input_hook: Callable[[ForwardInput], ForwardInput] | None = None
         self.attention = attention_path(self.backend.name, native)
-        logger.info("model %s (%s) on %s, %s, %d KV slots, attention=%s", model_path, config.architecture,
-                    self.device, self.config.dtype, num_slots, self.attention)
+        logger.info("model %s (%s) on %s, %s, %d KV slots (%s), attention=%s", model_path, config.architecture,
+                    self.device, self.config.dtype, num_slots, kv_cache_dtype, self.attention)
 
     @torch.inference_mode()
     def forward(self, seqs: list[SeqInput], shared: Sequence[SharedPrefix] = ()) -> list[SeqOutput]:
@@ -280,14 +285,16 @@ class ModelRunner:
         return out
 
 
-def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """KV pool size when none is given: DEFAULT_CPU_KV_TOKENS on the CPU; on CUDA a fraction of
-    the free memory (measured before the weights load) divided by one slot's real bytes."""
-    if device.type != "cuda":
-        return DEFAULT_CPU_KV_TOKENS
-    free_bytes, _ = torch.cuda.mem_get_info(device)
+def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto") -> int:
+    """KV pool size when none is given: on the CPU the memory of DEFAULT_CPU_KV_TOKENS in the model's dtype; on
+    CUDA a fraction of the free memory (measured before the weights load); either divided by one slot's real
+    bytes in the pool's dtype (kv_budget.kv_bytes_per_token)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_slot = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
+    shape = (config.num_layers, config.num_kv_heads, config.head_dim, element_size)
+    bytes_per_slot = kv_bytes_per_token(*shape, kv_cache_dtype)
+    if device.type != "cuda":
+        return default_cpu_kv_tokens(bytes_per_slot, kv_bytes_per_token(*shape))
+    free_bytes, _ = torch.cuda.mem_get_info(device)
     return max(DEFAULT_CPU_KV_TOKENS, int(free_bytes * CUDA_KV_MEMORY_FRACTION // bytes_per_slot))
 
 
@@ -299,9 +306,12 @@ def attention_path(backend: str, native: bool) -> str:
     return native_lib.status() if native else "torch flash op"
 
 
+def _make_backend_name(name: str, device: torch.device) -> str:
+    return ("triton" if device.type == "cuda" else "torch") if name == "auto" else name
+
+
 def _make_backend(name: str, device: torch.device, native: bool) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+    name = _make_backend_name(name, device)
     if name == "torch":
         from .attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(native=native)

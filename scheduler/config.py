@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 from ..kernels.attention import ATTENTION_BACKENDS
-from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS
+from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, KV_CACHE_DTYPES
 from ..kernels.quant_spec import QUANTIZATIONS
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
 from .checks import check_choice, check_int, check_number
@@ -98,6 +98,10 @@ class EngineConfig:
     kv_cache_tokens: int | None = option(
         None, f"KV cache size in token slots (None: {DEFAULT_CPU_KV_TOKENS} on the CPU; on CUDA, "
               f"{CUDA_KV_MEMORY_FRACTION:.2g} of the GPU memory free before the weights load)")
+    kv_cache_dtype: str = option(
+        "auto", "KV cache element type: auto (the model's dtype) or int8 (a float32 scale per token and kv head; "
+                "~half the bytes of bf16, so the default budget holds ~2x the tokens; the torch backend only)",
+        choices=KV_CACHE_DTYPES)
     page_size: int = option(1, "KV page size in tokens")
     chunked_prefill_size: int = option(512, "max prompt tokens computed per step")
     max_running_requests: int = option(64, "max requests decoding together")
@@ -144,6 +148,10 @@ class EngineConfig:
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is read by the torch attention backend only, "
+                             "not by triton")
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("eviction_policy", self.eviction_policy, EVICTION_POLICIES)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)

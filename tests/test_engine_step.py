@@ -189,11 +189,13 @@ class TableFollowsSlots(RuleBasedStateMachine):
 
     ckpt: str = ""
     total_checked = 0
+    kv_cache_dtype = "auto"
 
     @initialize(page_size=st.sampled_from([1, 4]))
     def start(self, page_size):
         self.engine = Engine(self.ckpt, num_threads=1, kv_cache_tokens=192, page_size=page_size,
-                             chunked_prefill_size=24, max_running_requests=6, shared_prefix_min_tokens=0)
+                             chunked_prefill_size=24, max_running_requests=6, shared_prefix_min_tokens=0,
+                             kv_cache_dtype=self.kv_cache_dtype)
         self.rids: list[str] = []
         self.checked_steps = 0
         runner, build = self.engine.runner, self.engine.runner.build_forward_input
@@ -265,6 +267,24 @@ def test_table_follows_slot_lists(tmp_path_factory):
     runner.settings = settings(max_examples=40, stateful_step_count=30, deadline=None, derandomize=True)
     runner().runTest()
     assert TableFollowsSlots.total_checked > 100  # the in-step check really ran
+
+
+class Int8PoolFollowsSlots(TableFollowsSlots):
+    kv_cache_dtype = "int8"
+
+
+def test_table_and_kv_identity_with_an_int8_pool(tmp_path_factory):
+    """The same machine over an int8 KV pool (kernels/attention/kv_int8.py; head_dim 32, so the native kernel
+    reads it): the table, eviction and the KV identity (free + evictable + locked + in flight = total, checked
+    after every rule) do not depend on the pool's element type."""
+    Int8PoolFollowsSlots.ckpt = make_checkpoint(tmp_path_factory, "table_sm_int8", hidden_size=128)
+    before = TableFollowsSlots.total_checked
+    runner = Int8PoolFollowsSlots.TestCase
+    runner.settings = settings(max_examples=12, stateful_step_count=30, deadline=None, derandomize=True)
+    runner().runTest()
+    assert TableFollowsSlots.total_checked - before > 60  # 101 in-step checks
+    engine = Engine(Int8PoolFollowsSlots.ckpt, num_threads=1, kv_cache_tokens=64, kv_cache_dtype="int8")
+    assert type(engine.runner.k_cache).__name__ == "Int8KV" and engine.runner.attention.startswith("native")
 
 
 def test_one_tree_walk_per_candidate_and_per_prefill_chunk(tmp_path_factory):

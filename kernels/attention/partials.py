@@ -1,5 +1,5 @@
 """The CPU attention reader where the native kernel is not built: ``attend_tokens``, the contract of
-``native.attend_tokens`` in torch, over K/V gathered per call (and widened to fp32).
+``native.attend_tokens`` in torch, over K/V gathered per call (and widened to fp32; an int8 pool's dequantized).
 
 ``attend`` is ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp a
 merge needs; it is private to torch, so plain matmuls (``attend_matmul``) stand in when it is
@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .kv_int8 import gather
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,8 @@ def attend_tokens(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     some = seen.any(-1)  # [num, rows]
     seen[..., 0] |= ~some  # a row that sees nothing reads key 0 (the op leaves NaN on it) and is dropped below
     mask = torch.zeros(seen.shape, dtype=torch.float32, device=q.device).masked_fill_(~seen, float("-inf"))
-    # fp32 throughout, as the kernel: in bf16 the op would round each partial before the merges
-    keys, values = (cache[slots].transpose(1, 2).float() for cache in (k_cache, v_cache))
+    # fp32 throughout, as the kernel: in bf16 the op would round each partial before the merges (int8: dequantized)
+    keys, values = (gather(cache, slots).transpose(1, 2).float() for cache in (k_cache, v_cache))
     o, o_lse = attend(qb.float(), keys, values, mask[:, None], scale)
     o = o.masked_fill_(~some[:, None, :, None], 0.0)
     o_lse = o_lse.masked_fill(~some[:, None], float("-inf"))

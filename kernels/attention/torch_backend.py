@@ -7,7 +7,7 @@ bucket writes every token's result over its own keys, then one call per level me
 prefix, read once for *all* queries below it, into just the rows below it by log-sum-exp.
 Sliding-window layers take the plain path (own keys = all keys).
 
-The reader is radixserve's compiled kernel (``native.attend_tokens``: fp32 or bf16 K/V read by
+The reader is radixserve's compiled kernel (``native.attend_tokens``: fp32, bf16 or int8 K/V read by
 slot in place, q read and the result written by token, the merge inside the kernel) wherever
 ``native.supports`` the pool; elsewhere (no C compiler, another head_dim or device) its torch
 twin ``partials.attend_tokens``, the same contract over gathered K/V and torch's flash op. GQA
@@ -21,6 +21,7 @@ import torch
 from .. import native as native_kernel
 from . import partials
 from .base import AttentionMetadata
+from .kv_int8 import read_dtype
 from .torch_plan import step_plan
 from .torch_ref import store_kv
 
@@ -62,12 +63,13 @@ def cascade_attention(
     it, so a step pays merge work only for the queries that sit below a shared prefix."""
     window = sliding_window if sliding_window is not None and sliding_window > 0 else None
     group = q.shape[1] // k_cache.shape[1]
+    dtype = q.dtype
+    q_dtype = read_dtype(k_cache, dtype)  # the pool's (the model's); over an int8 pool q's own
     if native is None:
-        native = native_kernel.supports(k_cache.dtype, k_cache.shape[2], k_cache.device)
+        native = native_kernel.supports(q_dtype, k_cache.shape[2], k_cache.device)
     plan = step_plan(meta, window, group, bool(meta.shared) and window is None)
     read = native_kernel.attend_tokens if native else partials.attend_tokens
-    dtype = q.dtype
-    q = q.to(k_cache.dtype)  # the kernel reads q, K and V in one dtype: the pool's (the model's)
+    q = q.to(q_dtype)  # the kernel reads q, K and V in one dtype, or q in its own over int8 K / V
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionMetadata
+from .kv_int8 import Int8KV, gather
 
 
 def store_kv(
@@ -17,6 +18,10 @@ def store_kv(
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     out_slot_ids: torch.Tensor,  # [num_tokens] int64
 ) -> None:
+    if isinstance(k_cache, Int8KV):  # quantized as stored (kv_int8.py)
+        k_cache.store(out_slot_ids, k)
+        v_cache.store(out_slot_ids, v)
+        return
     k_cache[out_slot_ids] = k.to(k_cache.dtype)
     v_cache[out_slot_ids] = v.to(v_cache.dtype)
 
@@ -85,8 +90,8 @@ def _padded_attention(
     flat = (kv_start[:, None] + col[None, :]).clamp(max=meta.kv_indices.numel() - 1)
     slots = torch.where(valid, meta.kv_indices.cpu()[flat], 0).to(device)  # [num_sel, max_kv]
     work = torch.promote_types(q.dtype, torch.float32)  # float64 in, float64 math (tests' exact references)
-    keys = k_cache[slots].to(work)  # [num_sel, max_kv, num_kv_heads, head_dim]
-    values = v_cache[slots].to(work)
+    keys = gather(k_cache, slots).to(work)  # [num_sel, max_kv, num_kv_heads, head_dim] (int8: dequantized)
+    values = gather(v_cache, slots).to(work)
 
     # Absolute position of each query: the last q_len positions of its sequence.
     pos = (kv_lens - q_len)[:, None] + torch.arange(q_len)[None, :]  # [num_sel, q_len]
