@@ -76,8 +76,9 @@ DP_TARGET static inline void v_pairs(const void *const *vp, int d, int nkp, uint
 /* dst[0 .. d) = the int8 row src as bf16 (exact: |x| <= 127 has 7 significant bits), for the int8 KV cache. */
 DP_TARGET static inline void i8_to_bf16(const void *src, uint16_t *dst, int d) {
     for (int c = 0; c < d; c += 32) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)src + c))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)src + c + 16))));
+        const __m128i *at = (const __m128i *)((const int8_t *)src + c);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at + 1)));
         _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }

@@ -148,7 +148,8 @@ RS_INLINE void attend_item_impl(const args_t *a, int b, int h, int r0, int nr, v
         const int nk = jmax - j0 < KB ? jmax - j0 : KB, nkp = (nk + key_grain - 1) / key_grain * key_grain;
         for (int j = 0; j < nkp; ++j) { /* the tail of the last tile repeats a key (masked) */
             const int64_t key = j0 + (j < nk ? j : nk - 1), slot = slots ? slots[key] : key;
-            kp[j] = kv_at(a->kc, slot * a->kv_ss + h_off, bf16, i8), vp[j] = kv_at(a->vc, slot * a->kv_ss + h_off, bf16, i8);
+            kp[j] = kv_at(a->kc, slot * a->kv_ss + h_off, bf16, i8);
+            vp[j] = kv_at(a->vc, slot * a->kv_ss + h_off, bf16, i8);
             if (i8) ksc[j] = kv_scale(a, a->ks, slot, h), vsc[j] = kv_scale(a, a->vs, slot, h);
             if (amx) {
                 for (int c = 0; c < d; c += 32) memcpy(kb + j * d + c, (const uint16_t *)kp[j] + c, 64);

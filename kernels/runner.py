@@ -90,7 +90,8 @@ class ModelRunner:
                  attention_backend: str = "auto", device: str | None = None,
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
-                 native_kernels: bool = True, quantization: str | None = None, kv_cache_dtype: str = "auto") -> None:
+                 native_kernels: bool = True, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -285,7 +286,8 @@ class ModelRunner:
         return out
 
 
-def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto") -> int:
+def default_kv_slots(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     kv_cache_dtype: str = "auto") -> int:
     """KV pool size when none is given: on the CPU the memory of DEFAULT_CPU_KV_TOKENS in the model's dtype; on
     CUDA a fraction of the free memory (measured before the weights load); either divided by one slot's real
     bytes in the pool's dtype (kv_budget.kv_bytes_per_token)."""

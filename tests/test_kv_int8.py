@@ -85,7 +85,7 @@ def _check_int8(meta, k_cache, v_cache, q, native):
     if q.dtype == torch.bfloat16:
         bound += BF16_ROUNDING * (expected.abs() + bound)
     error = (out.double() - expected).abs()
-    assert (error <= bound).all(), f"vs dequantized: max error {error.max():.3g}, worst excess {(error - bound).max():.3g}"
+    assert (error <= bound).all(), f"vs dequantized: max error {error.max():.3g}, excess {(error - bound).max():.3g}"
     plain = cascade_attention(q, k_cache, v_cache, meta, sm_scale, native=native)
     step = _int8_bound(q, k_cache, v_cache, kq, vq, meta, sm_scale) + 2 * bound
     error = (out.double() - plain.double()).abs()
