@@ -11,11 +11,12 @@
  * broadcasts feed MR x NR vdpbf16ps, so a weight vector loaded once serves every row of the group. Threads
  * split the columns in groups of NR blocks (a group's weights one contiguous stream per block). The rows go
  * in blocks whose inputs fit in half of L2, each over every group; within a row block the inputs go in chunks
- * of KC: the group's weights of a chunk (NR x KC x 32 bytes, 128 KB) stay in L2 while every row group of the
+ * of KC: the group's weights of a chunk (NR x KC x 32 bytes, 96 KB) stay in L2 while every row group of the
  * block multiplies them, the partial sums kept in a per-thread buffer between chunks. A decode step's few
- * rows are then one pass over the weights; a prefill's are compute-bound at MR x NR products per MR + NR
- * loads. The sizes are measured ones (Zen 5, one thread): 4 x 4 with 256-input chunks and 64-row blocks ran
- * prefill shapes 5-15% behind oneDNN, 6 x 4 with 1,024 and up to 252 rows level with it or ahead.
+ * rows are then one pass over the weights (prefetched a little ahead: the hardware's prefetch alone left 8-32
+ * rows ~10% slower); a prefill's are compute-bound at MR x NR products per MR + NR loads. The sizes are
+ * measured ones (Zen 5, one thread): 4 x 4 with 256-input chunks and 64-row blocks ran prefill shapes 5-15%
+ * behind oneDNN; 6 x 4 and 8 x 3 with 1,024 and up to ~256 rows level with it or ahead, 8 x 3 ahead at 8-32.
  */
 #include <stdint.h>
 #include <string.h>
@@ -23,10 +24,11 @@
 #include "cpu_simd.h"
 
 #if defined(__AVX512F__)
-#define MR 6                     /* rows of the micro-kernel */
-#define NR 4                     /* column blocks of 16 of the micro-kernel, and of a thread's work item */
+#define MR 8                     /* rows of the micro-kernel */
+#define NR 3                     /* column blocks of 16 of the micro-kernel, and of a thread's work item */
 #define KC 1024                  /* inputs per chunk: a group's chunk of weights is NR x 32 KB */
-#define RB_MAX 252               /* rows of a row block at most (the partial sums' buffer) */
+#define RB_MAX 256               /* rows of a row block at most (the partial sums' buffer) */
+#define AHEAD 1024               /* the weights are prefetched this many elements (2 KB) ahead in their block */
 #define X_BLOCK_BYTES (1 << 19) /* inputs of a row block: half of a 1 MB L2 */
 
 typedef struct {
@@ -53,7 +55,10 @@ DP_TARGET RS_INLINE void micro(const uint16_t *x, int64_t K, const uint16_t *wg,
         const uint16_t *wk = wg + k * 16; /* step k / 32 of block 0: 512 elements a step */
         for (int r = 0; r < 16; ++r) {
             __m512bh w[NR];
-            for (int j = 0; j < nr; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wk + j * K * 16 + r * 32);
+            for (int j = 0; j < nr; ++j) {
+                _mm_prefetch((const char *)(wk + j * K * 16 + r * 32 + AHEAD), _MM_HINT_T0);
+                w[j] = (__m512bh)_mm512_loadu_si512(wk + j * K * 16 + r * 32);
+            }
             for (int i = 0; i < mr; ++i) {
                 const __m512bh xi = pair_of(x + i * K + k + 2 * r);
                 for (int j = 0; j < nr; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xi, w[j]);
@@ -84,15 +89,18 @@ typedef void (*micro_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, i
                                             uint16_t *y, int64_t N) {                                             \
         micro(x, K, wg, k0, k1, mr, nr, c, first, last, b, y, N);                                                 \
     }
-#define MICRO_ROWS(mr) MICRO(mr, 1) MICRO(mr, 2) MICRO(mr, 3) MICRO(mr, 4)
+#define MICRO_ROWS(mr) MICRO(mr, 1) MICRO(mr, 2) MICRO(mr, 3)
 MICRO_ROWS(1)
 MICRO_ROWS(2)
 MICRO_ROWS(3)
 MICRO_ROWS(4)
 MICRO_ROWS(5)
 MICRO_ROWS(6)
-#define ROW_OF(mr) {micro_##mr##_1, micro_##mr##_2, micro_##mr##_3, micro_##mr##_4}
-static const micro_fn MICROS[MR][NR] = {ROW_OF(1), ROW_OF(2), ROW_OF(3), ROW_OF(4), ROW_OF(5), ROW_OF(6)};
+MICRO_ROWS(7)
+MICRO_ROWS(8)
+#define ROW_OF(mr) {micro_##mr##_1, micro_##mr##_2, micro_##mr##_3}
+static const micro_fn MICROS[MR][NR] = {ROW_OF(1), ROW_OF(2), ROW_OF(3), ROW_OF(4),
+                                        ROW_OF(5), ROW_OF(6), ROW_OF(7), ROW_OF(8)};
 
 /* Rows [r0, r1) (at most RB_MAX) x the group of nr blocks at column n0 (weights from wg), chunk by chunk. */
 DP_TARGET static void group_rows(const uint16_t *x, int64_t r0, int64_t r1, const uint16_t *wg, int64_t n0, int nr,
@@ -112,17 +120,19 @@ DP_TARGET static void linear_dp(const uint16_t *x, int64_t M, const uint16_t *w,
     const int64_t blocks = N / 16, groups = (blocks + NR - 1) / NR;
     const int64_t fit = X_BLOCK_BYTES / (2 * K) / MR * MR;
     const int64_t rb = fit < MR ? MR : fit > RB_MAX ? RB_MAX : fit;
-#pragma omp parallel num_threads(num_threads) if (groups > 1)
+    const int64_t row_blocks = (M + rb - 1) / rb;
+    /* One pass over (row block, group) pairs, each thread a contiguous range of them: no barrier per row block
+     * (on a loaded machine a thread waiting for a descheduled one lost most of a prefill). */
+#pragma omp parallel num_threads(num_threads) if (groups * row_blocks > 1)
     {
         dp_sums s __attribute__((aligned(64)));
-        for (int64_t r0 = 0; r0 < M; r0 += rb) {
-            const int64_t r1 = M - r0 < rb ? M : r0 + rb;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t i = 0; i < row_blocks; ++i)
             for (int64_t g = 0; g < groups; ++g) {
+                const int64_t r0 = i * rb, r1 = M - r0 < rb ? M : r0 + rb;
                 const int nr = blocks - g * NR < NR ? (int)(blocks - g * NR) : NR;
                 group_rows(x, r0, r1, w + g * NR * K * 16, g * NR * 16, nr, K, b, y, N, &s);
             }
-        }
     }
 }
 #endif

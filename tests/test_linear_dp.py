@@ -40,15 +40,15 @@ def _run(m: int, n: int, k: int, bias: bool, threads: int, seed: int) -> None:
 @given(m=st.integers(1, 70), blocks=st.integers(1, 9), kb=st.integers(1, 12), bias=st.booleans(),
        threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_matches_float64(m, blocks, kb, bias, threads, seed):
-    """Row counts across the 6-row micro-kernel's groups and tails, column counts that leave a partial group of
-    four 16-column blocks, reductions of 1-12 steps of 32 inputs."""
+    """Row counts across the 8-row micro-kernel's groups and tails, column counts that leave a partial group of
+    three 16-column blocks, reductions of 1-12 steps of 32 inputs."""
     _run(m, 16 * blocks, 32 * kb, bias, threads, seed)
 
 
 @pytest.mark.parametrize("m, k", [(100, 4864), (300, 896)])
 def test_input_chunks_and_row_blocks(m, k):
     """Model L's down projection width: 1,024-input chunks (the last partial) whose partial sums wait in the
-    buffer, 48-row blocks; and more rows than one block holds at a narrow width."""
+    buffer, 48-row blocks; and more rows than one 256-row block holds at a narrow width."""
     _run(m, 80, k, True, 2, 7)
 
 
