@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         lib.rs_isa.restype, lib.rs_amx_ready.restype = ctypes.c_char_p, ctypes.c_int
         native.load = lambda: lib
     if args.widen:
-        native._products = lambda bf16: 0
+        native._products = lambda bf16, i8=False: 0
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     hq, hkv, d = (int(x) for x in args.shape.split(","))
     print(f"{native.status()} lib={args.lib or 'current'} {args.dtype} products={native._products(True)} "
