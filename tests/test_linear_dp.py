@@ -11,16 +11,10 @@ from hypothesis import strategies as st
 
 from radixserve.kernels import layers, native
 
+from _linear_reference import check_bf16_linear as _check
+
 pytestmark = pytest.mark.skipif(native.cannot_build() is not None or not native._use_dpbf16(),
                                 reason="needs the native AVX-512 library on a CPU with AVX512-BF16")
-
-
-def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-    # fp32 sums: a few fp32 ulps of the products' magnitude, then one bf16 rounding of the result.
-    scale = torch.nn.functional.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
-    assert ((got.double() - exact).abs() <= scale * 2e-6 + exact.abs() * 2**-8 + 1e-30).all()
 
 
 def _run(m: int, n: int, k: int, bias: bool, threads: int, seed: int) -> None:

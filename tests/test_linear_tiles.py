@@ -10,16 +10,10 @@ from hypothesis import strategies as st
 
 from radixserve.kernels import layers, native
 
+from _linear_reference import check_bf16_linear as _check
+
 pytestmark = pytest.mark.skipif(native.cannot_build() is not None or not native._use_amx(),
                                 reason="needs the native library and AMX-BF16 tiles")
-
-
-def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    assert got.dtype == torch.bfloat16 and got.shape == exact.shape
-    # fp32 sums: a few fp32 ulps of the products' magnitude, then one bf16 rounding of the result.
-    scale = torch.nn.functional.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
-    assert ((got.double() - exact).abs() <= scale * 2e-6 + exact.abs() * 2**-8 + 1e-30).all()
 
 
 @settings(max_examples=60, deadline=None)
