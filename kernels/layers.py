@@ -164,9 +164,15 @@ class RotaryEmbedding:
         """What apply_rotary needs at positions [num_tokens]: e^(i * angle) [num_tokens, head_dim // 2] complex64
         for float32 activations; else (cos, sin), each [num_tokens, head_dim // 2], computed in float32 and cast
         to the activation dtype (as transformers does)."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
         if dtype == torch.float32:
+            angles = positions.float()[:, None] * self.inv_freq[None, :]
             return torch.polar(torch.ones_like(angles), angles)
+        return self.cos_sin(positions, dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of every token's angles, each [num_tokens, head_dim // 2], computed in float32 and cast to
+        `dtype` (what the native rotary, kernels/pointwise.py, and apply_rotary's non-fp32 path take)."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 

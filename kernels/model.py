@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention.base import AttentionBackend, AttentionMetadata
-from . import quant
+from . import pointwise, quant
 from .layers import (Linear, RotaryEmbedding, apply_rotary, interleave_rotary_pairs, rms_norm,
                                       silu_and_mul)
 from .loader import take, take_optional
@@ -84,18 +84,28 @@ class CausalLM:
         v_cache: torch.Tensor,
         backend: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden] final hidden states before the last norm
-        hidden = self.embed_rows(input_ids)  # [num_tokens, hidden]
-        rotation = self.rotary.rotation(positions, hidden.dtype)  # per token, per rotary pair
+        hidden = self.embed_rows(input_ids)  # [num_tokens, hidden], a fresh tensor: the residual stream, in place
+        fast = pointwise.usable(hidden)  # the elementwise steps as native calls (kernels/pointwise.py)
+        # per token, per rotary pair: (cos, sin) for the native calls, else what apply_rotary takes
+        rotation = (self.rotary.cos_sin if fast else self.rotary.rotation)(positions, hidden.dtype)
+        delta = None  # what the last block adds to the residual stream, added by the next norm
         for layer_idx, layer in enumerate(self.layers):
-            residual = hidden
-            x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
-            x = self._attention(x, layer, rotation, meta, k_cache[layer_idx], v_cache[layer_idx], backend)
-            hidden = x.add_(residual)  # x is a fresh tensor: add in place
-            residual = hidden
-            x = rms_norm(hidden, layer.post_norm, self.config.rms_norm_eps)
-            x = layer.down(silu_and_mul(layer.gate_up(x)))
-            hidden = x.add_(residual)
-        return hidden
+            x = self._add_norm(hidden, delta, layer.input_norm, fast)
+            delta = self._attention(x, layer, rotation, meta, k_cache[layer_idx], v_cache[layer_idx], backend, fast)
+            x = self._add_norm(hidden, delta, layer.post_norm, fast)
+            gate_up = layer.gate_up(x)
+            delta = layer.down(pointwise.silu_and_mul(gate_up) if fast else silu_and_mul(gate_up))
+        return hidden if delta is None else hidden.add_(delta)
+
+    def _add_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                  fast: bool) -> torch.Tensor:
+        """hidden += delta in place, then its RMSNorm (a new tensor)."""
+        eps = self.config.rms_norm_eps
+        if fast and weight.dtype == hidden.dtype:
+            return pointwise.add_rms_norm(hidden, None if delta is None else delta.contiguous(), weight, eps)
+        if delta is not None:
+            hidden.add_(delta)
+        return rms_norm(hidden, weight, eps)
 
     def embed_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding table's rows of `input_ids` (a quantized table dequantizes only those)."""
@@ -108,10 +118,12 @@ class CausalLM:
         x = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
         return self.lm_head(x).float()
 
-    def _attention(self, x, layer: LayerWeights, rotation, meta, k_cache, v_cache, backend) -> torch.Tensor:
+    def _attention(self, x, layer: LayerWeights, rotation, meta, k_cache, v_cache, backend, fast) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = layer.qkv(x).contiguous()  # [num_tokens, q_size + 2 * kv_size]
+        if fast and layer.q_norm is None:  # q and k rotated in place, in one call
+            pointwise.rotary_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, *rotation)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -119,8 +131,12 @@ class CausalLM:
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-        q = apply_rotary(q, rotation)  # [num_tokens, num_heads, head_dim]
-        k = apply_rotary(k, rotation)  # [num_tokens, num_kv_heads, head_dim]
+        if not fast:
+            q = apply_rotary(q, rotation)  # [num_tokens, num_heads, head_dim]
+            k = apply_rotary(k, rotation)  # [num_tokens, num_kv_heads, head_dim]
+        elif layer.q_norm is not None:  # the norms' outputs are fresh contiguous tensors
+            pointwise.rotary_(q.view(num_tokens, -1), cfg.num_heads, cfg.head_dim, *rotation)
+            pointwise.rotary_(k.view(num_tokens, -1), cfg.num_kv_heads, cfg.head_dim, *rotation)
         out = backend.forward(q, k, v.contiguous(), k_cache, v_cache, meta, self.sm_scale,
                               layer.sliding_window)  # [num_tokens, num_heads, head_dim]
         return layer.o(out.reshape(num_tokens, self.q_size))

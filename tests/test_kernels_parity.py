@@ -105,6 +105,21 @@ def test_runner_matches_transformers(checkpoint, name):
     assert _max_logit_error(runner, prompts, share, full, ref_logits, cascade=True) <= ATOL
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_torch_pointwise_ops_match_too(checkpoint, monkeypatch, name):
+    """The forward's torch twins of the native elementwise calls (kernels/pointwise.py), where the library is
+    missing: the same parity."""
+    from radixserve.kernels import pointwise
+    calls = []
+    monkeypatch.setattr(pointwise, "usable", lambda x: calls.append(1) and False)
+    path = checkpoint(name)
+    runner = ModelRunner(path, num_slots=1024, attention_backend="torch", device="cpu")
+    prompts, share = _scenario()
+    _, full, ref_logits = _reference(load_hf(path), prompts)
+    assert _max_logit_error(runner, prompts, share, full, ref_logits) <= ATOL
+    assert calls
+
+
 @pytest.mark.parametrize("mutation", ["restart_positions", "zero_cached_kv", "drop_window"])
 def test_parity_check_catches_mutations(checkpoint, monkeypatch, mutation):
     name = "mistral" if mutation == "drop_window" else "llama"
