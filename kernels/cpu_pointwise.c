@@ -106,13 +106,12 @@ int rs_rotary(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t 
 #pragma omp parallel for schedule(static) num_threads(threads_for(rows, num_threads)) if (rows >= 2 * ROWS_PER_THREAD_MIN)
     for (int64_t t = 0; t < rows; ++t) {
         for (int64_t h = 0; h < heads; ++h) {
-            if (dtype) {
-                uint16_t *p = (uint16_t *)x + t * row_stride + h * head_dim;
+            if (dtype) { /* a pair as one 32-bit word (a low, b high), so that the loop vectorizes */
+                uint32_t *p = (uint32_t *)((uint16_t *)x + t * row_stride + h * head_dim);
                 const uint16_t *c = (const uint16_t *)cos + t * half, *s = (const uint16_t *)sin + t * half;
                 for (int64_t i = 0; i < half; ++i) {
-                    const float a = bf(p[2 * i]), b = bf(p[2 * i + 1]), ci = bf(c[i]), si = bf(s[i]);
-                    p[2 * i] = to_bf(rb(a * ci) - rb(b * si));
-                    p[2 * i + 1] = to_bf(rb(b * ci) + rb(a * si));
+                    const float a = bf((uint16_t)p[i]), b = bf((uint16_t)(p[i] >> 16)), ci = bf(c[i]), si = bf(s[i]);
+                    p[i] = (uint32_t)to_bf(rb(a * ci) - rb(b * si)) | (uint32_t)to_bf(rb(b * ci) + rb(a * si)) << 16;
                 }
             } else {
                 float *p = (float *)x + t * row_stride + h * head_dim;
