@@ -127,7 +127,7 @@ class Engine:
         if req.rid in self._reqs:
             raise ValueError(f"request id {req.rid!r} is already in use")
         self._reqs[req.rid] = req
-        self.planner.waiting.append(req)
+        self.planner.enqueue(req)
 
     def abort(self, rid: str) -> None:
         """Finish a request with finish_reason "abort" and free its KV; its final delta comes with the next step."""

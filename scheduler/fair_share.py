@@ -36,11 +36,10 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .req import Req
-
-DEFAULT_TENANT = "default"
+from .tenant_queues import DEFAULT_TENANT, TenantQueues, tenant_of
 # The lowest priority is idle-only: such a request is admitted only when nothing else runs or waits (a history
 # prefetch, frontend/rewrite_prefetch.py). SamplingParams.priority stays within [-(2**31), IDLE_PRIORITY].
 IDLE_PRIORITY = 2**31 - 1
@@ -48,12 +47,8 @@ W_IN, W_OUT, W_CACHED = 1.0, 2.0, 0.1  # service per computed prompt token, samp
 LAS_QUANTUM = 2048.0  # service (in W_IN tokens) below which a program is at level 0; each doubling adds a level
 STARVATION_RATIO = 1.0  # service to others while waiting, over the program's own, that lifts it to level 0
 MAX_PROGRAMS = 65_536  # attained service kept for this many programs (least recently served dropped)
-MERGE_HEAD = 1024  # admission candidates merged by counter each step (a step admits far fewer)
+MERGE_HEAD = 256  # admission candidates merged by counter each step (a step admits at most max_running_requests)
 TIE_HEAD = 32  # of those, the first ones placed with ties (cached lengths looked up); the rest strictly by counter
-
-
-def tenant_of(req: Req) -> str:
-    return req.params.tenant or DEFAULT_TENANT
 
 
 def request_cost(prompt_tokens: int, output_tokens: int) -> float:
@@ -66,9 +61,10 @@ class FairShare:
         self.counters: dict[str, float] = {}
         self._weights: dict[str, float] = {}
         self._service: OrderedDict[str, float] = OrderedDict()  # program -> attained service
-        self._backlogged: set[str] = set()
+        self.queues = TenantQueues()  # the waiting requests by tenant
+        self.tracked = False  # the planner reports every change of its queue (join / leave); else `observe` syncs
         self._waiting: dict[str, int] = {}  # tenant -> its queue's length at the last merge
-        self._last_left = 0.0  # the counter of the last tenant that stopped being backlogged
+        self._last_left: str | None = None  # the last tenant that stopped being backlogged
         self._served = 0.0  # all service charged so far
         self._queued: dict[int, float] = {}  # id of a waiting request -> _served when it joined the queue
         for name, weight in (weights or {}).items():
@@ -125,31 +121,57 @@ class FairShare:
 
     # -- admission ----------------------------------------------------------------------
 
-    def observe(self, waiting: list[Req]) -> None:
-        """Lifts the counters of tenants that became backlogged since the previous call (VTC's rule), and notes
-        when each waiting request joined the queue (a retracted one joins again)."""
-        self._queued = {id(r): self._queued.get(id(r), self._served) for r in waiting}
-        now = {tenant_of(r) for r in waiting}
-        before = self._backlogged & now
-        for tenant in self._backlogged - now:
-            self._last_left = self.counter(tenant)
-        for tenant in now - self._backlogged:
-            floor = min((self.counter(t) for t in before), default=self._last_left)
+    def join(self, req: Req) -> None:
+        """`req` starts waiting (an arrival, or a retraction: it joins again). A tenant that becomes backlogged is
+        lifted to the lowest counter of those already backlogged, or with none to the counter of the last one that
+        stopped being (VTC's rule); the request's wait is counted from now (`level`)."""
+        self._queued[id(req)] = self._served
+        if self.queues.join(req):
+            tenant = tenant_of(req)
+            floor = min((self.counter(t) for t in self.queues.tenants() if t != tenant), default=None)
+            if floor is None:
+                floor = self.counter(self._last_left) if self._last_left is not None else 0.0
             self.counters[tenant] = max(self.counter(tenant), floor)
-        self._backlogged = now
+
+    def leave(self, req: Req) -> None:
+        """`req` stops waiting (admitted or aborted)."""
+        self._queued.pop(id(req), None)
+        if self.queues.leave(req):
+            self._last_left = tenant_of(req)
+
+    def observe(self, waiting: list[Req]) -> None:
+        """For a caller that does not report its queue's changes (`tracked` False): `join` and `leave` from the
+        difference between `waiting` and the queues (one pass)."""
+        if self.tracked:
+            return
+        now = {id(r) for r in waiting}
+        for req in self.queues.members():
+            if id(req) not in now:
+                self.leave(req)
+        for req in waiting:
+            if req not in self.queues:
+                self.join(req)
 
     def slack(self, req: Req, cached: int) -> float:
         """How far above the lowest counter `req`'s tenant still ties: the discount its `cached` tokens get."""
         return (W_IN - W_CACHED) * cached / self.weight(tenant_of(req))
 
-    def order(self, base: list[Req], cached_len: Callable[[Req], int] | None = None) -> list[Req]:
+    def order(self, base: list[Req], cached_len: Callable[[Req], int] | None = None, lead: int | None = None,
+              window: Sequence[Req] = ()) -> list[Req]:
         """`base` (the cache-aware order) reordered by tenant share, priority and program level; stable, so ties
         keep the cache-aware order. Returns `base` itself when nothing separates its requests. The tenants' queues
         are merged by counter for the first MERGE_HEAD entries (more than a step admits); the rest follow in
-        `base`'s order. One pass over the queue when every request is at priority 0 without a session.
-        `cached_len(req)`: its cached prefix now (None: no ties but equal counters, prompts charged in full)."""
+        `base`'s order. `cached_len(req)`: its cached prefix now (None: no ties but equal counters, prompts charged
+        in full). With the queue `tracked` and every request at priority 0 without a session, no pass over `base`:
+        its first `lead` entries are the policy's own order and the rest the other fresh requests in arrival order
+        (`_lazy_queues`), so a step reads the merged head and the `lead`; otherwise one pass over the queue."""
         if len(base) < 2:
             return base
+        if self.tracked and lead is not None and self.queues.plain:
+            tenants = self.queues.tenants()
+            if len(tenants) < 2:
+                return base
+            return self._merge(base, self._lazy_queues(base, lead, window, tenants), cached_len or _nothing_cached)
         queues: dict[str, list[Req]] = {}
         plain = True
         for r in base:
@@ -166,7 +188,24 @@ class FairShare:
     def _key(self, req: Req) -> tuple[int, int]:
         return req.params.priority, self.level(req)
 
-    def _merge(self, base: list[Req], queues: dict[str, list[Req]], cached_len: Callable[[Req], int]) -> list[Req]:
+    def _lazy_queues(self, base: list[Req], lead: int, window: Sequence[Req], tenants: list[str]) -> dict[str, Any]:
+        """Each tenant's queue in `base`'s order, read as the merge reaches it: its entries among `base[:lead]` (the
+        retracted requests and the policy's `window` of fresh ones, some of which it may defer), then its other
+        fresh requests in the order they joined, which is `base`'s after `lead`."""
+        led: dict[str, list[Req]] = {t: [] for t in tenants}
+        for req in base[:lead]:
+            led[tenant_of(req)].append(req)
+        deferred = dict.fromkeys(tenants, 0)  # in the window but not in base (prefix dedup)
+        for req in window:
+            deferred[tenant_of(req)] += 1
+        for req in base[:lead]:
+            if not req.num_retractions:
+                deferred[tenant_of(req)] -= 1
+        skip = {id(r) for r in window}
+        return {t: _LazyQueue(led[t], self.queues.fresh_in_join_order(t, skip), self.queues.count(t) - deferred[t])
+                for t in tenants}
+
+    def _merge(self, base: list[Req], queues: dict[str, Any], cached_len: Callable[[Req], int]) -> list[Req]:
         """The tenants' queues merged by counter, each admission's cost projected onto its tenant so that one step's
         admissions interleave as the counters would; tied counters (`slack`) go to the shorter queue: the tenant
         that asks for less is not made to wait a step for the one that asks for more."""
@@ -236,18 +275,15 @@ class FairShare:
             return (self._waiting.get(tenant, 0), mine) < (self._waiting.get(other, 0), theirs)
         return mine < theirs
 
-    def may_preempt(self, waiting: list[Req], running: list[Req]) -> bool:
-        """A cheap test that some waiting request has something eligible to preempt (one pass over each queue)."""
-        best: dict[str, int] = {}  # tenant -> its best waiting priority
-        counts: dict[str, int] = {}  # tenant -> its requests waiting
-        longest = 0  # the longest prompt waiting: no slack is larger than its whole discount
-        for r in waiting:
-            p = r.params
-            t = p.tenant or DEFAULT_TENANT
-            if p.priority < best.get(t, p.priority + 1):
-                best[t] = p.priority
-            counts[t] = counts.get(t, 0) + 1
-            longest = max(longest, len(r.prompt_ids))
+    def may_preempt(self, running: list[Req]) -> bool:
+        """A cheap test that some waiting request has something eligible to preempt (from the queues' tallies, and
+        one pass over the running requests)."""
+        queues = self.queues
+        counts = {t: queues.count(t) for t in queues.tenants()}  # tenant -> its requests waiting
+        if not counts:
+            return False
+        best = {t: queues.best_priority(t) for t in counts}  # tenant -> its best waiting priority
+        longest = queues.longest()  # the longest prompt waiting (a bound): no slack is larger than its discount
         lowest = min(self.counter(t) for t in best)
         if any(self.counter(tenant_of(r)) > lowest or r.params.priority > best.get(tenant_of(r), r.params.priority)
                for r in running):
@@ -261,3 +297,18 @@ class FairShare:
 
 def _nothing_cached(req: Req) -> int:
     return 0
+
+
+class _LazyQueue:
+    """A tenant's queue for the merge: `items`, then `more` pulled as it reads on; `size` entries in all."""
+
+    def __init__(self, items: list[Req], more: Iterator[Req], size: int) -> None:
+        self.items, self.more, self.size = items, more, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Req:
+        while len(self.items) <= i:
+            self.items.append(next(self.more))
+        return self.items[i]

@@ -62,6 +62,8 @@ class Planner:
         self.num_retractions = 0
         self._step_order: tuple | None = None  # (queue state, order) of this step (_order)
         self.tenant_caps: dict[str, int] = {}  # tenant -> most requests running at once (Engine.set_tenants)
+        if policy.share is not None:
+            policy.share.tracked = True  # every change of `waiting` is reported to it (enqueue, _dequeue, _retract)
 
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
@@ -90,12 +92,23 @@ class Planner:
             if cap is not None:
                 self.tenant_caps[name] = check_int(f"tenant {name!r}: max_running_requests", cap, lo=1)
 
+    def enqueue(self, req: Req) -> None:
+        """A new request waits (Engine.admit)."""
+        self.waiting.append(req)
+        if self.policy.share is not None:
+            self.policy.share.join(req)
+
     def remove(self, req: Req) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._dequeue(req)
             self.kv.unhint(req)
+
+    def _dequeue(self, req: Req) -> None:
+        self.waiting.remove(req)
+        if self.policy.share is not None:
+            self.policy.share.leave(req)
 
     # -- step parts -------------------------------------------------------------------
 
@@ -226,7 +239,7 @@ class Planner:
             return False
         if req.cached_tokens is None:
             req.cached_tokens = cached
-        self.waiting.remove(req)
+        self._dequeue(req)
         req.status = ReqStatus.RUNNING
         self.running.append(req)
         batch.items.append(self._item(req, num))
@@ -268,7 +281,7 @@ class Planner:
         of a tenant above its share (FairShare.preemptible). Its computed prefix stays cached, so it resumes where it
         stopped. Nothing is taken unless taking everything eligible would make room."""
         share = self.policy.share
-        if share is None or not self.waiting or not self.running or not share.may_preempt(self.waiting, self.running):
+        if share is None or not self.waiting or not self.running or not share.may_preempt(self.running):
             return  # the common case, in one pass over each queue
         running = self._running_per_capped_tenant()
         head = next((r for r in self._order(step) if not self._capped(r, running)), None)
@@ -310,6 +323,8 @@ class Planner:
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.waiting.insert(0, req)
+        if self.policy.share is not None:
+            self.policy.share.join(req)
         self.num_retractions += 1
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 

@@ -61,22 +61,26 @@ class SchedulePolicy:
         requests it saw admitted. A prefill in progress defers waiting requests that share its
         uncached prefix (cache-aware only).
         """
-        order = self._cache_order(waiting, step, running)
+        order, lead, window = self._cache_order(waiting, step, running)
         if self.share is not None:
             self.share.observe(waiting)
-            order = self.share.order(order, self.cached_len)
+            order = self.share.order(order, self.cached_len, lead=lead, window=window)
         self._last_order = order
         return order
 
-    def _cache_order(self, waiting: list[Req], step: int, running: list[Req] | None) -> list[Req]:
+    def _cache_order(self, waiting: list[Req], step: int,
+                     running: list[Req] | None) -> tuple[list[Req], int, list[Req]]:
+        """The order, how many of its first entries this policy placed (the rest: fresh requests in arrival order),
+        and the fresh requests it ordered itself (its window, deferred ones included)."""
         retracted = [r for r in waiting if r.num_retractions > 0]
         fresh = [r for r in waiting if r.num_retractions == 0]
         if self.name == "fcfs" or self.kv.tree.disable:
-            return retracted + fresh
+            return retracted + fresh, len(retracted), []
         self._observe(fresh)
         if len(waiting) > self.config.fcfs_queue_len:
-            return retracted + fresh
+            return retracted + fresh, len(retracted), []
         head, tail = fresh[:self.config.window], fresh[self.config.window:]
+        window = head
         urgent = self._urgent(head, step) if self.name == "cache-aware" else []
         if urgent:
             urgent_ids = {id(r) for r in urgent}
@@ -87,7 +91,7 @@ class SchedulePolicy:
             source = self._left if running is None else running
             claims = [r for r in source if _is_prefilling(r)] if self.name == "cache-aware" else []
             ordered = self._tree_order(head, claims)
-        return retracted + urgent + ordered + tail
+        return retracted + urgent + ordered + tail, len(retracted) + len(urgent) + len(ordered), window
 
     # -- policies -----------------------------------------------------------------------
 
