@@ -111,6 +111,7 @@ class TurnRecord:
     sent_s: float  # monotonic clock
     prompt_ids: list[int]
     output_ids: list[int]
+    queue_s: float | None = None  # the server's: arrival in the engine to admission (None: not reported)
 
 
 def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
@@ -139,8 +140,9 @@ def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
 
 
 async def send_generate(client: httpx.AsyncClient, history: list[int], max_tokens: int,
-                        session: str | None) -> tuple[int, int, list[int]]:
-    """One turn through radixserve's /generate: (prompt tokens, cached tokens, output ids)."""
+                        session: str | None) -> tuple[int, int, list[int], float | None]:
+    """One turn through radixserve's /generate: (prompt tokens, cached tokens, output ids, time queued in the
+    engine)."""
     body: dict[str, Any] = {"input_ids": history, "sampling_params": {
         "max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
     if session is not None:
@@ -148,7 +150,8 @@ async def send_generate(client: httpx.AsyncClient, history: list[int], max_token
     response = await client.post("/generate", json=body)
     response.raise_for_status()
     out = response.json()
-    return out["meta_info"]["prompt_tokens"], out["meta_info"]["cached_tokens"], list(out["output_ids"])
+    meta = out["meta_info"]
+    return meta["prompt_tokens"], meta["cached_tokens"], list(out["output_ids"]), meta.get("queue_time")
 
 
 async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int], plan: AgentPlan,
@@ -164,10 +167,10 @@ async def run_agent(client: httpx.AsyncClient, cfg: TraceConfig, app: list[int],
     for turn in range(cfg.turns):
         last = turn == cfg.turns - 1
         sent = time.monotonic()
-        prompt_tokens, cached, output_ids = await send(client, history, cfg.answer_tokens if last else cfg.call_tokens,
-                                                       sid if sessions else None)
+        prompt_tokens, cached, output_ids, *queued = await send(
+            client, history, cfg.answer_tokens if last else cfg.call_tokens, sid if sessions else None)
         records.append(TurnRecord(plan.index, turn, prompt_tokens, cached, cold, time.monotonic() - sent, sent,
-                                  history, output_ids))
+                                  history, output_ids, queued[0] if queued else None))
         history = history + output_ids
         if last:
             break
@@ -221,14 +224,17 @@ async def _stats_at(read: Callable[[], Awaitable[dict[str, Any]]], at_s: float) 
 
 def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
     """The excess recompute of the LRU and Bélády yardsticks (bench/cache_sim.py) on this run's realised trace:
-    its requests at their actual send and finish times, through a cache of the server's capacity."""
-    trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids) for r in records]
+    its requests at their actual admission (send + the server's queue time, where it reports it) and finish times,
+    through a cache of the server's capacity (a request that does not fit beside the running ones waits)."""
+    trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids,
+                          None if r.queue_s is None else r.sent_s + min(r.queue_s, r.latency_s)) for r in records]
     cold = sum(r.cold_tokens for r in records)
     out: dict[str, float] = {}
     for policy in POLICIES:
         result = simulate(trace, kv_tokens, policy)
         out[policy] = result["recomputed"] - cold
         out[f"{policy}_overflow"] = result["overflow"]
+        out[f"{policy}_deferred"] = result["deferred"]
     return out
 
 
@@ -302,8 +308,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def _overflow(sim: dict[str, float]) -> str:
+    """The replays' honesty: requests that waited for room (the server had admitted them earlier: its decode-room
+    estimate, retraction), and tokens over the capacity (a request larger than the cache)."""
+    waited = max(sim.get("lru_deferred", 0), sim.get("belady_deferred", 0))
     over = max(sim["lru_overflow"], sim["belady_overflow"])
-    return f" (over capacity by up to {over:g})" if over else ""
+    return (f" (waited: {waited:g} requests)" if waited else "") + (f" (over capacity by {over:g})" if over else "")
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -2,20 +2,24 @@
 
 The yardsticks of bench/agent_trace.py: the same requests, at the times the server actually sent and finished
 them, through a cache of the server's KV capacity. A request's prompt is matched against the cache when it is
-sent (what matches is not recomputed), its prompt and its output hold slots while it runs (locked), and when it
-finishes its prompt and output (less the last token, whose KV no step computed) stay cached until evicted. Eviction takes one unlocked leaf token at a time:
+admitted (the server's admission time where the trace has it, else its send), its prompt and its output hold slots
+while it runs (locked), and when it finishes its prompt and output (less the last token, whose KV no step computed)
+stay cached until evicted. Eviction takes one unlocked leaf token at a time:
 
 - ``lru``: the one used longest ago;
 - ``belady``: the one whose next use (the first later request whose prompt passes through it) is furthest away,
   never-again first. With paths of different lengths this is a yardstick, not the optimum.
 
-When every cached token is locked and a request still needs slots, the cache runs over its capacity (a server
-would queue the request); the overflow is counted, so a result with overflow says the trace did not fit.
+A request whose locked prefix, new tokens and output do not fit beside the running requests' waits, as the
+server's queue would make it, first come first served, until finishes free the room; it then runs as long as it
+did on the server (its finish moves by its wait, counted in `deferred` and `deferred_s`). Only a request that does
+not fit alone runs over the capacity (`overflow`, in tokens).
 """
 from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,6 +34,11 @@ class TraceRequest:
     done_s: float
     prompt: Sequence[int]
     output: Sequence[int]
+    admitted_s: float | None = None  # when the server admitted it (None: when it was sent)
+
+    @property
+    def start_s(self) -> float:
+        return self.sent_s if self.admitted_s is None else self.admitted_s
 
 
 class _Node:
@@ -52,6 +61,7 @@ class _Cache:
         self.capacity, self.policy, self.uses = capacity, policy, uses
         self.root = _Node(None, -1, 0)
         self.cached = self.in_flight = self.overflow = 0
+        self.locked = 0  # cached tokens some running request's path holds
         self.now = 0.0
 
     def _next_use(self, node: _Node) -> float:
@@ -106,40 +116,69 @@ class _Cache:
                 self.cached += 1
             else:
                 matched += 1
+            self.locked += int(child.locks == 0 and lock > 0) - int(child.locks + lock == 0 and lock < 0)
             child.locks += lock
             child.last = self.now
             node = child
         return matched, node
 
+    def fits(self, tokens: Sequence[int], extra: int) -> bool:
+        """Whether a request with this prompt (its cached prefix locked) and `extra` more slots (its new tokens and
+        output) fits beside what is locked and in flight now."""
+        node, unlocked, matched = self.root, 0, 0
+        for tok in tokens:
+            node = node.children.get(tok)
+            if node is None:
+                break
+            matched += 1
+            unlocked += node.locks == 0
+        return self.locked + unlocked + self.in_flight + len(tokens) - matched + extra <= self.capacity
+
 
 def _uses(requests: Sequence[TraceRequest]) -> dict[int, list[float]]:
-    """Prefix key -> the sorted send times of the requests whose prompt has that prefix."""
+    """Prefix key -> the sorted admission times of the requests whose prompt has that prefix."""
     uses: dict[int, list[float]] = {}
-    for r in sorted(requests, key=lambda r: r.sent_s):
+    for r in sorted(requests, key=lambda r: r.start_s):
         key = 0
         for tok in r.prompt:
             key = _key(key, tok)
-            uses.setdefault(key, []).append(r.sent_s)
+            uses.setdefault(key, []).append(r.start_s)
     return uses
 
 
-def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> dict[str, int]:
-    """Prompt tokens recomputed (and the overflow) replaying `requests` through a cache of `capacity` tokens."""
+def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> dict[str, float]:
+    """Prompt tokens recomputed, the overflow and the waits, replaying `requests` through a cache of `capacity`
+    tokens."""
     cache = _Cache(capacity, policy, _uses(requests) if policy == "belady" else {})
-    events = sorted([(r.sent_s, 1, i) for i, r in enumerate(requests)] +
-                    [(r.done_s, 0, i) for i, r in enumerate(requests)])  # a finish before a send at the same time
-    recomputed = 0
-    for t, is_send, i in events:
+    events = [(r.start_s, 1, i) for i, r in enumerate(requests)]  # (time, 0 finish / 1 arrival, request)
+    heapq.heapify(events)
+    queue: deque[int] = deque()
+    out = {"recomputed": 0, "overflow": 0, "deferred": 0, "deferred_s": 0.0}
+    running = 0
+    while events:
+        t, is_arrival, i = heapq.heappop(events)  # a finish before an arrival at the same time
         cache.now = t
         r = requests[i]
-        if is_send:  # the prompt's cached part is locked first, so making room for the rest cannot evict it
-            matched, node = cache.walk(r.prompt, create=False, lock=1)
-            recomputed += len(r.prompt) - matched
-            cache.make_room(len(r.prompt) - matched + len(r.output))
-            cache.walk(r.prompt[matched:], create=True, lock=1, start=node)
-            cache.in_flight += len(r.output)
+        if is_arrival:
+            queue.append(i)
         else:  # the output's slots move from in flight to cached; the path is unlocked
+            running -= 1
             cache.in_flight -= len(r.output)
             _, node = cache.walk(r.prompt, create=False, lock=-1)
             cache.walk(r.output[:-1], create=True, lock=0, start=node)  # the last token was never computed
-    return {"recomputed": recomputed, "overflow": cache.overflow}
+        while queue and (running == 0 or cache.fits(requests[queue[0]].prompt, len(requests[queue[0]].output))):
+            j = queue.popleft()
+            q = requests[j]
+            # the prompt's cached part is locked first, so making room for the rest cannot evict it
+            matched, node = cache.walk(q.prompt, create=False, lock=1)
+            out["recomputed"] += len(q.prompt) - matched
+            cache.make_room(len(q.prompt) - matched + len(q.output))
+            cache.walk(q.prompt[matched:], create=True, lock=1, start=node)
+            cache.in_flight += len(q.output)
+            running += 1
+            wait = t - q.start_s
+            out["deferred"] += wait > 0
+            out["deferred_s"] += wait
+            heapq.heappush(events, (q.done_s + wait, 0, j))
+    out["overflow"] = cache.overflow
+    return out

@@ -37,6 +37,8 @@ class PrefixKV:
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
                                eviction_policy=eviction_policy, reuse_bonus=reuse_bonus)
         self.sessions = Sessions(self.tree)  # pins of finished requests' paths, for their sessions' next turns
+        self._hinted_need: dict[int, int] = {}  # id(waiting request) -> its uncached tokens when hinted
+        self.waiting_need = 0  # their sum: the slots the waiting queue will ask for
 
     @property
     def total_slots(self) -> int:
@@ -68,19 +70,24 @@ class PrefixKV:
         walk for all the choices of a prompt."""
         if self.tree.disable:
             return
-        walked: dict[tuple, TreeNode] = {}
+        walked: dict[tuple, tuple[list[int], TreeNode]] = {}
         for req in waiting:
             if req.hint_node is None:
                 key = (id(req.prompt_ids), req.params.cache_salt, self.match_cap(req))
                 if key not in walked:
-                    walked[key] = self.match(req, record_hit=False)[1]
-                req.hint_node = walked[key]
+                    walked[key] = self.match(req, record_hit=False)
+                slots, req.hint_node = walked[key]
                 self.tree.hint(req.hint_node)
+                need = self._hinted_need[id(req)] = req.seq_len - len(slots)
+                self.waiting_need += need
+                if req.cached_tokens is None:  # its first stay in the queue (not a retraction): it just arrived
+                    self.sessions.arrived(req.params.session_id)
 
     def unhint(self, req: Req) -> None:
         if req.hint_node is not None:
             self.tree.unhint(req.hint_node)
             req.hint_node = None
+            self.waiting_need -= self._hinted_need.pop(id(req), 0)
 
     def admit(self, req: Req, matched: tuple[list[int], TreeNode] | None = None) -> int:
         """Lock the request's cached prefix and give it a table row; returns the prefix's length. `matched`: the
@@ -165,7 +172,8 @@ class PrefixKV:
             return
         self.cache_prefix(req)
         if finished:
-            self.sessions.keep(req.params.session_id, req.last_node, req.tree_len)
+            excess = self.waiting_need - self.allocator.num_free_slots - self.tree.evictable_size
+            self.sessions.keep(req.params.session_id, req.last_node, req.tree_len, queue_excess=excess)
         slots = self.rows.release(req.slot_row)
         if len(slots) > req.tree_len:
             self.allocator.free(slots[req.tree_len:])
@@ -185,5 +193,6 @@ class PrefixKV:
         if shortfall > self.tree.evictable_size:
             self.sessions.reclaim(shortfall - self.tree.evictable_size)
         if shortfall > 0:
+            self.sessions.note_eviction()
             self.tree.evict(shortfall)
         return self.allocator.alloc(num_slots)

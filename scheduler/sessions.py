@@ -12,8 +12,16 @@ when
   a tool call keeps at most the shortest one: `settle`),
 - the session closes, explicitly or after `idle_timeout_s` without a request, or
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
-  first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie, and the
-  one that expires first goes first).
+  first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie), and
+  among those the one whose session is expected back last (scheduler/return_gaps.py: Bélády's rule on the
+  expected next use).
+
+Under memory pressure a pin is made only if it is expected to pay, that is, to see its session back before
+admission reclaims it. Admission reclaims the pins expected back later than the new one first, at the rate it has
+reclaimed pinned slots over the last PRESSURE_WINDOW_S, after what the waiting queue needs beyond the free and
+evictable slots (`keep`'s `queue_excess`): that gives the new pin a horizon, and it is made only if at least
+PIN_ODDS of the observed return gaps are shorter (else `skipped`: it would only have displaced cache that other
+requests were about to hit).
 
 The time to live is the cost model: TTL_PER_RECOMPUTE x the time the path would take to prefill again, clamped
 to [MIN_TTL_S, MAX_TTL_S], so a long history (expensive to recompute) is kept longer than a short one; and the
@@ -27,16 +35,19 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 from ..radix.radix_cache import RadixCache, TreeNode
 from .checks import check_session_id
+from .return_gaps import ReturnGaps
 
 IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
 MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
 PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure: expired pins go
+PIN_ODDS = 0.5  # under pressure, pin only if this share of the observed returns would come before the reclaim
 EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
 
@@ -58,7 +69,11 @@ class Sessions:
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
         self._next_expiry = float("-inf")  # when expire next scans
         self._pressure_at = float("-inf")  # when an admission last had to reclaim pins
-        self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled"), 0)
+        self._evicted_at = float("-inf")  # when an admission last had to evict cached paths
+        self._finished: dict[str, float] = {}  # session -> when its last request finished (for the return gap)
+        self.gaps = ReturnGaps()
+        self._reclaimed: deque[tuple[float, int]] = deque()  # (when, own slots) of the recent reclaims
+        self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled", "skipped"), 0)
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -72,6 +87,7 @@ class Sessions:
         """Close a session and drop its pin; False when it was not open."""
         if self._last_seen.pop(session_id, None) is None:
             return False
+        self._finished.pop(session_id, None)
         self._drop(session_id, "closed")
         return True
 
@@ -90,14 +106,25 @@ class Sessions:
         if self._drop(session_id, None):
             self.counts["used"] += 1
 
-    def keep(self, session_id: str | None, node: TreeNode, tokens: int) -> None:
-        """Pin the path a finished request of the session leaves cached (ending at `node`, `tokens` long)."""
+    def arrived(self, session_id: str | None) -> None:
+        """A request of the session joined the waiting queue: its return gap is observed."""
+        finished = self._finished.pop(session_id, None) if session_id is not None else None
+        if finished is not None:
+            self.gaps.add(self._clock() - finished)
+
+    def keep(self, session_id: str | None, node: TreeNode, tokens: int, queue_excess: int = 0) -> None:
+        """Pin the path a finished request of the session leaves cached (ending at `node`, `tokens` long), unless
+        fewer than PIN_ODDS of the observed returns would come within the pin's horizon (`_horizon`; the waiting
+        queue needs `queue_excess` slots beyond the free and evictable ones): admission would reclaim it first."""
         if session_id is None or session_id not in self._last_seen or tokens == 0 or node.is_root:
             return
         self._drop(session_id, None)
+        now = self._finished[session_id] = self._clock()
+        if self.gaps.within(self._horizon(now, queue_excess)) < PIN_ODDS:
+            self.counts["skipped"] += 1
+            return
         self._tree.lock(node, pin=True)
         ttl = min(max(TTL_PER_RECOMPUTE * tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
-        now = self._clock()
         self._pins[session_id] = _Pin(node, tokens, now + ttl, now)
         self.counts["pinned"] += 1
 
@@ -126,15 +153,47 @@ class Sessions:
             self.close(sid)
 
     def reclaim(self, num_slots: int) -> None:
-        """Drop pins, cheapest to recompute per slot first (then the soonest to expire), until `num_slots` more are
-        evictable or no pin is left."""
+        """Drop pins, the session expected back last first (per slot their recompute costs tie), until `num_slots`
+        more are evictable or no pin is left."""
         target = self._tree.evictable_size + num_slots
-        self._pressure_at = self._clock()
-        order = sorted(self._pins, key=lambda s: self._pins[s].expires)
+        now = self._pressure_at = self._clock()
+        order = sorted(self._pins, key=lambda s: self.expected_return(s, now), reverse=True)
         for sid in order:
             if self._tree.evictable_size >= target:
                 break
+            self._reclaimed.append((now, _own_slots(self._pins[sid].node)))
             self._drop(sid, "reclaimed")
+
+    def expected_return(self, session_id: str, now: float) -> float:
+        """When the pinned session's next request is expected (the mean residual of the observed return gaps)."""
+        pin = self._pins[session_id]
+        return now + self.gaps.remaining(now - pin.made)
+
+    def _horizon(self, now: float, queue_excess: int) -> float:
+        """How long a pin made now would last: admission reclaims the pins expected back later than it first; what
+        they hold beyond the waiting queue's `queue_excess` goes at the rate admission reclaimed pinned slots in the
+        last PRESSURE_WINDOW_S. No pressure (no reclaim, the queue fits): it lasts; the queue's excess alone would
+        reclaim it: none."""
+        while self._reclaimed and self._reclaimed[0][0] < now - PRESSURE_WINDOW_S:
+            self._reclaimed.popleft()
+        rate = sum(slots for _, slots in self._reclaimed) / PRESSURE_WINDOW_S
+        if rate <= 0 and queue_excess <= 0:
+            return float("inf")
+        when = now + self.gaps.remaining(0.0)
+        later = sum(_own_slots(pin.node) for sid, pin in self._pins.items() if self.expected_return(sid, now) > when)
+        left = later - max(queue_excess, 0)
+        if left <= 0:
+            return 0.0
+        return left / rate if rate > 0 else float("inf")
+
+    def note_eviction(self) -> None:
+        """An admission had to evict cached paths to find its slots."""
+        self._evicted_at = self._clock()
+
+    def under_pressure(self) -> bool:
+        """Whether memory is under pressure: an admission evicted cached paths or reclaimed pins in the last
+        PRESSURE_WINDOW_S (program scheduling then yields to the cache: scheduler/fair_share.py)."""
+        return self._clock() - max(self._pressure_at, self._evicted_at) <= PRESSURE_WINDOW_S
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """A step's measured prefill cost (moving average per token), for the time to live of new pins."""
@@ -161,3 +220,12 @@ class Sessions:
         if reason is not None:
             self.counts[reason] += 1
         return True
+
+
+def _own_slots(node: TreeNode) -> int:
+    """The slots of the path ending at `node` that its one lock (a pin) alone holds."""
+    own = 0
+    while not node.is_root and node.lock_ref == 1:
+        own += len(node.value)
+        node = node.parent
+    return own

@@ -1,0 +1,123 @@
+"""The pins' cost model (scheduler/sessions.py, scheduler/return_gaps.py) on a bare radix tree with a clock the test
+moves: when a session is expected back, which pin admission reclaims first, and when a pin is not worth making."""
+from __future__ import annotations
+
+import pytest
+
+from radixserve.radix import KVAllocator, RadixCache
+from radixserve.scheduler.return_gaps import ReturnGaps
+from radixserve.scheduler.sessions import PIN_ODDS, PRESSURE_WINDOW_S, Sessions
+
+HEAVY = [0.5] * 8 + [20.0] * 2  # most agents back within a second, a few after a long tool
+LONG, SHORT = [30.0] * 10, [0.1] * 10
+
+
+def test_without_returns_observed_the_default_gap_then_the_age():
+    gaps = ReturnGaps(default_s=1.0)
+    assert gaps.remaining(0.0) == 1.0 and gaps.remaining(0.25) == 0.75 and gaps.remaining(3.0) == 3.0
+    assert gaps.within(0.5) == 0.0 and gaps.within(1.0) == 1.0
+
+
+def test_a_heavy_tailed_return_is_expected_later_the_longer_the_session_has_been_away():
+    gaps = _gaps(HEAVY)
+    assert gaps.remaining(0.0) == pytest.approx((8 * 0.5 + 2 * 20.0) / 10)  # 4.4: the mean
+    assert gaps.remaining(1.0) == pytest.approx(19.0)  # past every short one: only the long ones are left
+    assert gaps.remaining(25.0) == 25.0  # past every gap observed: as long again
+    assert gaps.within(1.0) == 0.8
+
+
+def test_a_fixed_latency_is_expected_sooner_the_longer_the_session_has_been_away():
+    gaps = _gaps([5.0] * 4)
+    assert gaps.remaining(0.0) == 5.0 and gaps.remaining(4.0) == 1.0
+
+
+def test_the_window_keeps_the_latest_returns():
+    gaps = ReturnGaps(window=3)
+    for gap in (100.0, 1.0, 1.0, 1.0):
+        gaps.add(gap)
+    assert len(gaps) == 3 and gaps.remaining(0.0) == 1.0
+
+
+@pytest.mark.parametrize("returns, dropped", [(HEAVY, "old"), ([5.0] * 4, "new")])
+def test_admission_reclaims_the_pin_whose_session_is_expected_back_last(returns, dropped):
+    """Two pins of equal length (their recompute cost per slot ties), made at 0 and 4 s. Heavy-tailed returns: the
+    one away for 4 s is past the short gaps, expected back last (at 20 s, the new one at 8.4 s). A fixed 5 s latency:
+    the old one is due at 5 s, the new one at 9 s. Admission needs one pin's slots: that pin goes."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["old", "new"], 10)
+    for gap in returns:
+        sessions.gaps.add(gap)
+    sessions.keep("old", nodes["old"], 10)
+    clock[0] = 4.0
+    sessions.keep("new", nodes["new"], 10)
+    sessions.reclaim(10)
+    assert set(sessions._pins) == {"old", "new"} - {dropped} and sessions.counts["reclaimed"] == 1
+
+
+@pytest.mark.parametrize("returns, queue_excess, pinned", [
+    (SHORT, 0, True),  # back well within the horizon (40 later-expected slots at 4 slots/s: 10 s)
+    (HEAVY, 0, True),  # 80% back within it
+    (LONG, 0, False),  # none back within it: the pin would only displace cache
+    (HEAVY, 40, False),  # the waiting queue needs the later pins' slots: this one would go next, at once
+])
+def test_under_pressure_a_pin_is_made_only_if_its_session_is_expected_back_before_it_is_reclaimed(
+        returns, queue_excess, pinned):
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["gone", "far", "new"], 40)
+    sessions.keep("gone", nodes["gone"], 40)
+    sessions.keep("far", nodes["far"], 40)
+    for gap in returns:
+        sessions.gaps.add(gap)
+    clock[0] = 40.0  # "far" has been away for 40 s: expected back after the new one, whatever the returns
+    sessions.reclaim(40)  # admission reclaims one pin (40 slots; the two tie): 4 slots/s over the window
+    assert set(sessions._pins) == {"far"}
+    clock[0] += 1.0
+    sessions.keep("new", nodes["new"], 40, queue_excess=queue_excess)
+    assert ("new" in sessions._pins) == pinned and sessions.counts["skipped"] == int(not pinned)
+
+
+def test_without_pressure_every_finished_turn_is_pinned():
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a"], 10)
+    for gap in LONG:
+        sessions.gaps.add(gap)
+    sessions.keep("a", nodes["a"], 10, queue_excess=-100)
+    assert "a" in sessions._pins and not sessions.under_pressure()
+    clock[0] = 1.0
+    sessions.note_eviction()  # an admission evicted cached paths: pressure, for the window
+    assert sessions.under_pressure()
+    clock[0] += PRESSURE_WINDOW_S + 0.1
+    assert not sessions.under_pressure()
+
+
+def test_the_return_gap_is_observed_from_the_finish_to_the_next_arrival():
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a"], 10)
+    sessions.keep("a", nodes["a"], 10)
+    clock[0] = 2.5
+    sessions.arrived("a")
+    sessions.arrived("a")  # a retraction's second stay in the queue is no return
+    sessions.arrived(None)
+    assert len(sessions.gaps) == 1 and sessions.gaps.remaining(0.0) == 2.5
+    assert 0 < PIN_ODDS < 1
+
+
+def _gaps(values: list[float]) -> ReturnGaps:
+    gaps = ReturnGaps()
+    for gap in values:
+        gaps.add(gap)
+    return gaps
+
+
+def _sessions(clock: list[float], names: list[str], length: int) -> tuple[Sessions, dict]:
+    """Open sessions, each with a cached path of `length` tokens of its own (no shared prefix)."""
+    allocator = KVAllocator(256, 1)
+    tree = RadixCache(allocator, page_size=1)
+    sessions = Sessions(tree, clock=lambda: clock[0])
+    nodes = {}
+    for i, name in enumerate(names):
+        sessions.open(name)
+        tokens = [1000 * (i + 1) + j for j in range(length)]
+        tree.insert(tokens, allocator.alloc(length))
+        nodes[name] = tree.match_prefix(tokens)[1]
+    return sessions, nodes
