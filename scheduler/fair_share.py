@@ -15,7 +15,15 @@ Admission order, most significant first:
   2. within a tenant, `priority` (lower value first, vLLM's meaning);
   3. within a priority, the program's least attained service (Autellix's PLAS): a program is a session
      (`SamplingParams.session_id`), or the request alone. Service is discretised into levels (0 below
-     LAS_QUANTUM, then one per doubling). A waiting request is not starved: once the engine has served others
+     LAS_QUANTUM, then one per doubling). A program's service counts what it asked for, not what the engine did
+     again: prompt tokens it computed before (its history recomputed after eviction or retraction) are charged to
+     its tenant but not to its program, or a program the cache lost would fall a level, wait longer and lose more.
+     Under memory pressure (the planner sets `las` off while admissions evict cached paths: scheduler/sessions.py
+     `under_pressure`) the levels are set aside: serving the least attained first keeps the most programs alive at
+     once, and their histories, a working set larger than the pool, push each other out of the cache (thrashing);
+     the cache-aware order then decides, which admits the continuations whose histories are cached first. At any
+     time a continuation whose history is held (`held`: pinned or still cached) goes at level 0. A waiting request
+     is not starved: once the engine has served others
      STARVATION_RATIO times its program's attained service since it joined the queue, it goes at level 0
      (Autellix's wait-to-service bound, in the engine's work rather than seconds), so that
   4. the cache-aware order (scheduler/policy.py) decides among the requests of one level.
@@ -61,6 +69,8 @@ class FairShare:
         self.counters: dict[str, float] = {}
         self._weights: dict[str, float] = {}
         self._service: OrderedDict[str, float] = OrderedDict()  # program -> attained service
+        self._extent: dict[str, int] = {}  # program -> the furthest sequence position it has computed
+        self.las = True  # program levels apply (the planner sets it off under memory pressure)
         self.queues = TenantQueues()  # the waiting requests by tenant
         self.tracked = False  # the planner reports every change of its queue (join / leave); else `observe` syncs
         self._waiting: dict[str, int] = {}  # tenant -> its queue's length at the last merge
@@ -87,8 +97,9 @@ class FairShare:
 
     # -- service ------------------------------------------------------------------------
 
-    def charge(self, req: Req, computed: int = 0, cached: int = 0, sampled: int = 0) -> float:
-        """Books service to the request's tenant and program; returns the (unweighted) cost."""
+    def charge(self, req: Req, computed: int = 0, cached: int = 0, sampled: int = 0, recomputed: int = 0) -> float:
+        """Books service to the request's tenant and program (less the `recomputed` of the computed tokens: its
+        program had computed them before); returns the (unweighted) cost."""
         cost = W_IN * computed + W_CACHED * cached + W_OUT * sampled
         if cost:
             self._served += cost
@@ -96,21 +107,43 @@ class FairShare:
             self.counters[tenant] = self.counter(tenant) + cost / self.weight(tenant)
             program = req.params.session_id
             if program is not None:
-                self._service[program] = self._service.pop(program, 0.0) + cost
+                self._service[program] = self._service.pop(program, 0.0) + cost - W_IN * recomputed
                 if len(self._service) > MAX_PROGRAMS:
-                    self._service.popitem(last=False)
+                    self._extent.pop(self._service.popitem(last=False)[0], None)
         return cost
 
     def charge_batch(self, items: Iterable, admitted_cached: Iterable[tuple[Req, int]] = ()) -> None:
         """One planned step: every item computes its tokens (a decode computes the last sampled one, which was
         charged as an output when it was sampled) and samples at most one; admissions add their cached tokens."""
         for item in items:
-            self.charge(item.req, computed=0 if item.is_decode else item.num_tokens, sampled=int(item.sample))
+            computed = 0 if item.is_decode else item.num_tokens
+            self.charge(item.req, computed=computed, sampled=int(item.sample),
+                        recomputed=self._recomputed(item.req, computed, item.num_tokens))
         for req, cached in admitted_cached:
             self.charge(req, cached=cached)
 
+    def _recomputed(self, req: Req, computed: int, num_tokens: int) -> int:
+        """Of the `computed` prompt tokens from the request's position (`num_tokens` computed in all, a decode's
+        one included), those its program computed before (a session's turns extend one history, so positions below
+        its furthest were its earlier turns')."""
+        program = req.params.session_id
+        if program is None:
+            return 0
+        start, extent = req.kv_len, self._extent.get(program, 0)
+        self._extent[program] = max(extent, start + num_tokens)
+        return min(max(extent - start, 0), computed)
+
+    def held(self, req: Req, cached: int) -> bool:
+        """Whether the request's `cached` prefix holds all its program computed before (a continuation whose history
+        is pinned or still cached, less the last output token, which no step computed): admitting it costs only
+        what is new, and waiting risks the history."""
+        extent = self._extent.get(req.params.session_id, 0) if req.params.session_id is not None else 0
+        return extent > 0 and cached >= extent - 1
+
     def level(self, req: Req) -> int:
         program = req.params.session_id
+        if not self.las:
+            return 0
         service = self._service.get(program, 0.0) if program is not None else 0.0
         if self._served - self._queued.get(id(req), self._served) > STARVATION_RATIO * service:
             return 0  # waited long enough for its service: not starved behind newer programs
@@ -180,12 +213,15 @@ class FairShare:
             plain = plain and not p.priority and p.session_id is None
         if not plain:
             for queue in queues.values():
-                queue.sort(key=self._key)
+                queue.sort(key=lambda r: self._key(r, cached_len))
         if len(queues) == 1:
             return base if plain else next(iter(queues.values()))
         return self._merge(base, queues, cached_len or _nothing_cached)
 
-    def _key(self, req: Req) -> tuple[int, int]:
+    def _key(self, req: Req, cached_len: Callable[[Req], int] | None = None) -> tuple[int, int]:
+        """Priority, then the program's level: 0 for a continuation whose history is held (`held`)."""
+        if cached_len is not None and req.params.session_id in self._extent and self.held(req, cached_len(req)):
+            return req.params.priority, 0
         return req.params.priority, self.level(req)
 
     def _lazy_queues(self, base: list[Req], lead: int, window: Sequence[Req], tenants: list[str]) -> dict[str, Any]:

@@ -68,6 +68,8 @@ class Planner:
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
         self._step_order = None
+        if self.policy.share is not None:  # program levels yield to the cache under memory pressure (fair_share.py)
+            self.policy.share.las = not self.kv.sessions.under_pressure()
         self._preempt(step)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
