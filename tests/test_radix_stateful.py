@@ -113,10 +113,12 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                 _, _, node = self.hints.pop(data.draw(st.integers(0, len(self.hints) - 1), label="hint_idx"))
                 self.cache.unhint(node)
                 return
-            _, node = self.cache.match_prefix(tokens, salt, record_hit=False)
+            matched, node = self.cache.match_prefix(tokens, salt, record_hit=False)
             if not node.is_root:
                 self.cache.hint(node)
-                self.hints.append((salt, list(tokens), node))
+                # the path matched now: a hint is a snapshot (the engine hints once per stay in the queue), so a
+                # page cached later along the prompt is not hinted
+                self.hints.append((salt, list(tokens[:len(matched)]), node))
                 note("prefix hinted")
 
         @precondition(lambda self: self.pins)
@@ -208,7 +210,8 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                     "eviction left a cached prefix without its parent")
 
         def hinted_keys(self) -> set:
-            """Cached pages on the matched path of a waiting request (what it will use if nothing evicts it)."""
+            """Cached pages of the path a waiting request matched when it was hinted (what it will use if nothing
+            evicts it; eviction shortens the path from its end, the hint moving to the parent)."""
             keys = set()
             for salt, tokens, _ in self.hints:
                 for end in range(page_size, len(tokens) + 1, page_size):
