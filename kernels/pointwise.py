@@ -1,6 +1,6 @@
 """The elementwise steps of a decoder layer between its matmuls (kernels/cpu_pointwise.c): a residual add fused
-into RMSNorm, rotary in place, SwiGLU, one native call each where the native library is loaded and the tensors
-are CPU fp32 / bf16 and contiguous; torch ops (layers.py) everywhere else. Same numerics as the torch ops,
+into RMSNorm, rotary in place, SwiGLU, one native call each where the native library is loaded and the activations
+are CPU bf16; torch ops (layers.py) everywhere else. Same numerics as the torch ops,
 rounding where they round: a decode step of a few rows then pays one call per step instead of about a dozen
 torch dispatches (model L, batch 1: ~5 ms of a 30 ms step)."""
 from __future__ import annotations
@@ -29,8 +29,10 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether this forward's activations take the native calls."""
-    return x.device.type == "cpu" and x.dtype in _DTYPES and _lib() is not None
+    """Whether this forward's activations take the native calls: bf16 on the CPU. fp32 keeps torch's ops, bit for
+    bit (the calls differ from them by a few fp32 ulps, which flipped a scripted model's exactly tied logits in
+    tests/test_reasoning_budget.py; fp32 parity with transformers stays exact). The calls serve fp32 too (tested)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _lib() is not None
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
