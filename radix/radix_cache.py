@@ -75,6 +75,10 @@ class TreeNode:
                 f"last_access={self.last_access}, hit_count={self.hit_count})")
 
 
+# Where a match stopped: the last node it covered whole and that node's depth (RadixCache.match_cursor).
+MatchCursor = tuple[TreeNode, int]
+
+
 class RadixCache(EvictionOrder):
     """Prefix cache over a KVAllocator; see ARCHITECTURE.md §4 for the contract."""
 
@@ -144,23 +148,41 @@ class RadixCache(EvictionOrder):
     def match_length(self, tokens: Sequence[int], salt: str | None = None, limit: int | None = None) -> int:
         """len(peek_prefix(tokens[:limit], salt)), building no slot list and copying only the tokens
         compared. Read-only (no split, no access stamp); constant while `epoch` stays."""
+        return self.match_cursor(tokens, salt, limit)[0]
+
+    def match_cursor(self, tokens: Sequence[int], salt: str | None = None, limit: int | None = None,
+                     cursor: MatchCursor | None = None) -> tuple[int, MatchCursor | None]:
+        """match_length, resumable across changes to the tree: also returns a cursor (the last node the match
+        covered whole, and its depth) which, passed back with the same tokens, salt and limit after any inserts,
+        splits or evictions, resumes the walk from that node if it is still cached. A node's depth never changes
+        (a split keeps the lower part's object) and an evicted node is detached, so an attached cursor node means
+        the whole path above it is still cached. A waiting request re-measured every step costs one child lookup
+        instead of a walk over its whole prompt (scheduler/policy.py cached_len)."""
         root = self._roots.get(salt)
         if self.disable or root is None:
-            return 0
+            return 0, None
         end = len(tokens) if limit is None else max(min(limit, len(tokens)), 0)
         end -= end % self.page_size
         node, pos = root, 0
+        if cursor is not None and cursor[1] <= end and self._attached(cursor[0], root):
+            node, pos = cursor
         while pos < end:
             first = tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
             child = node.children.get(first)
             if child is None:
-                break
+                return pos, (node, pos)
             num = self._common_len(child.key, tuple(tokens[pos:pos + min(len(child.key), end - pos)]), 0)
-            pos += num
             if num < len(child.key):
-                break
+                return pos + num, (node, pos)
+            pos += num
             node = child
-        return pos
+        return pos, (node, pos)
+
+    @staticmethod
+    def _attached(node: TreeNode, root: TreeNode) -> bool:
+        """Whether `node` is still in the tree under `root` (an evicted or reset node is detached; a namespace root
+        dropped with its last child is replaced by a new one)."""
+        return node is root if node.is_root else node.parent is not None
 
     def insert(self, tokens: Sequence[int], slot_ids: Sequence[int], salt: str | None = None) -> int:
         """Cache `tokens` backed by `slot_ids`; returns how many leading tokens were already cached.

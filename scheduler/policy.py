@@ -17,7 +17,7 @@ Cost: only the oldest `window` fresh requests are ordered; the rest follow in ar
 planner admits at most max_running_requests per step anyway), and above `fcfs_queue_len` waiting
 requests the whole queue is fcfs. Prompt block keys are computed once per request, cached
 lengths once per request and tree epoch (RadixCache.epoch moves only when the cached set
-changes), and the prefix-group tree only when the window or the claims change; a step where none
+changes; a new epoch resumes each match where it stopped: RadixCache.match_cursor), and the prefix-group tree only when the window or the claims change; a step where none
 of those moved reuses the previous order. What is left per step is a few O(n) list passes.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class SchedulePolicy:
         self._admitted_by_step: dict[int, int] = {}  # arrival step -> fresh requests admitted since
         self._last_order: list[Req] = []
         self._left: list[Req] = []  # admitted fresh requests that may still be prefilling (claims)
-        self._matched: dict[str, tuple[Req, int, int, int]] = {}  # rid -> (req, epoch, cap, cached len)
+        self._matched: dict[str, tuple] = {}  # rid -> (req, epoch, cap, cached len, match cursor)
         self._groups: tuple | None = None  # (config, window, claims, PrefixGroups) of the last tree
         self._ordered: tuple | None = None  # (groups, epoch, walk order) of the last tree walk
         self.num_urgent = 0  # requests promoted by the starvation rule (for tests and stats)
@@ -205,13 +205,15 @@ class SchedulePolicy:
         epoch = self.kv.tree.epoch
         cap = self.kv.match_cap(req)
         memo = self._matched.get(req.rid)
-        if memo is not None and memo[0] is req and memo[1] == epoch and memo[2] == cap:
+        same = memo is not None and memo[0] is req and memo[2] == cap
+        if same and memo[1] == epoch:
             return memo[3]
-        tokens = req.prompt_ids if cap <= len(req.prompt_ids) else req.all_ids  # no copy: match_length stops at cap
+        tokens = req.prompt_ids if cap <= len(req.prompt_ids) else req.all_ids  # no copy: the match stops at cap
         if req.params.cache_salt_after:
             tokens = req.tree_ids(cap)
-        num = self.kv.tree.match_length(tokens, req.tree_salt, limit=cap)
-        self._matched[req.rid] = (req, epoch, cap, num)
+        # The tree moved: resume from where the last match stopped (one child lookup while that node is cached).
+        num, cursor = self.kv.tree.match_cursor(tokens, req.tree_salt, limit=cap, cursor=memo[4] if same else None)
+        self._matched[req.rid] = (req, epoch, cap, num, cursor)
         return num
 
 

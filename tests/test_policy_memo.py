@@ -28,8 +28,8 @@ def cache(kv, tokens, salt=None):
 
 def count_matches(kv, monkeypatch):
     calls = []
-    real = kv.tree.match_length
-    monkeypatch.setattr(kv.tree, "match_length", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = kv.tree.match_cursor  # every cached length the policy measures goes through it
+    monkeypatch.setattr(kv.tree, "match_cursor", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 
@@ -162,3 +162,26 @@ def test_fcfs_fallback_above_the_queue_threshold(monkeypatch):
         monkeypatch.undo()
     with pytest.raises(ValueError, match="fcfs_queue_len"):
         PolicyConfig(fcfs_queue_len=0)
+
+
+def test_a_new_epoch_resumes_each_waiting_match_where_it_stopped(monkeypatch):
+    """An insert elsewhere moves the epoch; a waiting request's cached length is then re-measured from the node
+    its last match stopped at (no compare of the prefix it already matched), and still agrees with a fresh walk."""
+    kv = PrefixKV(10_000, 1, False, "lru")
+    rng = random.Random(2)
+    system = [rng.randrange(10, 4000) for _ in range(512)]
+    waiting = [make_req(system + [rng.randrange(10, 4000) for _ in range(32)]) for _ in range(8)]
+    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(dedup_min_tokens=10**6))
+    cache(kv, system)
+    assert [pol.cached_len(r) for r in waiting] == [512] * 8
+    compared = []
+    real = kv.tree._common_len
+    monkeypatch.setattr(kv.tree, "_common_len", lambda edge, key, pos: compared.append(len(key)) or real(edge, key, pos))
+    cache(kv, [rng.randrange(10, 4000) for _ in range(64)])  # another prompt: the epoch moves
+    assert [pol.cached_len(r) for r in waiting] == [512] * 8
+    assert sum(compared) == 0  # each resumed at the system prompt's node, whose next token has no child
+    cache(kv, waiting[0].prompt_ids[:520])  # its own continuation is cached: the resumed walk goes on
+    compared.clear()  # (the insert's own walk)
+    assert pol.cached_len(waiting[0]) == 520 and sum(compared) == 8
+    assert [kv.tree.match_length(r.prompt_ids, limit=kv.match_cap(r)) for r in waiting] == [
+        pol.cached_len(r) for r in waiting]

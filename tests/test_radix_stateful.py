@@ -58,6 +58,7 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             self.pins: list[tuple[str | None, list[int], TreeNode]] = []  # (salt, pinned prefix, node)
             self.hints: list[tuple[str | None, list[int], TreeNode]] = []  # (salt, prompt, node): waiting requests
             self.cache: RadixCache | None = None
+            self.cursors: dict[tuple, object] = {}  # (salt, probe tokens) -> its last match cursor
 
         @initialize(policy=st.sampled_from(["lru", "lru-reuse"]), reuse_bonus=st.sampled_from([0.0, 4.0, 64.0]))
         def make_cache(self, policy: str, reuse_bonus: float) -> None:
@@ -272,7 +273,12 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
             probes = [list(prefix) + [3] for _, prefix in self.model] + [r.tokens for r in self.requests]
             for tokens in probes:
                 for salt in SALTS:
-                    assert self.cache.peek_prefix(tokens, salt) == self.model_match(tokens, salt)
+                    expected = self.model_match(tokens, salt)
+                    assert self.cache.peek_prefix(tokens, salt) == expected
+                    # A match resumed from the cursor an earlier step left (the tree changed since) is as long.
+                    key = (salt, tuple(tokens))
+                    num, self.cursors[key] = self.cache.match_cursor(tokens, salt, cursor=self.cursors.get(key))
+                    assert num == len(expected), "a resumed match disagrees with a fresh one"
 
     return RadixMachine
 
