@@ -21,6 +21,9 @@ Budgets are fractions of the trace's peak working set: the most tokens its live 
 prompts held at once on the realised timeline of a calibration run with a pool that never evicts
 (`peak_working_set`). Every repetition is another seed (another trace), calibrated on its own. The modes
 alternate per budget on fresh servers.
+KV dtypes (`--kv-cache-dtypes auto,int8`) compare at the same KV memory: a budget's tokens are priced in the bytes of
+the model's dtype (the dtype the server runs in), and each KV dtype's pool holds as many tokens as those bytes hold
+in it (kernels/kv_budget.py's row sizes: an int8 pool ~1.9x a bf16 one's). `--sessions on` runs one mode only.
 
     python -m radixserve.bench.agent_trace --model S --budgets 0.25,0.5,1.0 --repeats 3
 """
@@ -38,8 +41,11 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
 
+from ..kernels.kv_budget import KV_CACHE_DTYPES, kv_bytes_per_token
+from ..scheduler.config import DTYPES
 from .cache_sim import POLICIES, TraceRequest, simulate
-from .output import BenchOutput, bench_parser, parse_args, percentile
+from .kv_memory import kv_shape, pool_tokens
+from .output import BenchOutput, bench_parser, comma_choices, parse_args, percentile
 from .plot import plot_agent_trace
 
 
@@ -249,28 +255,44 @@ def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_
             "turn_p50_s": percentile(latencies, 50), "turn_p99_s": percentile(latencies, 99),
             "agent_p50_s": percentile(completions, 50), "agent_p99_s": percentile(completions, 99),
             "wall_s": wall_s, "turns_per_s": len(records) / wall_s if wall_s else 0.0,
+            "pool_slots": stats.get("total_slots"),  # the server's KV pool (None: a peer's, unknown)
             "pins": {k: stats.get(k, 0) for k in ("num_pins_pinned", "num_pins_used", "num_pins_expired",
                                                    "num_pins_reclaimed", "num_pins_settled")}}
 
 
-def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int) -> dict[str, Any]:
+def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str = "auto",
+                kv_cache_dtype: str = "auto") -> list[str]:
+    return ["--model", model_path, "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype, "--kv-cache-tokens",
+            str(kv_tokens), "--num-threads", str(threads), "--context-length", str(cfg.max_sequence()),
+            "--max-running-requests", str(min(cfg.agents, 64)), "--max-queued-requests", str(4 * cfg.agents),
+            "--disable-log-requests"]
+
+
+def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int, dtype: str = "auto",
+               kv_cache_dtype: str = "auto") -> dict[str, Any]:
     from ..frontend.spawn import ServerProcess
 
-    server = ServerProcess(["--model", model_path, "--kv-cache-tokens", str(kv_tokens), "--num-threads",
-                            str(threads), "--context-length", str(cfg.max_sequence()), "--max-running-requests",
-                            str(min(cfg.agents, 64)), "--max-queued-requests", str(4 * cfg.agents),
-                            "--disable-log-requests"])
+    server = ServerProcess(server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype))
     try:
         return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
     finally:
         server.stop()
 
 
+def run_order(kv_cache_dtypes: Sequence[str], sessions: Sequence[bool], flip: bool) -> list[tuple[str, bool]]:
+    """The (KV dtype, sessions) runs of one budget; `flip` reverses them, so the first alternates."""
+    runs = [(kv, on) for kv in kv_cache_dtypes for on in sessions]
+    return runs[::-1] if flip else runs
+
+
 def medians(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (budget, sessions): the median of each measure over the repetitions."""
+    """One row per (budget, KV dtype, sessions): the median of each measure over the repetitions."""
+    def key(r):
+        return r["budget"], r.get("kv_cache_dtype", "auto"), r["sessions"]
+
     rows = []
-    for key in dict.fromkeys((r["budget"], r["sessions"]) for r in runs):
-        mine = [r for r in runs if (r["budget"], r["sessions"]) == key]
+    for k in dict.fromkeys(map(key, runs)):
+        mine = [r for r in runs if key(r) == k]
         row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins", "sim")}
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "seed"):
@@ -291,13 +313,17 @@ def markdown(report: dict[str, Any]) -> str:
              f"{', '.join(str(p) for p in report['peaks'])}: the calibration runs' realised peaks, which the budgets "
              "are fractions of). Greedy, ignore_eos; sessions on: each request names its agent's session, closed "
              "after its last turn. Excess = recomputed - cold (first-time tokens). Each row: the median over "
-             f"{report['repeats']} seed(s), the modes alternating on fresh servers.", "",
-             "| KV budget | sessions | recomputed | cold | excess | turn p50 / p99 s | agent p50 / p99 s | turns/s "
-             "| busy (arrivals) | pins used / reclaimed / expired | excess: LRU sim / Bélády sim |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{report['repeats']} seed(s), the modes alternating on fresh servers. KV budget: its memory (the "
+             "model's dtype's bytes of its share of the working set); each KV dtype's pool holds the tokens "
+             "that memory holds in it.", "",
+             "| KV budget (MiB) | KV dtype | tokens held | sessions | recomputed | cold | excess | turn p50 / p99 s "
+             "| agent p50 / p99 s | turns/s | busy (arrivals) | pins used / reclaimed / expired "
+             "| excess: LRU sim / Bélády sim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
-        lines.append(f"| {row['budget']:g} ({row['kv_tokens']:g}) | {'on' if row['sessions'] else 'off'} "
+        lines.append(f"| {row['budget']:g} ({row['kv_bytes'] / 2**20:.3g}) | {row['kv_cache_dtype']} "
+                     f"| {row['kv_tokens']:g} | {'on' if row['sessions'] else 'off'} "
                      f"| {row['recomputed']:g} | {row['cold']:g} | {row['excess']:g} "
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
@@ -325,16 +351,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       tool_median_s=args.tool_median_s, tool_p95_s=args.tool_p95_s, vocab=args.vocab,
                       seed=args.seed)
     model_path = bench_model_path(args.model)
+    shape = kv_shape(model_path, args.dtype)
     runs, peaks = [], []
     for rep in range(args.repeats):
         seeded = dataclasses.replace(cfg, seed=cfg.seed + rep)
         # The calibration run: a pool that never evicts, sessions off; its realised peak sets the budgets.
-        peaks.append(run_budget(model_path, seeded, seeded.upper_bound(), False, args.threads)["peak_tokens"])
+        peaks.append(run_budget(model_path, seeded, seeded.upper_bound(), False, args.threads,
+                                args.dtype)["peak_tokens"])
         for i, budget in enumerate(args.budgets):
-            kv_tokens = max(int(budget * peaks[-1]), cfg.max_sequence() + cfg.answer_tokens)
-            for sessions in ((True, False) if (i + rep) % 2 == 0 else (False, True)):  # alternating the first
-                row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads)
-                runs.append({"rep": rep, "seed": seeded.seed, "budget": budget, "kv_tokens": kv_tokens,
+            model_tokens = max(int(budget * peaks[-1]), cfg.max_sequence() + cfg.answer_tokens)
+            for kv_dtype, sessions in run_order(args.kv_cache_dtypes, args.sessions, (i + rep) % 2 == 1):
+                kv_tokens = pool_tokens(model_tokens, shape, kv_dtype)
+                row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads, args.dtype, kv_dtype)
+                runs.append({"rep": rep, "seed": seeded.seed, "budget": budget, "kv_cache_dtype": kv_dtype,
+                             "kv_tokens": kv_tokens, "kv_bytes": model_tokens * kv_bytes_per_token(*shape),
                              "sessions": sessions, **row})
     report = {"bench": "agent_trace", "command": args.command, "model": args.model, "repeats": args.repeats,
               "config": dataclasses.asdict(cfg), "working_set": statistics.median(peaks), "peaks": peaks,
@@ -365,9 +395,16 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--tool-p95-s", type=float, default=d.tool_p95_s)
     p.add_argument("--vocab", type=int, default=d.vocab, help="token ids are drawn below this")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server's engine")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="the server's --dtype")
+    p.add_argument("--kv-cache-dtypes", type=comma_choices(KV_CACHE_DTYPES), default=["auto"],
+                   help="KV cache dtypes to run, each at the budget's memory in the model's dtype")
+    p.add_argument("--sessions", type=comma_choices(("on", "off")), default=["on", "off"],
+                   help="the modes: sessions on, off (plain LRU)")
     p.add_argument("--repeats", type=int, default=3, help="runs per budget and mode; each row is their median")
     p.add_argument("--seed", type=int, default=d.seed)
-    return parse_args(p, argv)
+    args = parse_args(p, argv)
+    args.sessions = [mode == "on" for mode in args.sessions]
+    return args
 
 
 if __name__ == "__main__":

@@ -50,6 +50,16 @@ def bench_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def comma_choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of `allowed` values, each once, in the order given."""
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        if bad := [v for v in values if v not in allowed]:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: choose from {', '.join(allowed)}")
+        return list(dict.fromkeys(values))
+    return parse
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parses argv (sys.argv[1:] when None) and records the command line as the reports quote it."""
     args = parser.parse_args(argv)

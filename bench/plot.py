@@ -48,26 +48,33 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> No
 
 def plot_agent_trace(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
     """Two panels over the KV budget: excess recompute (sessions on, off, and the LRU and Bélády replays of the
-    sessions-on runs) and p99 turn latency (sessions on and off)."""
+    sessions-on runs) and p99 turn latency (sessions on and off); a line per KV dtype where rows have several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    on = sorted((r for r in rows if r["sessions"]), key=lambda r: r["budget"])
-    off = sorted((r for r in rows if not r["sessions"]), key=lambda r: r["budget"])
+    dtypes = list(dict.fromkeys(r.get("kv_cache_dtype", "auto") for r in rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 3.6))
-    series = [("sessions on", on, lambda r: r["excess"], "-"), ("sessions off (LRU)", off, lambda r: r["excess"], "-"),
-              ("LRU replay", on, lambda r: r["sim"]["lru"], ":"), ("Bélády replay", on, lambda r: r["sim"]["belady"],
-                                                                    "--")]
-    for num, (label, rs, value, style) in enumerate(series):
-        left.plot([r["budget"] for r in rs], [value(r) for r in rs], marker=_MARKERS[num], linestyle=style,
-                  label=label)
+    for dnum, dtype in enumerate(dtypes):
+        of = f", KV {dtype}" if len(dtypes) > 1 else ""
+        on, off = (sorted((r for r in rows if r["sessions"] == sessions and r.get("kv_cache_dtype", "auto") == dtype),
+                          key=lambda r: r["budget"]) for sessions in (True, False))
+        series = [(f"sessions on{of}", on, lambda r: r["excess"], "-"),
+                  (f"sessions off (LRU){of}", off, lambda r: r["excess"], "-"),
+                  (f"LRU replay{of}", on, lambda r: r["sim"]["lru"], ":"),
+                  (f"Bélády replay{of}", on, lambda r: r["sim"]["belady"], "--")]
+        for num, (label, rs, value, style) in enumerate(s for s in series if s[1]):
+            left.plot([r["budget"] for r in rs], [value(r) for r in rs], marker=_MARKERS[(num + dnum) % len(_MARKERS)],
+                      linestyle=style, label=label)
+        lines = ((f"sessions on{of}", on), (f"sessions off (LRU){of}", off))
+        for num, (label, rs) in enumerate(s for s in lines if s[1]):
+            right.plot([r["budget"] for r in rs], [r["turn_p99_s"] for r in rs],
+                       marker=_MARKERS[(num + dnum) % len(_MARKERS)], linestyle=_STYLES[dnum % len(_STYLES)],
+                       label=label)
     left.set_xlabel("KV budget (fraction of the working set)")
     left.set_ylabel("excess recompute (tokens)")
     left.legend(fontsize=8)
-    for num, (label, rs) in enumerate((("sessions on", on), ("sessions off (LRU)", off))):
-        right.plot([r["budget"] for r in rs], [r["turn_p99_s"] for r in rs], marker=_MARKERS[num], label=label)
     right.set_xlabel("KV budget (fraction of the working set)")
     right.set_ylabel("p99 turn latency (s)")
     right.set_ylim(bottom=0)

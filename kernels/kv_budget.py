@@ -16,10 +16,16 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elemen
     return 2 * num_layers * num_kv_heads * row
 
 
+def equal_memory_tokens(model_tokens: int, bytes_per_token: int, model_bytes_per_token: int) -> int:
+    """The tokens a pool of bytes_per_token per token holds in the memory model_tokens take in the model's dtype
+    (model_bytes_per_token each): the same bytes, so an int8 cache holds ~2x a bf16 one's tokens."""
+    return model_tokens * model_bytes_per_token // bytes_per_token
+
+
 def default_cpu_kv_tokens(bytes_per_token: int, model_bytes_per_token: int) -> int:
     """The CPU's default pool: the memory DEFAULT_CPU_KV_TOKENS take in the model's dtype, in tokens of this
-    cache (an int8 cache holds ~2x a bf16 one's in it)."""
-    return DEFAULT_CPU_KV_TOKENS * model_bytes_per_token // bytes_per_token
+    cache."""
+    return equal_memory_tokens(DEFAULT_CPU_KV_TOKENS, bytes_per_token, model_bytes_per_token)
 
 
 def kv_pool_slots(kv_cache_tokens: int, page_size: int) -> int:

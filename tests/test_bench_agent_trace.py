@@ -3,6 +3,10 @@ import json
 
 from radixserve.bench import agent_trace
 from radixserve.bench.agent_trace import TraceConfig, TurnRecord, make_plan, summarize
+from radixserve.bench.harness import bench_model_path
+from radixserve.bench.kv_memory import kv_shape, pool_tokens
+from radixserve.frontend.cli import build_parser
+from radixserve.frontend.flags import config_from_args
 
 TINY = ["--model", "tiny", "--agents", "6", "--apps", "2", "--app-tokens", "96", "--user-tokens", "16", "--turns",
         "3", "--call-tokens", "8", "--answer-tokens", "8", "--tool-tokens", "16", "32", "--arrivals-per-s", "20",
@@ -55,7 +59,9 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
         assert 0 < row["busy"] < 1  # the engine stepped for part of the run, and idled while the tools ran
         assert row["busy_arrivals"] >= 0  # (its window, ~0.3 s here, is too short to bound: a step counts whole)
     saved = json.loads((tmp_path / "agent_trace_tiny.json").read_text())
-    assert len(saved["rows"]) == 2 and f"| 0.5 ({on['kv_tokens']}) | on |" in (tmp_path / "agent_trace_tiny.md").read_text()
+    table = (tmp_path / "agent_trace_tiny.md").read_text()
+    assert len(saved["rows"]) == 2 and f"| auto | {on['kv_tokens']} | on |" in table
+    assert on["pool_slots"] == off["pool_slots"] == on["kv_tokens"]
     assert (tmp_path / "agent_trace_tiny.png").stat().st_size > 10_000  # recompute and p99 against the budget
 
 
@@ -69,3 +75,65 @@ def test_rows_are_medians_over_the_repetitions():
     on, off = agent_trace.medians(runs)
     assert on["sessions"] and on["excess"] == 3 and on["pins"]["num_pins_used"] == 4 and on["kv_tokens"] == 100
     assert not off["sessions"] and off["excess"] == 8 and off["turn_p99_s"] == 0.8 and off["sim"]["lru"] == 16
+
+
+# -- KV dtypes at equal memory (--kv-cache-dtypes) ----------------------------------------------
+
+L_SHAPE = (24, 2, 64, 2)  # bench model L: 24 layers, 2 kv heads of 64, bf16
+
+
+def test_each_kv_dtype_gets_the_tokens_the_same_bytes_hold():
+    # bf16: 2 (K, V) x 24 x 2 x 64 x 2 = 12288 bytes a token; int8: 2 x 24 x 2 x (64 + a 4-byte scale) = 6528.
+    assert pool_tokens(1000, L_SHAPE, "auto") == 1000
+    assert pool_tokens(1000, L_SHAPE, "int8") == 1000 * 12288 // 6528 == 1882
+    assert 1882 * 6528 <= 1000 * 12288 < 1883 * 6528  # the most int8 tokens within the bf16 pool's bytes
+    assert pool_tokens(1000, (24, 2, 64, 4), "int8") == 1000 * 24576 // 6528 == 3764  # an fp32 model's pool
+
+
+def test_the_kv_shape_is_the_dtype_the_server_runs_in():
+    path = bench_model_path("tiny")  # fp32 weights, 2 layers, 2 kv heads of 64 / 4 = 16
+    assert kv_shape(path, "auto") == (2, 2, 16, 4) and kv_shape(path, "bfloat16") == (2, 2, 16, 2)
+
+
+def test_server_args_carry_the_kv_dtype_and_tokens_to_the_server():
+    args = agent_trace.server_args("/ckpt", TraceConfig(agents=6), 1882, 1, "bfloat16", "int8")
+    engine = config_from_args(build_parser().parse_args(["serve", *args])).engine
+    assert (engine.kv_cache_dtype, engine.kv_cache_tokens, engine.dtype) == ("int8", 1882, "bfloat16")
+    assert engine.model_path == "/ckpt" and engine.num_threads == 1
+
+
+def _fake_row(peak: int) -> dict:
+    records = [TurnRecord(0, 0, 100, 40, 50, 0.1, 0.0, [], [])]
+    sim = {f"{p}{s}": 0 for p in ("lru", "belady") for s in ("", "_overflow", "_deferred")}
+    return summarize(records, [1.0], 2.0, {}) | {"busy": 0.5, "busy_arrivals": 0.5, "peak_tokens": peak, "sim": sim}
+
+
+def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
+    calls = []
+
+    def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto"):
+        calls.append((kv_tokens, sessions, dtype, kv_cache_dtype))
+        return _fake_row(4000)
+
+    monkeypatch.setattr(agent_trace, "run_budget", run_budget)
+    report = agent_trace.main([*TINY, "--repeats", "2", "--kv-cache-dtypes", "auto,int8", "--sessions", "on",
+                               "--out", str(tmp_path)])
+    auto = 2000  # 0.5 of the fake peak, above the floor (one longest request)
+    int8 = pool_tokens(auto, (2, 2, 16, 4), "int8")
+    assert int8 == 2000 * 512 // 160 == 6400  # tiny runs in fp32: 2 x 2 x 2 x 16 x 4 bytes a token against 16 + 4
+    calibrate = TraceConfig(agents=6, apps=2, app_tokens=96, user_tokens=16, turns=3, call_tokens=8,
+                            answer_tokens=8, tool_tokens=(16, 32)).upper_bound()
+    assert calls == [(calibrate, False, "auto", "auto"), (auto, True, "auto", "auto"), (int8, True, "auto", "int8"),
+                     (calibrate, False, "auto", "auto"), (int8, True, "auto", "int8"), (auto, True, "auto", "auto")]
+    assert [(r["kv_cache_dtype"], r["kv_tokens"], r["sessions"]) for r in report["rows"]] == [
+        ("auto", auto, True), ("int8", int8, True)]
+    assert report["rows"][0]["kv_bytes"] == report["rows"][1]["kv_bytes"] == auto * 512
+    text = (tmp_path / "agent_trace_tiny.md").read_text()
+    assert f"| 0.5 ({auto * 512 / 2**20:.3g}) | int8 | {int8} | on |" in text and "| auto | 2000 | on |" in text
+
+
+def test_a_tiny_trace_runs_with_an_int8_kv_cache(tmp_path):
+    report = agent_trace.main([*TINY, "--kv-cache-dtypes", "int8", "--sessions", "on", "--out", str(tmp_path)])
+    (row,) = report["rows"]
+    assert row["kv_cache_dtype"] == "int8" and row["pool_slots"] == row["kv_tokens"]  # the server's own pool
+    assert row["turns"] == 6 * 3 and row["pins"]["num_pins_pinned"] > 0
