@@ -238,7 +238,8 @@ async def repetition(url: str, cfg: TenantsConfig, fair: bool, extras: bool) -> 
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
-    lines = [f"# Tenants (model {report['model']}, median of {report['repeats']})", "",
+    lines = [f"# Tenants (model {report['model']}, median of {report['repeats']}, "
+             f"{report.get('engine_threads', '?')} engine thread(s))", "",
              "| | light p99 TTFT | light p50 TTFT | p99 in the engine (queued) | step under load | hit / optimal |",
              "|---|---|---|---|---|---|"]
     for name in ("alone", "fair_on", "fair_off"):
@@ -294,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             finally:
                 server.stop()
     report = {"bench": "tenants", "command": args.command, "model": args.model, "repeats": args.repeats,
+              "engine_threads": args.threads,
               "config": asdict(cfg), "summary": summarize(rows), "runs": rows}
     out = BenchOutput("tenants", args.out)
     out.finish(out.write_report(f"tenants_{args.model}", report, markdown(report)))
@@ -315,7 +317,9 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of offered load per phase")
     p.add_argument("--probes", type=int, default=d.probes, help="isolation probes of each kind")
     p.add_argument("--max-running", type=int, default=d.max_running)
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the server's engine")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the server's engine (on 2 cores, 1 leaves a core to the HTTP frontend and "
+                        "to this client, whose delays would otherwise be measured as the light tenant's)")
     p.add_argument("--repeats", type=int, default=3, help="repetitions per fair-share setting; medians reported")
     p.add_argument("--seed", type=int, default=d.seed)
     return parse_args(p, argv)
