@@ -1,0 +1,189 @@
+"""agent_trace's trace against an in-process Engine on a virtual clock: excess recompute as deterministic counts.
+
+A dev tool for the retention and eviction rules of scheduler/sessions.py. The trace is bench/agent_trace.py's
+(`make_plan`: the same seeded agents, apps, tool results and tool latencies); instead of a server and the wall
+clock, an in-process `Engine` (the tiny bench model: outputs' values do not matter, only their lengths) steps on a
+virtual clock. Each step advances it by a modelled step time (`StepModel`: a fixed cost plus a cost per token the
+step computes); tools take their trace latencies; when nothing runs the clock jumps to the next arrival. The
+sessions' clock (pins, return gaps, pressure) and their prefill cost are the virtual ones, so a run's counts do not
+depend on the machine or its load. Per seed it calibrates the budget like agent_trace (the realised peak working set
+of a run whose pool never evicts, sessions off), then per budget runs sessions on and off and replays each run's
+realised trace through bench/cache_sim.py's LRU and Bélády at the engine's capacity. The target of issue 38:
+excess(on) <= Bélády + 0.25 x (excess(off) - Bélády), Bélády on the sessions-on run's trace.
+
+    python -m radixserve.bench.agent_replay --seeds 0,1,2,3 --budgets 0.5,1.0
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .agent_trace import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
+from .output import BenchOutput, bench_parser, parse_args, percentile
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Virtual seconds per engine step: `base_s` + `per_token_s` x the tokens it computes (prefill and decode)."""
+    base_s: float = 0.004
+    per_token_s: float = 6e-5
+
+    def seconds(self, num_tokens: int) -> float:
+        return self.base_s + self.per_token_s * num_tokens
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, step: StepModel,
+            admitted_at: dict[str, float]) -> Any:
+    """An Engine as agent_trace's server runs it, its sessions on the virtual clock, admissions time-stamped."""
+    from ..scheduler.engine import Engine
+
+    engine = Engine(model_path, kv_cache_tokens=kv_tokens, context_length=cfg.max_sequence(),
+                    max_running_requests=min(cfg.agents, 64), num_threads=1)
+    sessions = engine.kv.sessions
+    sessions._clock = clock
+    measured = sessions.observe_prefill
+    sessions.observe_prefill = lambda n, _s: measured(n, step.seconds(n))  # the model's cost, not the machine's
+    schedule = engine.planner.schedule
+
+    def stamped(step_index: int):
+        batch, admitted = schedule(step_index)
+        for req in admitted:
+            admitted_at[req.rid] = clock.now
+        return batch, admitted
+
+    engine.planner.schedule = stamped
+    return engine
+
+
+def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
+        step: StepModel = StepModel()) -> dict[str, Any]:
+    """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records."""
+    clock, admitted_at = _Clock(), {}
+    engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at)
+    apps, plans = make_plan(cfg)
+    due = [(p.arrival_s, p.index, 0) for p in plans]  # (time, agent, turn)
+    heapq.heapify(due)
+    history = {p.index: apps[p.app] + p.user for p in plans}
+    cold = {p.index: len(p.user) + (len(apps[p.app]) if p.index < cfg.apps else 0) for p in plans}  # app: first use
+    sent: dict[str, tuple[int, int, float]] = {}  # rid -> (agent, turn, send time)
+    records: list[TurnRecord] = []
+    busy = busy_arrivals = 0.0
+    last_arrival = plans[-1].arrival_s
+    while due or engine.has_unfinished():
+        while due and due[0][0] <= clock.now:
+            _, agent, turn = heapq.heappop(due)
+            last = turn == cfg.turns - 1
+            params = {"max_new_tokens": cfg.answer_tokens if last else cfg.call_tokens, "temperature": 0.0,
+                      "ignore_eos": True, "session_id": f"agent-{cfg.seed}-{agent}" if sessions else None}
+            rid = engine.add_request(history[agent], params, rid=f"{agent}-{turn}")
+            sent[rid] = (agent, turn, clock.now)
+        if not engine.has_unfinished():
+            clock.now = due[0][0]
+            continue
+        before = engine.metrics.num_forward_tokens
+        deltas = engine.step()
+        took = step.seconds(engine.metrics.num_forward_tokens - before)
+        busy += took
+        busy_arrivals += max(min(clock.now + took, last_arrival) - clock.now, 0.0)
+        clock.now += took
+        for delta in deltas:
+            if delta.finished:
+                _finished(engine, cfg, plans, delta.result, sent.pop(delta.rid), clock.now, admitted_at, history,
+                          cold, records, due, sessions)
+    return {"records": records, "kv_tokens": engine.kv.total_slots, "busy_s": busy,
+            "busy_arrivals": busy_arrivals / last_arrival, "end_s": clock.now, "pins": engine.kv.sessions.stats()}
+
+
+def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold, records, due, sessions) -> None:
+    """A turn ended: record it (agent_trace's TurnRecord), and schedule the agent's next turn after its tool."""
+    agent, turn, sent_s = sent
+    queue_s = admitted_at.pop(result.rid, sent_s) - sent_s
+    records.append(TurnRecord(agent, turn, result.prompt_tokens, result.cached_tokens, cold[agent], now - sent_s,
+                              sent_s, history[agent], list(result.output_ids), queue_s))
+    history[agent] = history[agent] + list(result.output_ids)
+    if turn == cfg.turns - 1:
+        if sessions:
+            engine.close_session(f"agent-{cfg.seed}-{agent}")
+        return
+    tool = plans[agent].tool_results[turn]
+    history[agent] = history[agent] + tool
+    cold[agent] = len(tool) + 1  # the tool result, and the last output token (never computed)
+    heapq.heappush(due, (now + plans[agent].waits_s[turn], agent, turn + 1))
+
+
+def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
+    """Excess recompute (recomputed - cold) of a run, and the yardsticks' on its realised trace."""
+    records = out["records"]
+    recomputed = sum(r.prompt_tokens - r.cached_tokens for r in records)
+    latencies = [r.latency_s for r in records]
+    row = {"excess": recomputed - sum(r.cold_tokens for r in records), "busy_arrivals": round(out["busy_arrivals"], 3),
+           "turn_p50_s": round(percentile(latencies, 50), 3), "turn_p99_s": round(percentile(latencies, 99), 3),
+           "pins": {k: v for k, v in out["pins"].items() if k.startswith("num_pins_")}}
+    if sim:
+        replay = simulated_excess(records, out["kv_tokens"])
+        row |= {"lru_sim": replay["lru"], "belady_sim": replay["belady"]}
+    return row
+
+
+def seed_rows(model_path: str, cfg: TraceConfig, budgets: Sequence[float], step: StepModel) -> list[dict[str, Any]]:
+    """Per budget: sessions on and off, and whether on meets the target (closes 75% of off's gap to Bélády)."""
+    peak = peak_working_set(run(model_path, cfg, cfg.upper_bound(), False, step)["records"], cfg)
+    rows = []
+    for budget in budgets:
+        kv_tokens = max(int(budget * peak), cfg.max_sequence() + cfg.answer_tokens)
+        on = counts(run(model_path, cfg, kv_tokens, True, step))
+        off = counts(run(model_path, cfg, kv_tokens, False, step))
+        target = on["belady_sim"] + 0.25 * (off["excess"] - on["belady_sim"])
+        rows.append({"seed": cfg.seed, "budget": budget, "peak": peak, "kv_tokens": kv_tokens, "on": on, "off": off,
+                     "target": target, "meets": on["excess"] <= target})
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    from .harness import bench_model_path
+
+    p = bench_parser("agent_replay", __doc__)
+    p.add_argument("--model", default="tiny", help="bench model (its outputs' lengths are all that matter)")
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0])
+    p.add_argument("--agents", type=int, default=48)
+    p.add_argument("--arrivals-per-s", type=float, default=4.5)
+    p.add_argument("--step-base-s", type=float, default=StepModel.base_s)
+    p.add_argument("--step-per-token-s", type=float, default=StepModel.per_token_s)
+    p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
+    args = parse_args(p, argv)
+    step = StepModel(args.step_base_s, args.step_per_token_s)
+    model_path = bench_model_path(args.model)
+    rows = []
+    for seed in args.seeds:
+        cfg = TraceConfig(agents=args.agents, arrivals_per_s=args.arrivals_per_s, seed=seed, **args.config)
+        for row in seed_rows(model_path, cfg, args.budgets, step):
+            rows.append(row)
+            on, off = row["on"], row["off"]
+            print(f"seed {seed} budget {row['budget']:g} ({row['kv_tokens']} of peak {row['peak']}): excess on "
+                  f"{on['excess']} off {off['excess']} | Bélády {on['belady_sim']} (off's trace "
+                  f"{off['belady_sim']}) LRU sim {on['lru_sim']} | target {row['target']:.0f} "
+                  f"{'meets' if row['meets'] else 'MISSES'} | busy {off['busy_arrivals']:.0%} | turn p50/p99 on "
+                  f"{on['turn_p50_s']}/{on['turn_p99_s']} off {off['turn_p50_s']}/{off['turn_p99_s']} s | pins "
+                  f"{on['pins']}",
+                  flush=True)
+    if args.out:
+        BenchOutput("agent_replay", args.out).write_json("agent_replay", rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

@@ -1,0 +1,51 @@
+"""bench/agent_replay.py: agent_trace's trace against an in-process engine on a virtual clock, counted."""
+import pytest
+
+from radixserve.bench import agent_replay
+from radixserve.bench.agent_replay import StepModel, counts, run, seed_rows
+from radixserve.bench.agent_trace import TraceConfig
+from radixserve.bench.harness import bench_model_path
+
+CFG = TraceConfig(agents=6, apps=2, app_tokens=96, user_tokens=16, turns=3, call_tokens=8, answer_tokens=8,
+                  tool_tokens=(16, 32), arrivals_per_s=20, tool_median_s=0.2, tool_p95_s=1.0, vocab=500, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return bench_model_path("tiny")
+
+
+def test_a_run_is_counted_on_the_virtual_clock(model):
+    step = StepModel(base_s=0.01, per_token_s=0.0)
+    out = run(model, CFG, 240, True, step)
+    records = out["records"]
+    assert len(records) == 6 * 3 and out["kv_tokens"] == 240
+    for r in records:  # whole steps of 10 ms: at least one per output token
+        assert r.latency_s == pytest.approx(round(r.latency_s / 0.01) * 0.01) and r.latency_s >= 8 * 0.01 - 1e-9
+        assert 0 <= r.queue_s <= r.latency_s
+    by_agent = {}
+    for r in sorted(records, key=lambda r: r.sent_s):
+        by_agent.setdefault(r.agent, []).append(r)
+    for turns in by_agent.values():  # the next turn is sent once the tool's trace latency has passed
+        assert [t.turn for t in turns] == [0, 1, 2]
+        assert all(b.sent_s >= a.sent_s + a.latency_s for a, b in zip(turns, turns[1:]))
+        assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + 8] == turns[0].prompt_ids + turns[0].output_ids
+    assert out["pins"]["num_pins_pinned"] > 0
+
+
+def test_runs_are_deterministic_counts(model):
+    first, second = (counts(run(model, CFG, 240, True)) for _ in range(2))
+    assert first == second and first["excess"] > 0  # 240 slots cannot hold two apps and six histories
+
+
+def test_seed_rows_compare_sessions_with_the_yardsticks(model, capsys):
+    (full,) = seed_rows(model, CFG, [1.0], StepModel())
+    assert full["kv_tokens"] >= full["peak"] and full["on"]["excess"] <= full["off"]["excess"]
+    assert full["target"] == pytest.approx(full["on"]["belady_sim"] + 0.25 * (full["off"]["excess"]
+                                                                             - full["on"]["belady_sim"]))
+    rows = agent_replay.main(["--model", "tiny", "--seeds", "1", "--budgets", "0.5", "--agents", "6",
+                              "--arrivals-per-s", "20", "--config", '{"apps": 2, "app_tokens": 96, "user_tokens": 16,'
+                              ' "turns": 3, "call_tokens": 8, "answer_tokens": 8, "tool_tokens": [16, 32],'
+                              ' "tool_median_s": 0.2, "tool_p95_s": 1.0, "vocab": 500}'])
+    assert len(rows) == 1 and rows[0]["on"]["lru_sim"] >= rows[0]["on"]["belady_sim"] >= 0
+    assert "seed 1 budget 0.5" in capsys.readouterr().out
