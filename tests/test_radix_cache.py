@@ -149,7 +149,7 @@ def test_lock_prevents_eviction_and_unlock_below_zero_fails():
     cache.unlock(node)
     with pytest.raises(ValueError, match="not locked"):
         cache.unlock(node)
-    assert cache.evict(1) == 3
+    assert cache.evict(3) == 3
     assert cache.total_size == 0 and cache.allocator.num_free_slots == 64
     with pytest.raises(ValueError, match="evicted"):
         cache.lock(node)
@@ -162,12 +162,29 @@ def test_eviction_frees_leaves_before_parents_and_stops_when_enough():
     put(cache, [1, 2, 3, 4, 5])
     put(cache, [9, 9])
     cache.match_prefix([1, 2, 3, 4, 5])  # makes [9, 9] the oldest
-    assert cache.evict(1) == 2
+    assert cache.evict(2) == 2
     assert cache.match_prefix([9, 9])[0] == []
-    assert cache.evict(1) == 2  # the [4, 5] leaf, not its parent
+    assert cache.evict(2) == 2  # the [4, 5] leaf, not its parent
     assert len(cache.match_prefix([1, 2, 3, 4, 5])[0]) == 3
     assert cache.evict(0) == 0
     assert cache.num_evicted_tokens == 4
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_eviction_takes_only_the_tail_of_the_last_leaf_it_needs(page_size):
+    """A token-level cache keeps the head of a path whose tail it evicts: the head still serves a partial match,
+    and a waiting request's hint on the leaf now covers what is left."""
+    cache = make_cache(page_size=page_size)
+    put(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    _, node = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8], record_hit=False)
+    cache.hint(node)
+    assert cache.evict(3) == (3 if page_size == 1 else 4)  # whole pages
+    assert len(cache.peek_prefix([1, 2, 3, 4, 5, 6, 7, 8])) == (5 if page_size == 1 else 4)
+    assert cache.evictable_size == cache.total_size == (5 if page_size == 1 else 4)
+    cache.unhint(node)  # the hint moved to the head that stayed
+    cache.check_integrity()
+    assert cache.evict(100) == (5 if page_size == 1 else 4) and cache.total_size == 0
     cache.check_integrity()
 
 
@@ -198,7 +215,7 @@ def test_lru_reuse_bonus_is_configurable():
     for _ in range(5):
         cache.match_prefix([1, 2])
     put(cache, [3, 4])
-    assert cache.evict(1) == 2
+    assert cache.evict(2) == 2
     assert cache.peek_prefix([1, 2]) == [] and len(cache.peek_prefix([3, 4])) == 2
 
 
@@ -210,7 +227,7 @@ def test_peek_prefix_is_read_only():
     assert cache.peek_prefix([1, 2, 3, 4], salt="x") == []
     (node,) = [n for n in cache._roots[None].children.values() if n.key[0] == 1]
     assert node.key == (1, 2, 3, 4) and node.hit_count == 0  # not split, not stamped
-    assert cache.evict(1) == 4  # still the oldest
+    assert cache.evict(4) == 4  # still the oldest
 
 
 def test_disable_caches_nothing():
@@ -272,5 +289,5 @@ def test_match_without_recording_a_hit_leaves_eviction_order_alone():
     before = {n.node_id: (n.hit_count, n.last_access) for n in cache._iter_nodes()}
     slots, node = cache.match_prefix([1, 2, 3, 9], record_hit=False)  # splits, but records nothing
     assert len(slots) == 3 and node.hit_count == before.get(node.node_id, (0, 0))[0]
-    cache.evict(3)  # [7, 8, 9] was inserted last, so the older [1, 2, 3, 4] goes first
+    cache.evict(4)  # [7, 8, 9] was inserted last, so the older [1, 2, 3, 4] goes first
     assert cache.peek_prefix([1, 2, 3]) == [] and len(cache.peek_prefix([7, 8, 9])) == 3
