@@ -10,7 +10,8 @@ when
 - its time to live runs out while memory is under pressure, or MAX_TTL_S after it was made in any case (`expire`,
   called every step, looks at most every EXPIRE_EVERY_S; a chat turn that ended with a final answer rather than
   a tool call keeps at most the shortest one: `settle`),
-- the session closes, explicitly or after `idle_timeout_s` without a request, or
+- the session closes, explicitly or after `idle_timeout_s` without a request (its last path, pinned or not, is
+  then the first to evict: nobody continues it), or
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
   first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie), and
   among those the one whose session is expected back last (scheduler/return_gaps.py: Bélády's rule on the
@@ -71,6 +72,7 @@ class Sessions:
         self._pressure_at = float("-inf")  # when an admission last had to reclaim pins
         self._evicted_at = float("-inf")  # when an admission last had to evict cached paths
         self._finished: dict[str, float] = {}  # session -> when its last request finished (for the return gap)
+        self._left: dict[str, TreeNode] = {}  # session -> the path its last finished request left cached
         self.gaps = ReturnGaps()
         self._reclaimed: deque[tuple[float, int]] = deque()  # (when, own slots) of the recent reclaims
         self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled", "skipped"), 0)
@@ -88,7 +90,9 @@ class Sessions:
         if self._last_seen.pop(session_id, None) is None:
             return False
         self._finished.pop(session_id, None)
-        self._drop(session_id, "closed")
+        left = self._left.pop(session_id, None)
+        if not self._drop(session_id, "closed") and left is not None and not left.is_evicted:
+            self._tree.demote(left)  # unpinned (skipped under pressure), it still goes first: nobody continues it
         return True
 
     @property
@@ -103,6 +107,7 @@ class Sessions:
         if session_id is None:
             return
         self._last_seen[session_id] = self._clock()
+        self._left.pop(session_id, None)
         if self._drop(session_id, None):
             self.counts["used"] += 1
 
@@ -120,6 +125,7 @@ class Sessions:
             return
         self._drop(session_id, None)
         now = self._finished[session_id] = self._clock()
+        self._left[session_id] = node
         if self.gaps.within(self._horizon(now, queue_excess)) < PIN_ODDS:
             self.counts["skipped"] += 1
             return

@@ -76,6 +76,26 @@ def test_under_pressure_a_pin_is_made_only_if_its_session_is_expected_back_befor
     assert ("new" in sessions._pins) == pinned and sessions.counts["skipped"] == int(not pinned)
 
 
+def test_closing_a_session_evicts_its_last_path_first_even_unpinned():
+    """Under pressure the last turn's pin was skipped; the session then closes: nobody will continue its path, so
+    it goes before an older one (Bélády's never-again first), as a closed pin's does."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["gone", "far", "new"], 40)
+    sessions.keep("gone", nodes["gone"], 40)
+    sessions.keep("far", nodes["far"], 40)
+    for gap in LONG:
+        sessions.gaps.add(gap)
+    clock[0] = 40.0
+    sessions.reclaim(40)  # "gone" is unpinned: cached, older than "new"
+    clock[0] += 1.0
+    sessions.keep("new", nodes["new"], 40)
+    assert "new" not in sessions._pins and sessions.close("new")
+    tree = sessions._tree
+    assert tree.evict(40) == 40
+    assert tree.peek_prefix([3000 + j for j in range(40)]) == []
+    assert len(tree.peek_prefix([1000 + j for j in range(40)])) == 40
+
+
 def test_without_pressure_every_finished_turn_is_pinned():
     clock = [0.0]
     sessions, nodes = _sessions(clock, ["a"], 10)
