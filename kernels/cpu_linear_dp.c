@@ -15,7 +15,8 @@
  * block multiplies them, the partial sums kept in a per-thread buffer between chunks. A decode step's few
  * rows are then one pass over the weights (prefetched a little ahead: the hardware's prefetch alone left 8-32
  * rows ~10% slower), and the last row group of a chunk, which runs from L2, prefetches the next chunk (16 and 64
- * rows 5% faster, 512 level; Zen 5); a prefill's are compute-bound at MR x NR products per MR + NR loads. The sizes are
+ * rows 5% faster, 512 level; Zen 5); with exactly two row groups (9-16 rows: a decode batch) both prefetch the
+ * next chunk, so the stream runs while either computes (16 rows 4-5% faster again); a prefill's are compute-bound at MR x NR products per MR + NR loads. The sizes are
  * measured ones (Zen 5, one thread): 4 x 4 with 256-input chunks and 64-row blocks ran prefill shapes 5-15%
  * behind oneDNN; 6 x 4 and 8 x 3 with 1,024 and up to ~256 rows level with it or ahead, 8 x 3 ahead at 8-32.
  */
@@ -113,7 +114,7 @@ DP_TARGET static void group_rows(const uint16_t *x, int64_t r0, int64_t r1, cons
         const int64_t next = k1 < K ? (k1 - k0) * 16 : NR * K * 16 - k0 * 16;
         for (int64_t m = r0; m < r1; m += MR) {
             const int mr = r1 - m < MR ? (int)(r1 - m) : MR;
-            const int64_t pf = m > r0 && m + MR >= r1 ? next : AHEAD;
+            const int64_t pf = (r1 - r0 > MR && r1 - r0 <= 2 * MR) || (m > r0 && m + MR >= r1) ? next : AHEAD;
             MICROS[mr - 1][nr - 1](x + m * K, K, wg, k0, k1, s->c[m - r0], k0 == 0, k1 == K, b ? b + n0 : NULL,
                                    y + m * N + n0, N, pf);
         }
