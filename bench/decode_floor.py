@@ -11,7 +11,12 @@ Three measurements in one process (torch threads as --threads):
   copies of the layer past the LLC);
 - the engine in-process at each of --batches: requests of --context random prompt tokens decode --new-tokens;
   the median decode step, the time inside the model's linears and LM head (timed around each call), and the
-  floor = weight bytes read per step / bandwidth (KV bytes beside it).
+  floor = weight bytes read per step / bandwidth (KV bytes beside it). The host's bandwidth moves with its
+  neighbours (41-77 GB/s within a day here), so the decode timings run in --rounds, each between two bandwidth
+  measurements, and each round's ratio is taken against the bandwidth measured around it; medians over rounds.
+  Beside it the compute floor: the step's multiply-adds at the highest rate the tile kernel reached (its largest
+  row count); where that is above the weight floor (many rows, or a fast memory), no kernel can reach the weight
+  floor, and max(weights, compute) is the floor a perfect overlap of the two would reach.
 
     python -m radixserve.bench.decode_floor --model L
 """
@@ -151,22 +156,50 @@ def decode_steps(model_path: str, dtype: str, batch: int, context: int, new_toke
             "linear_ms": statistics.median(linear[keep]) * 1e3, "decode_steps": len(steps[keep])}
 
 
+def peak_gflops(rates: list[dict[str, Any]]) -> float | None:
+    """The best rate the tile kernel (else any method) reached: the compute floor's rate."""
+    tiles = [r["gflops"] for r in rates if r["method"] == "tiles"]
+    return max(tiles or [r["gflops"] for r in rates] or [0.0]) or None
+
+
+def summarize(config: dict[str, Any], result: dict[str, Any], runs: list[tuple[dict[str, Any], float]]) -> dict[str, Any]:
+    """One batch's rounds (each run with the bandwidth measured around it): medians of the times, of the floors and
+    of each round's ratios."""
+    batch = runs[0][0]["batch"]
+    flops = 2 * batch * (roofline.linear_params(config) + config["vocab_size"] * config["hidden_size"])
+    peak = result.get("peak_gflops")
+    compute = flops / peak / 1e6 if peak else 0.0
+    kv = batch * result["context"] * result["kv_bytes_per_token"]
+    floors = [result["weight_bytes"] / bw / 1e6 for _, bw in runs]
+    med = statistics.median
+    return {"batch": batch, "step_ms": med(r["step_ms"] for r, _ in runs),
+            "linear_ms": med(r["linear_ms"] for r, _ in runs), "floor_ms": med(floors),
+            "compute_floor_ms": compute, "vs_floor": med(r["linear_ms"] / f for (r, _), f in zip(runs, floors)),
+            "vs_max_floor": med(r["linear_ms"] / max(f, compute) for (r, _), f in zip(runs, floors)),
+            "step_vs_floor": med(r["step_ms"] / ((result["weight_bytes"] + kv) / bw / 1e6) for r, bw in runs),
+            "rounds": [{**r, "stream_gbs": bw} for r, bw in runs]}
+
+
 def report(result: dict[str, Any]) -> tuple[str, str]:
     """(markdown, table) of a result."""
-    bw = result["stream_gbs"]
+    bws = result["stream_gbs_rounds"]
+    peak = result.get("peak_gflops")
     lines = [f"# Decode steps against the weight-streaming floor: {result['model']} ({result['dtype']})", "",
              f"`{result['command']}`", "",
-             f"Read bandwidth {bw:.1f} GB/s (torch.sum over {result['stream_gib']} GiB fp32, {result['threads']} "
-             f"threads); weights read per decode step {result['weight_bytes'] / 1e6:.0f} MB (linears and LM head); "
-             f"KV {result['kv_bytes_per_token'] / 1e3:.1f} KB per token.", ""]
-    table = ["| batch | step ms | linears + head ms | weight floor ms | linears / floor | KV read MB | "
-             "step / (weights + KV) floor |", "|---|---|---|---|---|---|---|"]
+             f"Read bandwidth {statistics.median(bws):.1f} GB/s, median of {len(bws)} measurements around the "
+             f"rounds ({min(bws):.1f}-{max(bws):.1f}; torch.sum over {result['stream_gib']} GiB fp32, "
+             f"{result['threads']} threads); weights read per decode step {result['weight_bytes'] / 1e6:.0f} MB "
+             f"(linears and LM head); KV {result['kv_bytes_per_token'] / 1e3:.1f} KB per token; compute floor at "
+             f"{peak or 0:.0f} GFLOP/s (the tile kernel's best rate below). Each ratio is the median over "
+             f"{result['rounds']} rounds of the round's time over its floor at the bandwidth measured around it.", ""]
+    table = ["| batch | step ms | linears + head ms | weight floor ms | compute floor ms | linears / weight floor | "
+             "linears / max(weight, compute) | KV read MB | step / (weights + KV) floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in result["decode"]:
-        floor = result["weight_bytes"] / bw / 1e6
         kv = row["batch"] * result["context"] * result["kv_bytes_per_token"]
-        table.append(f"| {row['batch']} | {row['step_ms']:.1f} | {row['linear_ms']:.1f} | {floor:.1f} | "
-                     f"{row['linear_ms'] / floor:.2f}x | {kv / 1e6:.0f} | "
-                     f"{row['step_ms'] / ((result['weight_bytes'] + kv) / bw / 1e6):.2f}x |")
+        table.append(f"| {row['batch']} | {row['step_ms']:.1f} | {row['linear_ms']:.1f} | {row['floor_ms']:.1f} | "
+                     f"{row['compute_floor_ms']:.1f} | {row['vs_floor']:.2f}x | {row['vs_max_floor']:.2f}x | "
+                     f"{kv / 1e6:.0f} | {row['step_vs_floor']:.2f}x |")
     rates = ["| rows | method | ms per layer | GFLOP/s | weight GB/s |", "|---|---|---|---|---|"]
     rates += [f"| {r['rows']} | {r['method']} | {r['ms']:.3f} | {r['gflops']:.0f} | {r['weight_gbs']:.1f} |"
               for r in result["linear_rates"]]
@@ -193,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="repetitions of each linear timing")
     parser.add_argument("--stream-gib", type=float, default=2.0, help="size of the bandwidth-test buffer (GiB)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--rounds", type=int, default=3, help="decode timings per batch, each between two bandwidth "
+                        "measurements; medians reported")
     args = parse_args(parser, argv)
 
     import torch
@@ -209,17 +244,25 @@ def main(argv: Sequence[str] | None = None) -> None:
                               "context": args.context, "stream_gib": args.stream_gib,
                               "weight_bytes": weight_bytes(config, elem),
                               "kv_bytes_per_token": roofline.kv_bytes_per_token(config, elem)}
-    with progress(3 + len(batches), "decode floor", unit="part") as bar:
-        result["stream_gbs"] = roofline.measure_stream_gbs(int(args.stream_gib * 2**30 / 4), args.threads)
-        bar.update()
+    def stream() -> float:
+        return roofline.measure_stream_gbs(int(args.stream_gib * 2**30 / 4), args.threads)
+
+    with progress(2 + args.rounds * len(batches), "decode floor", unit="part") as bar:
         result["linear_rates"] = linear_rates(config, dtype, rows, args.repeats)
         bar.update()
         result["head_rates"] = head_rates(config, dtype, [r for r in rows if r <= 64], args.repeats)
         bar.update()
-        result["decode"] = []
-        for batch in batches:
-            result["decode"].append(decode_steps(path, dtype, batch, args.context, args.new_tokens))
-            bar.update()
+        bws, rounds = [stream()], []
+        for _ in range(args.rounds):
+            runs = []
+            for batch in batches:
+                runs.append(decode_steps(path, dtype, batch, args.context, args.new_tokens))
+                bar.update()
+            bws.append(stream())
+            rounds.append((runs, (bws[-2] + bws[-1]) / 2))
+    result |= {"rounds": args.rounds, "stream_gbs_rounds": bws, "stream_gbs": statistics.median(bws),
+               "peak_gflops": peak_gflops(result["linear_rates"])}
+    result["decode"] = [summarize(config, result, [(runs[i], bw) for runs, bw in rounds]) for i in range(len(batches))]
     markdown, table = report(result)
     out = BenchOutput("decode_floor", args.out)
     out.write_report(f"decode_floor_{args.model}", result, markdown)

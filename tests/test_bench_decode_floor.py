@@ -17,19 +17,40 @@ def test_weight_and_kv_bytes_of_the_qwen2_5_0_5b_shape():
     assert roofline.kv_bytes_per_token(QWEN_05B, 2) == 2 * 2 * 24 * 2 * 64  # K and V, bf16: 12 KiB
 
 
-def test_report_divides_by_the_floor():
+def test_each_round_is_divided_by_the_bandwidth_measured_around_it():
+    config = {"hidden_size": 10, "vocab_size": 100, "intermediate_size": 20, "num_attention_heads": 1,
+              "num_key_value_heads": 1, "num_hidden_layers": 1, "head_dim": 10}
     result = {"command": "x", "model": "L", "dtype": "bfloat16", "threads": 2, "context": 1000, "stream_gib": 2,
-              "stream_gbs": 20.0, "weight_bytes": 1_000_000_000, "kv_bytes_per_token": 10_000,
-              "decode": [{"batch": 1, "step_ms": 75.0, "linear_ms": 60.0, "decode_steps": 8},
-                         {"batch": 10, "step_ms": 110.0, "linear_ms": 70.0, "decode_steps": 8}],
-              "linear_rates": [{"rows": 1, "method": "packed", "ms": 1.0, "gflops": 30.0, "weight_gbs": 25.0}],
+              "weight_bytes": 1_000_000_000, "kv_bytes_per_token": 10_000, "rounds": 2,
+              "stream_gbs_rounds": [10.0, 30.0, 20.0],
+              "linear_rates": [{"rows": 1, "method": "tiles", "ms": 1.0, "gflops": 30.0, "weight_gbs": 25.0},
+                               {"rows": 512, "method": "tiles", "ms": 1.0, "gflops": 1e-3, "weight_gbs": 1.0}],
               "head_rates": [{"rows": 16, "method": "packed copy", "ms": 11.8, "gflops": 1.0, "weight_gbs": 23.1}]}
+    result["peak_gflops"] = decode_floor.peak_gflops(result["linear_rates"])
+    assert result["peak_gflops"] == 30.0
+    # round 1 around 10 and 30 GB/s (20: a 50 ms floor), round 2 around 30 and 20 (25: 40 ms)
+    runs = [({"batch": 1, "step_ms": 75.0, "linear_ms": 60.0}, 20.0), ({"batch": 1, "step_ms": 70.0, "linear_ms": 44.0}, 25.0)]
+    row = decode_floor.summarize(config, result, runs)
+    assert row["floor_ms"] == 45.0 and row["linear_ms"] == 52.0
+    # 60 / 50 and 44 / 40: 1.2 and 1.1, so 1.15 (not 52 / 45, nor against the median bandwidth's 50 ms floor)
+    assert abs(row["vs_floor"] - 1.15) < 1e-9
+    flops = 2 * (decode_floor.roofline.linear_params(config) + 100 * 10)
+    assert abs(row["compute_floor_ms"] - flops / 30.0 / 1e6) < 1e-12
+    assert row["vs_max_floor"] == row["vs_floor"]  # the compute floor is far below the weights' here
+    result["decode"] = [row]
     markdown, table = decode_floor.report(result)
-    # floor 1e9 B / 20 GB/s = 50 ms; batch 10 also reads 10 * 1000 * 10 kB = 100 MB of KV: 55 ms
-    assert "| 1 | 75.0 | 60.0 | 50.0 | 1.20x | 10 | 1.49x |" in table
-    assert "| 10 | 110.0 | 70.0 | 50.0 | 1.40x | 100 | 2.00x |" in table
-    assert table in markdown and "| 1 | packed | 1.000 | 30 | 25.0 |" in markdown
-    assert "| 16 | packed copy | 11.80 | 23.1 |" in markdown
+    assert "| 1 | 72.5 | 52.0 | 45.0 |" in table and "| 1.15x | 1.15x | 10 |" in table
+    assert "median of 3 measurements around the rounds (10.0-30.0" in markdown
+    assert "| 1 | tiles | 1.000 | 30 | 25.0 |" in markdown and "| 16 | packed copy | 11.80 | 23.1 |" in markdown
+
+
+def test_a_compute_floor_above_the_weights_is_the_one_a_ratio_is_taken_against():
+    config = {"hidden_size": 10, "vocab_size": 100, "intermediate_size": 20, "num_attention_heads": 1,
+              "num_key_value_heads": 1, "num_hidden_layers": 1, "head_dim": 10}
+    result = {"context": 10, "kv_bytes_per_token": 1, "weight_bytes": 1_000_000, "peak_gflops": 1e-3}
+    row = decode_floor.summarize(config, result, [({"batch": 16, "step_ms": 9.0, "linear_ms": 8.0}, 100.0)])
+    assert row["floor_ms"] == 0.01 and row["compute_floor_ms"] > 8.0
+    assert row["vs_max_floor"] == 8.0 / row["compute_floor_ms"] and row["vs_floor"] == 800.0
 
 
 def _methods() -> list[str]:
