@@ -44,7 +44,8 @@ class TenantsConfig:
     output_tokens: int = 32
     light_fraction: float = 0.1  # of the measured capacity
     heavy_ratio: float = 12.0  # x the light tenant's rate
-    duration_s: float = 30.0
+    duration_s: float = 30.0  # at least: a phase lasts until the light tenant's stream has offered min_light requests
+    min_light: int = 100  # so that its p99 is not just its largest (model L serves ~4 requests/s: 13 in 30 s)
     max_running: int = 16
     probes: int = 200
     shared_tenants: int = 64
@@ -138,15 +139,21 @@ async def poisson(client: Client, key: str, rate: float, seconds: float, out: li
     return tasks
 
 
+def phase_seconds(cfg: TenantsConfig, light_rate: float) -> float:
+    """A load phase's length: --duration, or longer, until the light stream is expected to have sent min_light."""
+    return max(cfg.duration_s, cfg.min_light / light_rate if light_rate > 0 else 0.0)
+
+
 async def offered_load(client: Client, light_rate: float, heavy: bool) -> dict[str, Any]:
     cfg = client.cfg
     before = await client.stats()
     light: list[float] = []
     engine: list[tuple[float, float]] = []  # the light requests' TTFT and queue time on the engine's clock
     heavy_out: list[float] = []
-    streams = [poisson(client, "sk-light", light_rate, cfg.duration_s, light, engine)]
+    seconds = phase_seconds(cfg, light_rate)
+    streams = [poisson(client, "sk-light", light_rate, seconds, light, engine)]
     if heavy:
-        streams.append(poisson(client, "sk-heavy", light_rate * cfg.heavy_ratio, cfg.duration_s, heavy_out))
+        streams.append(poisson(client, "sk-heavy", light_rate * cfg.heavy_ratio, seconds, heavy_out))
     light_tasks, *heavy_tasks = await asyncio.gather(*streams)
     await asyncio.gather(*light_tasks)  # every light request is measured, however long it waited
     after = await client.stats()
@@ -281,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from .harness import bench_model_path
 
     args = _parse(argv)
-    cfg = TenantsConfig(duration_s=args.duration, probes=args.probes, max_running=args.max_running, seed=args.seed)
+    cfg = TenantsConfig(duration_s=args.duration, probes=args.probes, max_running=args.max_running, seed=args.seed,
+                        min_light=args.min_light)
     model_path = bench_model_path(args.model)
     freeze_startup_heap()  # the client imported torch too: its full collections would stall the light tenant's streams
     keys = os.path.join(tempfile.mkdtemp(prefix="tenants-"), "keys.json")
@@ -314,7 +322,9 @@ def _parse(argv: Sequence[str] | None) -> Any:
     d = TenantsConfig()
     p = bench_parser("tenants", __doc__)
     p.add_argument("--model", default="S", help="bench model (S, M, L), a checkpoint directory or a config.json")
-    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of offered load per phase")
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of offered load per phase (at least)")
+    p.add_argument("--min-light", type=int, default=d.min_light,
+                   help="a phase lasts until the light tenant is expected to have sent this many requests")
     p.add_argument("--probes", type=int, default=d.probes, help="isolation probes of each kind")
     p.add_argument("--max-running", type=int, default=d.max_running)
     p.add_argument("--threads", type=int, default=1,

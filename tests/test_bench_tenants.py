@@ -13,8 +13,8 @@ def test_best_threshold_accuracy_is_half_without_signal_and_one_with_a_clean_spl
 
 
 def test_a_tiny_run_measures_both_settings_and_the_shared_prompt(tmp_path):
-    report = tenants.main(["--model", "tiny", "--duration", "1.5", "--probes", "4", "--repeats", "1", "--threads",
-                           "1", "--out", str(tmp_path)])
+    report = tenants.main(["--model", "tiny", "--duration", "1.5", "--min-light", "0", "--probes", "4", "--repeats",
+                           "1", "--threads", "1", "--out", str(tmp_path)])
     s = report["summary"]
     assert {r["fair_share"] for r in report["runs"]} == {True, False}
     for name in ("alone", "fair_on", "fair_off"):
@@ -24,3 +24,10 @@ def test_a_tiny_run_measures_both_settings_and_the_shared_prompt(tmp_path):
     # 64 tenants salted after one system prompt compute it once, and each private suffix.
     assert s["shared"]["computed"] == s["shared"]["one_system_prompt_plus_suffixes"] == 1024 + 64 * 64
     assert json.loads((tmp_path / "tenants_tiny.json").read_text())["summary"]["shared"] == s["shared"]
+
+
+def test_a_phase_lasts_until_the_light_stream_offered_its_minimum():
+    cfg = tenants.TenantsConfig(duration_s=30.0, min_light=100)
+    assert tenants.phase_seconds(cfg, 10.0) == 30.0  # 300 light requests in the duration already
+    assert tenants.phase_seconds(cfg, 0.4) == 250.0  # model L's light rate: 100 requests take 250 s
+    assert tenants.phase_seconds(tenants.TenantsConfig(min_light=0), 0.4) == 30.0
