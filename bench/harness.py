@@ -37,10 +37,14 @@ MODEL_HELP = ("bench model: S, M, L or tiny (random weights, built once into the
 
 
 def bench_model_path(name: str) -> str:
-    """Directory of bench model `name`: one of BENCH_MODELS (built once into the radixserve cache), a Hugging Face
-    checkpoint directory (used as it is) or a config.json "shape file" (random weights in its shape)."""
+    """Directory of bench model `name`: "demo" (the built-in trained model), one of BENCH_MODELS (built once into the
+    radixserve cache), a Hugging Face checkpoint directory (used as it is) or a config.json "shape file" (random
+    weights in its shape)."""
     from .checkpoints import cached_checkpoint, checkpoint_for
 
+    if name == "demo":
+        from ..kernels.demo import demo_model_path
+        return demo_model_path()
     if name in BENCH_MODELS:
         spec = dict(BENCH_MODELS[name])
         return cached_checkpoint(spec.pop("arch"), seed=0, **spec)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from ..kernels.attention.kv_int8 import QMAX, quantize
+from .harness import bench_model_path
 from .output import BenchOutput, bench_parser, parse_args
 
 SCHEMES = {"int8": float(QMAX), "fp8_e4m3": 448.0}  # the largest magnitude each code holds
@@ -142,13 +143,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     models = []
     for model in args.models.split(","):
-        if model == "demo":
-            from ..kernels.demo import demo_model_path
-            path = demo_model_path()
-        else:
-            from .harness import bench_model_path
-            path = bench_model_path(model)
-        models.append(measure(model, path, args.tokens, args.seed))
+        models.append(measure(model, bench_model_path(model), args.tokens, args.seed))
     report = {"bench": "kv_quant_error", "command": args.command, "models": models}
     out = BenchOutput("kv_quant_error", args.out)
     out.finish(out.write_report("kv_quant_error", report, markdown(report)))

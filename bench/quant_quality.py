@@ -147,14 +147,10 @@ def main(argv: Sequence[str] | None = None, sets: dict[str, list] | None = None)
 
     from ..kernels import quant
     from .demo_kit.eval_cases import case_sets
+    from .harness import bench_model_path
 
     torch.set_num_threads(args.threads)
-    if args.model == "demo":
-        from ..kernels.demo import demo_model_path
-        path = demo_model_path()
-    else:
-        from .harness import bench_model_path
-        path = bench_model_path(args.model)
+    path = bench_model_path(args.model)
     sets = sets if sets is not None else case_sets()
     names = ["fp32"] + [c for c in args.configs if c != "fp32"]
     runs = []
