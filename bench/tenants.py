@@ -30,10 +30,11 @@ from typing import Any, Sequence
 
 import orjson
 
-from ..scheduler.gc_freeze import freeze_startup_heap
+from ..scheduler.gc_freeze import FullPasses
 from .http_client import HTTPConnection
 from .output import BenchOutput, bench_parser, parse_args, percentile
 
+CLIENT_GC = FullPasses()  # this client's open streams are as many as the server's: its full passes only between phases
 KEYS = {"sk-light": "light", "sk-heavy": "heavy", "sk-a": "a", "sk-b": "b"}
 
 
@@ -94,8 +95,9 @@ class Client:
         return first if first is not None else float("nan")
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's counters (/get_server_info, an admin endpoint)."""
-        return json.loads(await self.admin("GET", "/get_server_info")).get("stats", {})
+        """The engine's counters (/get_server_info, an admin endpoint), and the HTTP process's full collections."""
+        info = json.loads(await self.admin("GET", "/get_server_info"))
+        return info.get("stats", {}) | {"http_gc_full_passes": info.get("gc_full_passes", 0)}
 
     async def admin(self, method: str, path: str) -> bytes:
         reader, writer = await asyncio.open_connection(self.host, self.port)
@@ -146,6 +148,7 @@ def phase_seconds(cfg: TenantsConfig, light_rate: float) -> float:
 
 async def offered_load(client: Client, light_rate: float, heavy: bool) -> dict[str, Any]:
     cfg = client.cfg
+    CLIENT_GC.tick(quiet=True)  # between phases: nothing of this one is in flight yet
     before = await client.stats()
     light: list[float] = []
     engine: list[tuple[float, float]] = []  # the light requests' TTFT and queue time on the engine's clock
@@ -169,7 +172,9 @@ async def offered_load(client: Client, light_rate: float, heavy: bool) -> dict[s
             "light_engine_ttft_p99_s": percentile([t for t, _ in engine], 99),
             "light_queue_p99_s": percentile([q for _, q in engine], 99),
             "step_s": (after.get("step_time_s", 0) - before.get("step_time_s", 0)) / steps if steps else None,
-            "hit_vs_optimal": cached / optimal if optimal else None}
+            "hit_vs_optimal": cached / optimal if optimal else None,
+            "gc_full_passes": {"http": after.get("http_gc_full_passes", 0) - before.get("http_gc_full_passes", 0),
+                               "engine": after.get("gc_full_passes", 0) - before.get("gc_full_passes", 0)}}
 
 
 async def isolation(client: Client, salted: bool) -> dict[str, Any]:
@@ -291,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = TenantsConfig(duration_s=args.duration, probes=args.probes, max_running=args.max_running, seed=args.seed,
                         min_light=args.min_light)
     model_path = bench_model_path(args.model)
-    freeze_startup_heap()  # the client imported torch too: its full collections would stall the light tenant's streams
+    CLIENT_GC.install()  # full collections would stall the light tenant's streams here too (scheduler/gc_freeze.py)
     keys = os.path.join(tempfile.mkdtemp(prefix="tenants-"), "keys.json")
     write_keys(keys)
     rows = []

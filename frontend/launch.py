@@ -33,13 +33,13 @@ from .errors import APIError
 from .server import build_app, build_state
 from .state import ServerState
 from .tenants import Tenants
-from ..scheduler.gc_freeze import freeze_startup_heap
 
 logger = logging.getLogger("radixserve.frontend")
 
 ENGINE_DEATH_EXIT_S = 2.0  # after the engine died: time for open streams to get their error event
 FLUSH_S = 2.0  # after open requests were ended with an error: time for their last bytes to go out
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+GC_TICK_S = 0.25  # how often a full collection is considered (scheduler/gc_freeze.FullPasses)
 # HTTP/2 prior knowledge (RFC 9113 3.4) starts with this line; the answer is the server's connection
 # preface (an empty SETTINGS frame) and a GOAWAY with error HTTP_1_1_REQUIRED: "ask again in HTTP/1.1".
 H2_PREFACE = b"PRI * HTTP/2.0\r\n"
@@ -85,11 +85,17 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         self.state.engine.attach(self._loop, self._on_engine_death)
         await super().startup(sockets=sockets)
-        freeze_startup_heap()  # torch, the tokenizer, the app: never walked by a full collection mid-request
+        self.state.gc.install()  # torch, the tokenizer, the app frozen; full collections when nothing is in flight
+        self._tasks.add(asyncio.ensure_future(self._collect_when_quiet()))
         if self.started:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             logger.info("radixserve ready: serving %s on http://%s:%d (attention: %s)", self.state.model_name,
                         host, port, self.state.engine.info.attention)
+
+    async def _collect_when_quiet(self) -> None:
+        while not self.should_exit:
+            await asyncio.sleep(GC_TICK_S)
+            self.state.gc.tick(quiet=self.state.client.num_in_flight == 0)
 
     def _on_engine_death(self, code: int | None) -> None:
         self.engine_died = True

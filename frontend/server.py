@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -224,7 +223,7 @@ async def _server_info(state: ServerState, request: Request, body: Any) -> dict[
         "engine_pid": state.engine.info.pid,
         "attention": state.engine.info.attention,
         "engine_messages": state.engine.num_messages,
-        "gc_frozen_objects": gc.get_freeze_count(),  # this process's startup heap (scheduler/gc_freeze.py)
+        **state.gc.stats(),  # this process's startup heap and full collections (scheduler/gc_freeze.py)
         "context_length": state.client.context_length,
         "max_queued_requests": state.config.max_queued_requests,
         "num_in_flight": state.client.num_in_flight,

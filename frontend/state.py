@@ -18,6 +18,7 @@ from .response_store import ResponseStore
 from .salt_policy import resolve_salt
 from .tenants import Tenants
 from .thinking_signature import signing_key
+from ..scheduler.gc_freeze import FullPasses
 from ..scheduler.sampling_params import SamplingParams, choice_rids, choice_seed
 
 # sglang-router 0.3.2 re-serializes a request that names no model with this one: absent, as on a single server.
@@ -36,6 +37,7 @@ class ServerState:
     responses: ResponseStore  # stored /v1/responses
     tenants: Tenants = field(default_factory=Tenants)  # API keys -> tenants (no keys: everyone is "default")
     rng: random.Random = field(default_factory=random.Random)
+    gc: FullPasses = field(default_factory=FullPasses)  # this process's full collections (scheduler/gc_freeze.py)
 
     def check_model(self, model: str | None) -> None:
         """Unknown model names get 404; an absent `model` means the served one."""

@@ -18,7 +18,6 @@ forward block forever, "slow-grammar" makes every grammar compile (a cache miss)
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -30,7 +29,7 @@ import zmq
 
 from . import messages as msg
 from .errors import RequestError
-from .gc_freeze import freeze_startup_heap
+from .gc_freeze import FullPasses
 from .grammar import xgrammar_installed
 from .grammar_prep import PendingGrammars
 
@@ -65,7 +64,6 @@ def engine_main(model: str | None, engine_kwargs: dict[str, Any], ipc_dir: str, 
     try:
         engine = _load(model, engine_kwargs, outbox, tenants or {})
         if engine is not None:
-            freeze_startup_heap()  # the model and torch: never walked by a full collection mid-step
             EngineServer(engine, inbox, outbox, parent).run()
     finally:
         inbox.close(linger=0)
@@ -114,8 +112,15 @@ class EngineServer:
         self.stopping = False
         self._last_sent = time.monotonic()
         self.pending = PendingGrammars(engine.grammar)
+        self.gc = FullPasses()
 
     def run(self) -> None:
+        self.gc.install()  # the model and torch frozen; full collections between steps, when nothing is left to run
+        self._loop()
+        gone = [msg.Rejected(m.rid, "the engine shut down") for m in self.pending.drain()]
+        self._send(msg.EngineEvents(rejected=gone, deltas=self.engine.abort_all("engine shut down")))
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self.stopping:
             busy = engine.has_unfinished()
@@ -136,9 +141,7 @@ class EngineServer:
             elif os.getppid() != self.parent_pid:
                 logger.warning("the HTTP process went away; the engine exits")
                 break
-        gone = [msg.Rejected(m.rid, "the engine shut down") for m in self.pending.drain()]
-        self._send(msg.EngineEvents(rejected=gone,
-                                    deltas=engine.abort_all("engine shut down")))
+            self.gc.tick(quiet=not engine.has_unfinished())
 
     def _receive(self, events: msg.EngineEvents, wait_ms: int) -> None:
         if not self.inbox.poll(wait_ms):
@@ -202,7 +205,7 @@ class EngineServer:
         as waiting (they are queued work: the router's load and the idle checks must see them)."""
         stats = self.engine.stats()
         stats["num_grammar_pending"] = len(self.pending)
-        stats["gc_frozen_objects"] = gc.get_freeze_count()
+        stats.update(self.gc.stats())
         stats["num_waiting"] += len(self.pending)
         return stats
 

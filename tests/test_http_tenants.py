@@ -145,6 +145,7 @@ def test_both_processes_freeze_their_startup_heap(server):
     with server.client() as http:
         info = http.get("/get_server_info", headers=ADMIN).json()
     assert info["gc_frozen_objects"] > 10_000 and info["stats"]["gc_frozen_objects"] > 10_000, info
+    assert info["gc_full_passes"] >= 0 and info["stats"]["gc_full_passes"] >= 0, info  # FullPasses in both
 
 
 # -- limits --------------------------------------------------------------------------------------
