@@ -32,7 +32,7 @@ Giving memory back (retraction when decode runs short; the planner's victim) tak
 request of the tenant furthest above its share (highest counter), within it the worst priority, then the highest
 service level, then the least progress (fewest output tokens, latest arrival) — what would be admitted last goes
 first. Session pins are dropped before any of this (scheduler/sessions.py: allocation reclaims pins). The same
-order preempts: when the first request in admission order cannot be admitted, the running work `eligible` to give
+order preempts: when a request the step would admit cannot be admitted, the running work `eligible` to give
 way for it (its own tenant's of a worse priority, or a tenant's above its share) goes back to the queue, its
 computed prefix kept cached (Planner._preempt).
 
@@ -263,9 +263,8 @@ class FairShare:
             heads[tenant] += 1
             out.append(req)
             if heads[tenant] < len(queues[tenant]):
-                cached = cached_len(req) if ties else 0
-                cost = W_IN * (len(req.prompt_ids) - cached) + W_CACHED * cached
-                heapq.heappush(heap, (counter + cost / self.weight(tenant), size, tie, tenant))
+                cost = self.admission_cost(req, cached_len(req) if ties else 0, tenant)
+                heapq.heappush(heap, (counter + cost, size, tie, tenant))
         if len(out) < len(base):
             taken = {id(r) for r in out}
             out += [r for r in base if id(r) not in taken]
@@ -294,19 +293,26 @@ class FairShare:
         return max(candidates, key=lambda r: (self.counter(tenant_of(r)), r.params.priority, self.level(r),
                                               -len(r.output_ids), r.arrival_step))
 
-    def eligible(self, req: Req, running: list[Req], cached: int = 0) -> list[Req]:
+    def eligible(self, req: Req, running: list[Req], cached: int = 0, ahead: float = 0.0) -> list[Req]:
         """The running requests `req` (with `cached` tokens cached) may preempt: its own tenant's of a worse
-        priority, and any of a tenant that the merge would place after `req`'s (`goes_before`). Priority never
-        reaches across tenants: another tenant's work goes only for the share, whatever `req`'s priority."""
+        priority, and any of a tenant that the merge would place after `req`'s (`goes_before`; `ahead`: the cost of
+        its tenant's requests admitted before it this step, as the merge projects it). Priority never reaches
+        across tenants: another tenant's work goes only for the share, whatever `req`'s priority."""
         tenant = tenant_of(req)
         slack = self.slack(req, cached)
         return [r for r in running if (tenant_of(r) == tenant and r.params.priority > req.params.priority)
-                or (tenant_of(r) != tenant and self.goes_before(tenant, tenant_of(r), slack))]
+                or (tenant_of(r) != tenant and self.goes_before(tenant, tenant_of(r), slack, ahead))]
 
-    def goes_before(self, tenant: str, other: str, slack: float) -> bool:
-        """Whether `tenant` (its next request tying within `slack`) goes before `other`, as the last merge placed
-        them: tied counters go to the shorter queue (then the lower counter), others to the lower counter."""
-        mine, theirs = self.counter(tenant), self.counter(other)
+    def admission_cost(self, req: Req, cached: int, tenant: str | None = None) -> float:
+        """What admitting `req` (of `tenant`, if the caller knows it) with `cached` tokens cached adds to its
+        tenant's counter (the merge's projection)."""
+        return (W_IN * (len(req.prompt_ids) - cached) + W_CACHED * cached) / self.weight(tenant or tenant_of(req))
+
+    def goes_before(self, tenant: str, other: str, slack: float, ahead: float = 0.0) -> bool:
+        """Whether `tenant` (its next request tying within `slack`, `ahead` added to its counter) goes before
+        `other`, as the last merge placed them: tied counters go to the shorter queue (then the lower counter),
+        others to the lower counter."""
+        mine, theirs = self.counter(tenant) + ahead, self.counter(other)
         if abs(mine - theirs) <= slack:
             return (self._waiting.get(tenant, 0), mine) < (self._waiting.get(other, 0), theirs)
         return mine < theirs

@@ -19,6 +19,7 @@ from .fair_share import IDLE_PRIORITY, tenant_of
 from .kv_ops import PrefixKV
 from .policy import SchedulePolicy
 from .req import Req, ReqStatus
+from .step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Planner:
         self.num_retractions = 0
         self._step_order: tuple | None = None  # (queue state, order) of this step (_order)
         self.tenant_caps: dict[str, int] = {}  # tenant -> most requests running at once (Engine.set_tenants)
+        self.budget = StepBudget(config.chunked_prefill_size, config.page_size)  # prompt tokens per step
         if policy.share is not None:
             policy.share.tracked = True  # every change of `waiting` is reported to it (enqueue, _dequeue, _retract)
 
@@ -70,11 +72,11 @@ class Planner:
         self._step_order = None
         if self.policy.share is not None:  # program levels yield to the cache under memory pressure (fair_share.py)
             self.policy.share.las = not self.kv.sessions.under_pressure()
-        self._preempt(step)
+        budget = self._prefill_budget(step)
+        self._preempt(step, budget)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
         self._reserve_decodes(batch)
-        budget = self.config.chunked_prefill_size
         budget = self._continue_prefills(batch, budget)
         admitted = self._admit(batch, budget, step)
         if not batch.items and self.running:
@@ -84,6 +86,26 @@ class Planner:
             self.policy.share.charge_batch(batch.items, [(r, r.cached_tokens or 0) for r in admitted])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch, admitted
+
+    def _prefill_budget(self, step: int) -> int:
+        """The step's prompt tokens: chunked_prefill_size, or less while tenants share the engine (step_budget.py):
+        never below the uncached prompts of the first request in admission order and, while another tenant waits
+        too, of the requests of its tenant that go before any other's (a light tenant's pair starts together)."""
+        share = self.policy.share
+        if share is None:
+            return self.config.chunked_prefill_size
+        waiting = share.queues.tenants()
+        if not self.budget.shared(step, {tenant_of(r) for r in self.running} | set(waiting)):
+            return self.config.chunked_prefill_size
+        uncached = 0
+        if self.waiting:
+            order = self._order(step)
+            lead = order[:self.config.max_running_requests] if len(waiting) > 1 else order[:1]
+            for req in lead:
+                if tenant_of(req) != tenant_of(order[0]):
+                    break
+                uncached += req.seq_len - self.policy.cached_len(req)
+        return self.budget.tokens(uncached, self.kv.sessions.prefill_s_per_token)
 
     def set_tenants(self, settings: dict[str, dict[str, Any]]) -> None:
         """Per tenant its fair-share `weight` and `max_running_requests` (Engine.set_tenants)."""
@@ -276,29 +298,47 @@ class Planner:
             return self.policy.share.victim(candidates)
         return min(candidates, key=_progress) if candidates else None
 
-    def _preempt(self, step: int) -> None:
-        """Preemption (vLLM's, generalised to tenants): while the first waiting request in admission order cannot be
-        admitted (no running slot, or not enough KV room), running work that would be admitted after it goes back to
-        the queue, the one admitted last in that order first: its own tenant's work of a worse priority, or the work
-        of a tenant above its share (FairShare.preemptible). Its computed prefix stays cached, so it resumes where it
-        stopped. Nothing is taken unless taking everything eligible would make room."""
+    def _preempt(self, step: int, budget: int) -> None:
+        """Preemption (vLLM's, generalised to tenants): while a request this step would admit (the leading ones in
+        admission order, as many as its token budget reaches) cannot be admitted (no running slot, or not enough KV
+        room beside the ones before it), running work that would be admitted after it goes back to the queue, the
+        one admitted last in that order first: its own tenant's work of a worse priority, or the work of a tenant
+        above its share (FairShare.preemptible; the tenant's counter as the heads before it will have raised it).
+        Its computed prefix stays cached, so it resumes where it stopped. Nothing is taken for a request unless
+        taking everything eligible would make room; the first such request ends the pass. Two light requests
+        arriving together both start in the next step (issue 41: the second waited a step for its own preemption)."""
         share = self.policy.share
         if share is None or not self.waiting or not self.running or not share.may_preempt(self.running):
             return  # the common case, in one pass over each queue
         running = self._running_per_capped_tenant()
-        head = next((r for r in self._order(step) if not self._capped(r, running)), None)
-        if head is None:
-            return
-        cached = self.policy.cached_len(head)
-        eligible = share.eligible(head, self.running, cached)
-        if self._fits(head) or not self._fits(head, freed=eligible):
-            return
-        while not self._fits(head):
-            victim = share.victim(share.eligible(head, self.running, cached))
+        ahead: list[Req] = []  # the heads room was made for, in admission order
+        for head in [r for r in self._order(step)[:self.config.max_running_requests] if not self._capped(r, running)]:
+            cached = self.policy.cached_len(head)
+            if budget <= 0 or not self._make_room(head, cached, ahead):
+                return
+            ahead.append(head)
+            budget -= head.seq_len - cached
+            if tenant_of(head) in running:
+                running[tenant_of(head)] += 1
+
+    def _make_room(self, head: Req, cached: int, ahead: list[Req]) -> bool:
+        """Preempt what `head` may take until it fits beside `ahead`; False (nothing taken) if it cannot."""
+        share = self.policy.share
+        assert share is not None
+        projected = sum(share.admission_cost(r, self.policy.cached_len(r)) for r in ahead
+                        if tenant_of(r) == tenant_of(head))
+        eligible = share.eligible(head, self.running, cached, projected)
+        if self._fits(head, ahead=ahead):
+            return True
+        if not self._fits(head, freed=eligible, ahead=ahead):
+            return False
+        while not self._fits(head, ahead=ahead):
+            victim = share.victim(share.eligible(head, self.running, cached, projected))
             logger.info("preempting %s (tenant %s, priority %d) for %s (tenant %s, priority %d)", victim.rid,
                         victim.params.tenant, victim.params.priority, head.rid, head.params.tenant,
                         head.params.priority)
             self._retract(victim)
+        return True
 
     def _order(self, step: int) -> list[Req]:
         """The policy's admission order, computed once per step: preemption's look at the queue's head and admission
@@ -308,13 +348,13 @@ class Planner:
             self._step_order = (key, self.policy.order(self.waiting, step, running=self.running))
         return self._step_order[1]
 
-    def _fits(self, req: Req, freed: list[Req] = ()) -> bool:
-        """Whether admission would take `req` now, or once the `freed` running requests gave their slots back: a
-        running slot, and KV room for its uncached tokens and its decode estimate beside the running requests'
-        (an estimate: admission decides for real)."""
-        if len(self.running) - len(freed) >= self.config.max_running_requests:
+    def _fits(self, req: Req, freed: list[Req] = (), ahead: list[Req] = ()) -> bool:
+        """Whether admission would take `req` now, or once the `freed` running requests gave their slots back, after
+        the waiting requests `ahead` of it: a running slot, and KV room for its uncached tokens and its decode
+        estimate beside the running requests' and theirs (an estimate: admission decides for real)."""
+        if len(self.running) + len(ahead) - len(freed) >= self.config.max_running_requests:
             return False
-        need = req.seq_len - self.policy.cached_len(req) + self._estimate(req)
+        need = sum(r.seq_len - self.policy.cached_len(r) + self._estimate(r) for r in (*ahead, req))
         room = self.kv.available_slots() + sum(r.owned_slots for r in freed)
         return need <= room - self._decode_room_estimate() + sum(self._estimate(r) for r in freed)
 
