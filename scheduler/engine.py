@@ -264,8 +264,9 @@ class Engine:
         forward_s = self._mark - t1 - prof["build_s"] - prof["sample_s"]
         self._parts["forward"] += forward_s
         prefill = sum(len(q.input_ids) for q, it in zip(seqs, batch.items) if not it.is_decode)
-        if prefill >= 32:  # the prefill cost per token that a session pin's time to live weighs
+        if prefill >= 32:  # the prefill cost per token: a session pin's time to live, the shared step budget
             self.kv.sessions.observe_prefill(prefill, forward_s * prefill / num_tokens)
+        self.planner.budget.observe(prefill, forward_s)
         for item, seq, out in zip(batch.items, seqs, outs):
             req = item.req
             req.kv_len += item.num_tokens
