@@ -29,13 +29,6 @@ MIN_YOUNG_PASSES = 10  # CPython's own generation-2 threshold: young passes sinc
 MIN_OLD_OBJECTS = 500_000  # the growth is counted from at least this (~50-100 MB of objects): below 2M, busy waits
 
 
-def freeze_startup_heap() -> int:
-    """Collect once, then freeze what survives; returns how many objects are frozen (gc_frozen_objects)."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
-
-
 class FullPasses:
     """Who decides when a full collection runs, instead of CPython's 25%-growth rule (see the module doc)."""
 
@@ -49,7 +42,8 @@ class FullPasses:
 
     def install(self) -> None:
         """Freeze the startup heap and take over generation 2 (the young generations keep CPython's thresholds)."""
-        freeze_startup_heap()
+        gc.collect()
+        gc.freeze()  # what startup built: never walked again
         young, middle, _ = gc.get_threshold()
         gc.set_threshold(young, middle, NEVER)
         self.base = len(gc.get_objects(generation=2))

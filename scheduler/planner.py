@@ -303,7 +303,7 @@ class Planner:
         admission order, as many as its token budget reaches) cannot be admitted (no running slot, or not enough KV
         room beside the ones before it), running work that would be admitted after it goes back to the queue, the
         one admitted last in that order first: its own tenant's work of a worse priority, or the work of a tenant
-        above its share (FairShare.preemptible; the tenant's counter as the heads before it will have raised it).
+        above its share (FairShare.eligible; the tenant's counter as the heads before it will have raised it).
         Its computed prefix stays cached, so it resumes where it stopped. Nothing is taken for a request unless
         taking everything eligible would make room; the first such request ends the pass. Two light requests
         arriving together both start in the next step (issue 41: the second waited a step for its own preemption)."""
@@ -318,22 +318,25 @@ class Planner:
                 return
             ahead.append(head)
             budget -= head.seq_len - cached
-            if tenant_of(head) in running:
-                running[tenant_of(head)] += 1
+            tenant = tenant_of(head)
+            if tenant in running:
+                running[tenant] += 1
 
     def _make_room(self, head: Req, cached: int, ahead: list[Req]) -> bool:
         """Preempt what `head` may take until it fits beside `ahead`; False (nothing taken) if it cannot."""
-        share = self.policy.share
-        assert share is not None
-        projected = sum(share.admission_cost(r, self.policy.cached_len(r)) for r in ahead
-                        if tenant_of(r) == tenant_of(head))
-        eligible = share.eligible(head, self.running, cached, projected)
         if self._fits(head, ahead=ahead):
             return True
+        share = self.policy.share
+        assert share is not None
+        tenant = tenant_of(head)
+        projected = sum(share.admission_cost(r, self.policy.cached_len(r), tenant) for r in ahead
+                        if tenant_of(r) == tenant)
+        eligible = share.eligible(head, self.running, cached, projected)  # counters hold still within the step
         if not self._fits(head, freed=eligible, ahead=ahead):
             return False
         while not self._fits(head, ahead=ahead):
-            victim = share.victim(share.eligible(head, self.running, cached, projected))
+            victim = share.victim(eligible)
+            eligible.remove(victim)
             logger.info("preempting %s (tenant %s, priority %d) for %s (tenant %s, priority %d)", victim.rid,
                         victim.params.tenant, victim.params.priority, head.rid, head.params.tenant,
                         head.params.priority)

@@ -24,7 +24,7 @@ class StepBudget:
         self.page_size = page_size
         self.decode_step_s: float | None = None  # moving average of decode-only forwards
         self._active: dict[str, int] = {}  # tenant -> the last step it had work
-        self.num_shared_steps = 0  # steps planned with the shared budget (stats)
+        self.num_shared_steps = 0  # steps planned with the shared budget
 
     def observe(self, prefill_tokens: int, forward_s: float) -> None:
         """A step's forward time; decode-only steps are averaged."""
@@ -44,7 +44,7 @@ class StepBudget:
 
     def tokens(self, head_uncached: int, prefill_s_per_token: float) -> int:
         """A shared step's prefill budget; `head_uncached`: the tokens the leading requests compute (0: none waits)."""
-        if prefill_s_per_token <= 0 or self.decode_step_s is None:
+        if prefill_s_per_token <= 0 or self.decode_step_s is None:  # nothing to divide yet (`shared` says so too)
             return self.chunked_prefill_size
         self.num_shared_steps += 1
         timed = int(self.decode_step_s / prefill_s_per_token)
