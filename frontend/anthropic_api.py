@@ -40,7 +40,8 @@ async def create_message(state: ServerState, request: Request, body: Any) -> Any
     system = await system_boundary_of(state, req.sampling, req.messages, req.tools, kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, req.sampling, 1, rid, req.seed, ENGINE_NAMES, system=system,
                            max_new_tokens=req.max_tokens, **plan.sampling())
-    sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
+    # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(1), request, stream=req.stream)
     if req.stream:
         return SSEResponse(sse_events(sub, _MessageStream(turn), request), on_close=sub.close)
     results = await collect(request, sub)

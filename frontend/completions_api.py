@@ -35,7 +35,7 @@ async def completions(state: ServerState, request: Request, body: Any) -> Any:
                                 max_new_tokens=common.max_tokens, logprobs=common.logprobs,
                                 logprob_start_len=0 if echo_logprobs else None)
     lease = state.client.reserve(len(jobs), "n" if len(prompts_ids) == 1 else None)
-    sub = await state.client.submit(jobs, lease, request)  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, lease, request, stream=common.stream)  # a refusal is a 400 here
     head = response_head(state, rid, common)
     if common.stream:
         handler = _CompletionStream(state, req, head, jobs, echo_texts, [len(i) for i in prompts_ids])

@@ -53,6 +53,8 @@ class ServerConfig:
     max_queued_requests: int = option(256, "requests accepted beyond --max-running-requests before 429")
     max_tokens_default: int = option(2048, "chat: generate until EOS or the context end, capped by this")
     max_n: int = option(16, "the largest n (choices per prompt) a request may ask for")
+    stream_interval: int = option(1, "a streamed response's output goes out every N tokens, the first token at once "
+                                  "(SGLang's and vLLM's --stream-interval): fewer, larger chunks for busy servers")
     max_body_bytes: int = option(8 * 1024 * 1024, "larger request bodies get 413")
     graceful_timeout_s: float = option(60.0, "on SIGTERM, seconds running requests may take to finish",
                                        flag="--graceful-timeout")
@@ -78,6 +80,7 @@ class ServerConfig:
         check_int("max_queued_requests", self.max_queued_requests, lo=0)
         check_int("max_tokens_default", self.max_tokens_default, lo=1)
         check_int("max_n", self.max_n, lo=1)
+        check_int("stream_interval", self.stream_interval, lo=1)
         check_int("max_body_bytes", self.max_body_bytes, lo=1)
         check_number("graceful_timeout_s", self.graceful_timeout_s, lo=0)
         check_number("keep_alive_s", self.keep_alive_s, lo=0, lo_open=True)

@@ -138,15 +138,19 @@ class EngineClient:
 
     # -- generation -----------------------------------------------------------------------
 
-    async def submit(self, jobs: list[Job], lease: "Lease", request: Request | None = None) -> "Submission":
+    async def submit(self, jobs: list[Job], lease: "Lease", request: Request | None = None, *, stream: bool
+                     ) -> "Submission":
         """Queue every job in the engine, or none: a refused job is a 400 (an unreachable
         engine a 503) raised before the caller has sent anything; the lease is closed then.
+        `stream`: the caller reads every delta (every --stream-interval tokens), else only each job's final one.
         With the HTTP `request`, a client that leaves before every job is admitted (a grammar can
         take seconds to compile) raises ClientDisconnect, and its jobs are aborted: the engine
         drops a held one right after its admission instead of running it."""
         sub = Submission(self, jobs, lease)
         firsts = [i for i, job in enumerate(jobs) if job.group is None or i == 0 or jobs[i - 1].group != job.group]
-        adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i, lease.tenant) for i in firsts), return_exceptions=True)
+        interval = self.config.stream_interval if stream else 0
+        adds = asyncio.gather(*(self._add(jobs[i], sub.queue, i, lease.tenant, interval) for i in firsts),
+                              return_exceptions=True)
         if request is None:
             outcomes = await adds
         else:
@@ -166,18 +170,18 @@ class EngineClient:
             raise engine_unavailable(error) from error
         raise error
 
-    def _add(self, job: Job, queue: asyncio.Queue, index: int, tenant: str) -> Any:
+    def _add(self, job: Job, queue: asyncio.Queue, index: int, tenant: str, stream_interval: int) -> Any:
         """One engine request: a job, or the n choices of a group (whose first job this is). The one place the
         HTTP side hands the engine a request: it is the tenant's (fair share), and so is its session."""
         rid, n = job.group if job.group is not None else (job.rid, 1)
         session = job.params.session_id
-        params = replace(job.params, tenant=tenant,
+        params = replace(job.params, tenant=tenant, stream_interval=stream_interval,
                          session_id=engine_session(session, tenant) if session is not None else None)
         return self.engine.add(rid, job.prompt_ids, params, queue, index, n=n)
 
     async def generate(self, jobs: list[Job], lease: "Lease") -> list[GenerateResult]:
         """Submit and wait for every result (closing the lease in the end)."""
-        sub = await self.submit(jobs, lease)
+        sub = await self.submit(jobs, lease, stream=False)
         return await sub.results()
 
     def abort_matching(self, rid: str | None, tenant: str | None) -> int:

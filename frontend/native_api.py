@@ -29,7 +29,7 @@ async def generate(state: ServerState, request: Request, body: Any) -> Any:
     jobs = await asyncio.to_thread(_make_jobs, state, req) if tokenizes else _make_jobs(state, req)
     as_list = req.is_batch or len(jobs) > 1  # n > 1 answers a list even for one prompt (SGLang)
     lease = state.client.reserve(len(jobs), None if req.is_batch else "sampling_params.n")
-    sub = await state.client.submit(jobs, lease, request)  # a refusal is a 400 here
+    sub = await state.client.submit(jobs, lease, request, stream=req.stream)  # a refusal is a 400 here
     if req.stream:
         return SSEResponse(_native_events(state, job_items, as_list, sub, request), on_close=sub.close)
     results = await collect(request, sub)

@@ -46,7 +46,8 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     system = await system_boundary_of(state, common.sampling, req.messages, req.tools, template_kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, common.sampling, common.n, rid, common.seed, names, system=system,
                            max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
-    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request)  # a refusal is a 400 here
+    # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(len(jobs)), request, stream=common.stream)
     head = response_head(state, rid, common)
     if common.stream:
         handler = _ChatStream(state, req, head, len(jobs), len(prompt_ids), plan, (prompt_ids, template_kwargs))

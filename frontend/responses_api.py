@@ -76,7 +76,8 @@ async def create_response(state: ServerState, request: Request, body: Any) -> An
     system = await system_boundary_of(state, common.sampling, instructions, req.chat.tools, kwargs, prompt_ids)
     jobs = state.make_jobs(prompt_ids, common.sampling, 1, rid, common.seed, _NAMES, system=system,
                            max_new_tokens=max_new, logprobs=common.logprobs, **plan.sampling())
-    sub = await state.client.submit(jobs, state.client.reserve(1), request)  # a refusal is a 400 here
+    # a refusal is a 400 here
+    sub = await state.client.submit(jobs, state.client.reserve(1), request, stream=common.stream)
     turn = _Turn(state, req, rid, prompt_ids, prev, plan)
     if common.stream:
         return SSEResponse(sse_events(sub, _Stream(turn), request), on_close=sub.close)

@@ -70,7 +70,7 @@ async def _prefetch(state: Any, messages: list[dict[str, Any]], message_of: Call
     params = SamplingParams(max_new_tokens=0, priority=IDLE_PRIORITY, **kept)
     job = Job(prompt_ids=canonical, params=params, rid=state.new_id("prefetch"), param_names={})
     try:
-        sub = await state.client.submit([job], lease)
+        sub = await state.client.submit([job], lease, stream=False)
     except APIError as exc:
         logger.info("history prefetch refused: %s", exc)
         return

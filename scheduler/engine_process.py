@@ -111,6 +111,7 @@ class EngineServer:
         self.parent_pid = parent_pid
         self.stopping = False
         self._last_sent = time.monotonic()
+        self._sent_slots: dict[str, int] | None = None
         self.pending = PendingGrammars(engine.grammar)
         self.gc = FullPasses()
 
@@ -135,8 +136,11 @@ class EngineServer:
             if engine.has_unfinished():
                 events.deltas = engine.step()
                 events.tenant_slots = engine.tenant_slots()
-                now = time.monotonic()
-                if events.deltas or now - self._last_sent >= PROGRESS_EVERY_S:
+                # Requests read whole send no deltas until they finish; the KV their tenants hold still reaches the
+                # HTTP side's limits (frontend/tenant_limits.py) as it changes.
+                moved = events.tenant_slots != self._sent_slots
+                if events.deltas or moved or time.monotonic() - self._last_sent >= PROGRESS_EVERY_S:
+                    self._sent_slots = events.tenant_slots
                     self._send(events)
             elif os.getppid() != self.parent_pid:
                 logger.warning("the HTTP process went away; the engine exits")

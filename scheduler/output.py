@@ -70,6 +70,8 @@ class OutputProcessor:
         """Text and tokens not yet handed out. While running, text that may become (part of) a
         stop string or stop_regex match is held back so a trimmed stop never reaches a stream."""
         done = req.finish_reason is not None
+        if not done and _held_for_interval(req):
+            return None
         end = len(req.text)
         if not done:
             end -= _stop_prefix_overlap(req.text, req.params.stop)
@@ -121,6 +123,15 @@ class OutputProcessor:
             if m is not None:
                 start = min(start, m.start())
         return start
+
+
+def _held_for_interval(req: Req) -> bool:
+    """A running request's delta waits for its stream interval (SamplingParams.stream_interval): none while nobody
+    streams it (0), else until `interval` new tokens are out; the first token goes at once."""
+    interval = req.params.stream_interval
+    if interval == 1:
+        return False
+    return interval == 0 or (req.emitted_tokens > 0 and len(req.output_ids) - req.emitted_tokens < interval)
 
 
 # A stop hit: (start, end, matched) — the match is text[start:end]; matched is what matched_stop reports.

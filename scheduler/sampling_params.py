@@ -62,6 +62,10 @@ class SamplingParams:
     # (lower runs first, vLLM's meaning; it may preempt the tenant's own running work of a worse priority).
     tenant: str | None = None
     priority: int = 0
+    # Output deltas (set by the server, never by the client; scheduler/output.py): one once at least this many new
+    # tokens are out (the first token's at once, the last always); 0: the final one only, for a request nobody
+    # streams (its intermediate deltas would be serialized, routed and dropped every step).
+    stream_interval: int = 1
     skip_special_tokens: bool = True
     # Structured generation (at most one; compiled with xgrammar in the engine, scheduler/grammar.py).
     regex: str | None = None
@@ -159,6 +163,7 @@ class SamplingParams:
         if self.tenant is not None:
             check_session_id(self.tenant, "tenant")
         _check_int(self, "priority", lo=-(2**31), hi=2**31 - 1)
+        _check_int(self, "stream_interval", lo=0)
         self._validate_grammar()
         self._validate_reasoning()
 

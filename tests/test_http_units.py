@@ -321,9 +321,9 @@ def test_the_choices_of_one_prompt_reach_the_engine_as_one_request():
         dead = False
 
         async def add(self, rid, prompt_ids, params, queue, index, n=1):
-            calls.append((rid, prompt_ids, params.seed, index, n))
+            calls.append((rid, prompt_ids, params.seed, index, n, params.stream_interval))
 
-    config = ServerConfig()
+    config = ServerConfig(stream_interval=3)
     client = EngineClient(Engine(), config, ServerMetrics())
     state = ServerState(engine=None, config=config, client=client, metrics=None, model_name="m", texts=None,
                         created=0, responses=None, rng=random.Random(0))
@@ -334,12 +334,15 @@ def test_the_choices_of_one_prompt_reach_the_engine_as_one_request():
     assert [j.params.seed for j in jobs[:3]] == [2**63 - 2, 2**63 - 1, -(2**63)]  # wrapped, as the engine does
     assert [choice_seed(2**63 - 2, i) for i in range(3)] == [j.params.seed for j in jobs[:3]]
 
-    async def submit():
-        return await client.submit(jobs, client.reserve(len(jobs)))
+    async def submit(stream):
+        return await client.submit(jobs, client.reserve(len(jobs)), stream=stream)
 
-    asyncio.run(submit())
-    assert [(rid, n, index) for rid, _, _, index, n in calls] == [("chat-1", 3, 0), ("chat-2", 1, 3)]
+    asyncio.run(submit(True))
+    assert [(rid, n, index) for rid, _, _, index, n, _ in calls] == [("chat-1", 3, 0), ("chat-2", 1, 3)]
     assert calls[0][1] is prompt and calls[0][2] == 2**63 - 2  # the base seed; choice i adds i
+    # A stream's deltas come every --stream-interval tokens; a response read whole wants only the final one.
+    asyncio.run(submit(False))
+    assert [c[-1] for c in calls] == [3, 3, 0, 0]
 
 
 def test_priority_is_read_where_each_api_puts_it_and_a_client_cannot_name_a_tenant():

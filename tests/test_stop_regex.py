@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.scheduler.output import OutputProcessor
-from radixserve.scheduler.req import Req
+from radixserve.scheduler.req import Req, StreamDelta
 from radixserve.scheduler.sampling_params import SamplingParams
 
 EOS = 0
@@ -30,7 +30,12 @@ class _PieceDetok:
 
 
 def _run(pieces: list[str], **params) -> tuple[Req, list[str]]:
-    """Feeds pieces[1:] one token each (id 0 is EOS, never fed); returns the request and its deltas."""
+    """Feeds pieces[1:] one token each (id 0 is EOS, never fed); returns the request and its deltas' texts."""
+    req, deltas = _run_deltas(pieces, **params)
+    return req, [d.text for d in deltas]
+
+
+def _run_deltas(pieces: list[str], **params) -> tuple[Req, list[StreamDelta]]:
     params.setdefault("max_new_tokens", len(pieces))
     req = Req(rid="r", prompt_ids=[1], params=SamplingParams(**params), seed=0, arrival_step=0, arrival_time=0.0)
     req.detok = _PieceDetok(pieces)
@@ -40,12 +45,12 @@ def _run(pieces: list[str], **params) -> tuple[Req, list[str]]:
         out.append_token(req, token_id, None)
         delta = out.take_delta(req)
         if delta is not None:
-            deltas.append(delta.text)
+            deltas.append(delta)
         if req.finish_reason is not None:
             break
     if req.finish_reason is None:
         out.finish(req, "length")
-        deltas.append(out.take_delta(req).text)
+        deltas.append(out.take_delta(req))
     return req, deltas
 
 
@@ -108,3 +113,20 @@ def test_stream_matches_oracle_and_never_shows_trimmed_text(pieces, patterns, ke
     assert req.matched_stop == expected_pattern
     assert req.finish_reason == ("stop" if expected_pattern else "length")
     assert "".join(deltas) == req.text
+
+
+@settings(max_examples=200, deadline=None)
+@given(PIECES, st.lists(st.sampled_from(["ab", "a.", ". 1"]), max_size=2), st.integers(0, 4))
+def test_a_stream_interval_batches_deltas_without_losing_or_showing_held_text(pieces, stops, interval):
+    """--stream-interval: the first token's delta at once, then one per `interval` new tokens, the last always; 0
+    (nobody streams the request): the final delta only. The text and ids add up to the whole output either way."""
+    pieces = [""] + pieces
+    req, deltas = _run_deltas(pieces, stop=stops, stream_interval=interval)
+    assert "".join(d.text for d in deltas) == req.text
+    assert [t for d in deltas for t in d.token_ids] == req.output_ids
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    sizes = [len(d.token_ids) for d in deltas[:-1]]
+    if interval == 0:
+        assert sizes == []
+    elif sizes:
+        assert sizes[0] == 1 and all(n == interval for n in sizes[1:])  # interval 1: a delta per token, as before
