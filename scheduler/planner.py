@@ -61,7 +61,7 @@ class Planner:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.num_retractions = 0
-        self._step_order: tuple | None = None  # (queue state, order) of this step (_order)
+        self._step_order: list[Req] | None = None  # this step's admission order (_order)
         self.tenant_caps: dict[str, int] = {}  # tenant -> most requests running at once (Engine.set_tenants)
         self.budget = StepBudget(config.chunked_prefill_size, config.page_size)  # prompt tokens per step
         if policy.share is not None:
@@ -72,13 +72,15 @@ class Planner:
         self._step_order = None
         if self.policy.share is not None:  # program levels yield to the cache under memory pressure (fair_share.py)
             self.policy.share.las = not self.kv.sessions.under_pressure()
-        budget = self._prefill_budget(step)
+        budget, lead_tenant = self._prefill_budget(step)
         self._preempt(step, budget)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last
         batch = Batch()
         self._reserve_decodes(batch)
-        budget = self._continue_prefills(batch, budget)
+        budget = self._continue_prefills(batch, budget, lead_tenant)
         admitted = self._admit(batch, budget, step)
+        if not batch.items and lead_tenant is not None:  # its leading requests did not fit: the others' go on
+            self._continue_prefills(batch, budget, None)
         if not batch.items and self.running:
             # Everyone holds memory and nobody can progress: free the least-progressed.
             self._retract(self._pick_victim(exclude=None))
@@ -87,25 +89,34 @@ class Planner:
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch, admitted
 
-    def _prefill_budget(self, step: int) -> int:
+    def _prefill_budget(self, step: int) -> tuple[int, str | None]:
         """The step's prompt tokens: chunked_prefill_size, or less while tenants share the engine (step_budget.py):
-        never below the uncached prompts of the first request in admission order and, while another tenant waits
-        too, of the requests of its tenant that go before any other's (a light tenant's pair starts together)."""
+        never below the uncached prompts of the first request in admission order (and the chunked prompts under way
+        before it) and, while another tenant waits too, of the requests of its tenant that go before any other's (a
+        light tenant's pair starts together); then the step is theirs alone: no more than that, and the second
+        value names their tenant, whose chunked prompts alone go on in it."""
         share = self.policy.share
         if share is None:
-            return self.config.chunked_prefill_size
+            return self.config.chunked_prefill_size, None
         waiting = share.queues.tenants()
         if not self.budget.shared(step, {tenant_of(r) for r in self.running} | set(waiting)):
-            return self.config.chunked_prefill_size
-        uncached = 0
-        if self.waiting:
-            order = self._order(step)
-            lead = order[:self.config.max_running_requests] if len(waiting) > 1 else order[:1]
-            for req in lead:
-                if tenant_of(req) != tenant_of(order[0]):
-                    break
-                uncached += req.seq_len - self.policy.cached_len(req)
-        return self.budget.tokens(uncached, self.kv.sessions.prefill_s_per_token)
+            return self.config.chunked_prefill_size, None
+        if not self.waiting:
+            return self.budget.tokens(self._chunked_pending(None), self.kv.sessions.prefill_s_per_token), None
+        order = self._order(step)
+        lead_tenant = tenant_of(order[0]) if len(waiting) > 1 else None
+        uncached = self._chunked_pending(lead_tenant)
+        for req in order[:self.config.max_running_requests] if lead_tenant is not None else order[:1]:
+            if tenant_of(req) != tenant_of(order[0]):
+                break
+            uncached += req.seq_len - self.policy.cached_len(req)
+        return (self.budget.tokens(uncached, self.kv.sessions.prefill_s_per_token, others_wait=lead_tenant is not None),
+                lead_tenant)
+
+    def _chunked_pending(self, tenant: str | None) -> int:
+        """Prompt tokens still to compute of the running requests' chunked prompts (of `tenant`; None: anyone's)."""
+        return sum(r.num_pending for r in self.running
+                   if not r.is_decoding and (tenant is None or tenant_of(r) == tenant))
 
     def set_tenants(self, settings: dict[str, dict[str, Any]]) -> None:
         """Per tenant its fair-share `weight` and `max_running_requests` (Engine.set_tenants)."""
@@ -152,11 +163,12 @@ class Planner:
                     break
         batch.items.extend(BatchItem(r, 1, True, is_decode=True) for r in decodes if r.status is ReqStatus.RUNNING)
 
-    def _continue_prefills(self, batch: Batch, budget: int) -> int:
+    def _continue_prefills(self, batch: Batch, budget: int, tenant: str | None) -> int:
+        """Chunked prompts go on (only `tenant`'s, when the step is its leading requests' alone)."""
         for req in self.running:
             if budget <= 0:
                 break
-            if req.is_decoding:  # already in the batch as a decode
+            if req.is_decoding or (tenant is not None and tenant_of(req) != tenant):  # a decode: in the batch already
                 continue
             num = self._fit_chunk(req, min(req.num_pending, budget))
             if num > 0:
@@ -344,12 +356,13 @@ class Planner:
         return True
 
     def _order(self, step: int) -> list[Req]:
-        """The policy's admission order, computed once per step: preemption's look at the queue's head and admission
-        share it unless a retraction (the only change to the queue within a step) came between."""
-        key = (self.num_retractions, len(self.waiting), len(self.running))
-        if self._step_order is None or self._step_order[0] != key:
-            self._step_order = (key, self.policy.order(self.waiting, step, running=self.running))
-        return self._step_order[1]
+        """The policy's admission order, computed once per step: the budget's, preemption's and admission's look at
+        the queue. A request retracted within the step (the only change to the queue before admission) waits for the
+        next step's order: it would not be admitted back into the step that took its slots anyway, and ordering a
+        long queue again costs milliseconds (a light tenant's request that preempts paid it on its first token)."""
+        if self._step_order is None:
+            self._step_order = self.policy.order(self.waiting, step, running=self.running)
+        return self._step_order
 
     def _fits(self, req: Req, freed: list[Req] = (), ahead: list[Req] = ()) -> bool:
         """Whether admission would take `req` now, or once the `freed` running requests gave their slots back, after

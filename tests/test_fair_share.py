@@ -287,25 +287,33 @@ def _fixed_step_costs(engine: Engine, decode_step_s: float | None, prefill_s_per
     engine.kv.sessions.prefill_s_per_token = prefill_s_per_token
 
 
-def test_a_step_shared_by_tenants_computes_one_decode_steps_worth_of_prompt(ckpt):
-    """Two tenants with work: a step's prefill is cut to what takes one decode step (here 2 tokens' worth), but never
-    below the first request's uncached prompt: the light request's step computes its own prompt and no heavy one's,
-    where the whole chunk (64) would have admitted two heavy prompts beside it."""
+@pytest.mark.parametrize("decode_step_s", [2e-3, 40e-3])
+def test_a_step_shared_by_tenants_computes_one_decode_steps_worth_of_prompt(ckpt, decode_step_s):
+    """Two tenants with work: a step's prefill is cut to what takes one decode step (here 2 or 40 tokens' worth), but
+    never below the first request's uncached prompt, and while the heavy tenant's wait behind it, to that prompt
+    alone: the light request's step computes its own prompt and no heavy one's, where the whole chunk (64) would
+    have admitted two heavy prompts beside it and a decode step's worth (40) one; a heavy prompt's chunk under way
+    goes on in the next step."""
     engine = _engine(ckpt, max_running_requests=16, chunked_prefill_size=64, kv_cache_tokens=4096)
-    _fixed_step_costs(engine, decode_step_s=2e-3)
+    _fixed_step_costs(engine, decode_step_s=decode_step_s)
     system = SHARED[:40]
     engine.generate([system + [9]], _params("light", max_new=1))
     for i in range(24):
         engine.add_request(system + [100 + i] * 24, _params("a", max_new=30), rid=f"heavy{i}")
-    for _ in range(12):
+    for _ in range(12 if decode_step_s < 10e-3 else 4):  # room left to admit heavy prompts beside the light one
         engine.step()
+    assert len(engine.planner.running) < 16
     engine.add_request(system + [200] * 8, _params("b", max_new=4), rid="light")
+    chunked = {r: r.num_pending for r in engine.planner.running if not r.is_decoding}
+    assert chunked or decode_step_s < 10e-3  # at 40 tokens a step, a heavy prompt is under way
     computed = []
     real_run = engine._run_batch
     engine._run_batch = lambda batch: (computed.append([(it.req.rid, it.num_tokens) for it in batch.items
                                                         if not it.is_decode]), real_run(batch))
     assert any(d.rid == "light" and d.token_ids for d in engine.step())
     assert computed == [[("light", 8)]], computed
+    engine.step()
+    assert all(r.num_pending < pending for r, pending in chunked.items())
     assert engine.planner.budget.num_shared_steps > 0
     _run_all(engine)
     engine.shutdown()

@@ -24,6 +24,15 @@ def test_shared_steps_take_one_decode_steps_worth_but_the_first_prompts_whole():
     assert budget.num_shared_steps == 3
 
 
+def test_while_another_tenant_waits_a_step_computes_only_the_leading_prompts():
+    """The light tenant's request leads and the heavy tenant's wait behind it: its step is a decode step plus its
+    8 tokens, not plus 12 of the heavy tenant's as well; with nobody waiting (0) the timed budget still runs."""
+    budget = _budget()
+    assert budget.tokens(head_uncached=8, prefill_s_per_token=2e-3, others_wait=True) == 8
+    assert budget.tokens(head_uncached=4096, prefill_s_per_token=2e-3, others_wait=True) == 512
+    assert budget.tokens(head_uncached=0, prefill_s_per_token=2e-3, others_wait=True) == 20
+
+
 def test_a_tenant_that_left_still_shares_for_a_window():
     budget = _budget()
     assert budget.shared(0, ["a", "b"])
