@@ -48,6 +48,7 @@ class TenantsConfig:
     duration_s: float = 30.0  # at least: a phase lasts until the light tenant's stream has offered min_light requests
     min_light: int = 100  # so that its p99 is not just its largest (model L serves ~4 requests/s: 13 in 30 s)
     max_running: int = 16
+    stream_interval: int = 1  # the server's --stream-interval: output every N tokens (the first at once)
     probes: int = 200
     shared_tenants: int = 64
     vocab: int = 3000
@@ -223,6 +224,7 @@ def start_server(model_path: str, cfg: TenantsConfig, fair: bool, threads: int, 
     kv = 64 * (cfg.system_tokens + cfg.private_tokens + cfg.output_tokens) + 8 * cfg.system_tokens
     return ServerProcess(["--model", model_path, "--api-keys", keys_file, "--num-threads", str(threads),
                           "--kv-cache-tokens", str(kv), "--max-running-requests", str(cfg.max_running),
+                          "--stream-interval", str(cfg.stream_interval),
                           "--max-queued-requests", "100000", "--disable-log-requests",
                           "--policy-fair-share" if fair else "--no-policy-fair-share"])
 
@@ -251,7 +253,8 @@ async def repetition(url: str, cfg: TenantsConfig, fair: bool, extras: bool) -> 
 def markdown(report: dict[str, Any]) -> str:
     s = report["summary"]
     lines = [f"# Tenants (model {report['model']}, median of {report['repeats']}, "
-             f"{report.get('engine_threads', '?')} engine thread(s))", "",
+             f"{report.get('engine_threads', '?')} engine thread(s), --stream-interval "
+             f"{report['config'].get('stream_interval', 1)})", "",
              "| | light p99 TTFT | light p50 TTFT | p99 in the engine (queued) | step under load | hit / optimal |",
              "|---|---|---|---|---|---|"]
     for name in ("alone", "fair_on", "fair_off"):
@@ -294,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     args = _parse(argv)
     cfg = TenantsConfig(duration_s=args.duration, probes=args.probes, max_running=args.max_running, seed=args.seed,
-                        min_light=args.min_light)
+                        min_light=args.min_light, stream_interval=args.stream_interval)
     model_path = bench_model_path(args.model)
     CLIENT_GC.install()  # full collections would stall the light tenant's streams here too (scheduler/gc_freeze.py)
     keys = os.path.join(tempfile.mkdtemp(prefix="tenants-"), "keys.json")
@@ -332,6 +335,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
                    help="a phase lasts until the light tenant is expected to have sent this many requests")
     p.add_argument("--probes", type=int, default=d.probes, help="isolation probes of each kind")
     p.add_argument("--max-running", type=int, default=d.max_running)
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="the server's --stream-interval (1: a chunk per token; the first token at once either way)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the server's engine (on 2 cores, 1 leaves a core to the HTTP frontend and "
                         "to this client, whose delays would otherwise be measured as the light tenant's)")
