@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .agent_trace import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
+from .agent_plan import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
 from .output import BenchOutput, bench_parser, parse_args, percentile
 
 

@@ -31,118 +31,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
-import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
 import httpx
 
 from ..kernels.kv_budget import KV_CACHE_DTYPES, kv_bytes_per_token
 from ..scheduler.config import DTYPES
-from .cache_sim import POLICIES, TraceRequest, simulate
+from .agent_plan import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
 from .kv_memory import kv_shape, pool_tokens
 from .output import BenchOutput, bench_parser, comma_choices, parse_args, percentile
 from .plot import plot_agent_trace
-
-
-@dataclass(frozen=True)
-class TraceConfig:
-    agents: int = 32
-    apps: int = 4
-    app_tokens: int = 1500  # system prompt + tool definitions, shared by an app's agents
-    user_tokens: int = 64  # the agent's first message
-    turns: int = 4
-    call_tokens: int = 32  # a tool call
-    answer_tokens: int = 64  # the last turn's answer
-    tool_tokens: tuple[int, int] = (100, 400)  # a tool result's length, uniform
-    arrivals_per_s: float = 2.0  # Poisson arrival rate of agents
-    tool_median_s: float = 1.0
-    tool_p95_s: float = 10.0
-    vocab: int = 4000  # token ids are drawn from [10, vocab)
-    seed: int = 0
-
-    def upper_bound(self) -> int:
-        """Every app prompt plus every agent's longest possible history, as if all were alive at once: a pool this
-        large never evicts (the calibration run's)."""
-        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
-        return self.apps * self.app_tokens + self.agents * longest
-
-    def max_sequence(self) -> int:
-        """An upper bound on one request's prompt plus output."""
-        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
-        return self.app_tokens + longest + self.answer_tokens
-
-
-@dataclass(frozen=True)
-class AgentPlan:
-    index: int
-    app: int
-    arrival_s: float
-    user: list[int]
-    tool_results: list[list[int]]  # one per turn but the last
-    waits_s: list[float]
-
-
-def make_plan(cfg: TraceConfig) -> tuple[list[list[int]], list[AgentPlan]]:
-    """The apps' prompts and every agent's arrival, messages, tool results and tool latencies (seeded)."""
-    rng = random.Random(cfg.seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(10, cfg.vocab) for _ in range(n)]
-
-    apps = [tokens(cfg.app_tokens) for _ in range(cfg.apps)]
-    sigma = math.log(cfg.tool_p95_s / cfg.tool_median_s) / 1.645  # lognormal: p95 = median * e^(1.645 sigma)
-    agents, t = [], 0.0
-    for i in range(cfg.agents):
-        t += rng.expovariate(cfg.arrivals_per_s)
-        agents.append(AgentPlan(
-            index=i, app=i % cfg.apps, arrival_s=t, user=tokens(cfg.user_tokens),
-            tool_results=[tokens(rng.randint(*cfg.tool_tokens)) for _ in range(cfg.turns - 1)],
-            waits_s=[rng.lognormvariate(math.log(cfg.tool_median_s), sigma) for _ in range(cfg.turns - 1)]))
-    return apps, agents
-
-
-@dataclass
-class TurnRecord:
-    agent: int
-    turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    cold_tokens: int
-    latency_s: float
-    sent_s: float  # monotonic clock
-    prompt_ids: list[int]
-    output_ids: list[int]
-    queue_s: float | None = None  # the server's: arrival in the engine to admission (None: not reported)
-
-
-def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
-    """The most tokens alive at once on a run's realised timeline: at every turn's send and finish, the histories of
-    the agents alive then (from their first send to their last turn's finish; while a turn runs, its prompt, after
-    it, prompt and output) plus the prompts of the apps they use, counted once. A cache of this size need not evict
-    a history that will be used again; budgets are fractions of it."""
-    last_turn = {}
-    for r in records:
-        last_turn[r.agent] = max(last_turn.get(r.agent, 0), r.turn)
-    events = []  # (time, order, agent, tokens held beyond the app's prompt, ends the agent)
-    for r in records:
-        own = len(r.prompt_ids) - cfg.app_tokens
-        events.append((r.sent_s, 0, r.agent, own, False))
-        events.append((r.sent_s + r.latency_s, 1, r.agent, own + len(r.output_ids), r.turn == last_turn[r.agent]))
-    events.sort()
-    held: dict[int, int] = {}
-    peak = 0
-    for _, _, agent, tokens, ends in events:
-        held[agent] = tokens
-        live_apps = {a % cfg.apps for a in held}
-        peak = max(peak, sum(held.values()) + cfg.app_tokens * len(live_apps))
-        if ends:
-            del held[agent]
-    return peak
 
 
 async def send_generate(client: httpx.AsyncClient, history: list[int], max_tokens: int,
@@ -226,22 +127,6 @@ async def _stats_at(read: Callable[[], Awaitable[dict[str, Any]]], at_s: float) 
     the drain (the slowest tools' agents alone) dilutes it."""
     await asyncio.sleep(at_s)
     return await read()
-
-
-def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
-    """The excess recompute of the LRU and Bélády yardsticks (bench/cache_sim.py) on this run's realised trace:
-    its requests at their actual admission (send + the server's queue time, where it reports it) and finish times,
-    through a cache of the server's capacity (a request that does not fit beside the running ones waits)."""
-    trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids,
-                          None if r.queue_s is None else r.sent_s + min(r.queue_s, r.latency_s)) for r in records]
-    cold = sum(r.cold_tokens for r in records)
-    out: dict[str, float] = {}
-    for policy in POLICIES:
-        result = simulate(trace, kv_tokens, policy)
-        out[policy] = result["recomputed"] - cold
-        out[f"{policy}_overflow"] = result["overflow"]
-        out[f"{policy}_deferred"] = result["deferred"]
-    return out
 
 
 def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_s: float,

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 import httpx
 
 from . import roofline
-from .agent_trace import TraceConfig, run_trace
+from .agent_plan import TraceConfig
+from .agent_trace import run_trace
 from .output import BenchOutput, bench_parser, parse_args
 
 SERVED = "model"

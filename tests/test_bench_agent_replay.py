@@ -3,7 +3,7 @@ import pytest
 
 from radixserve.bench import agent_replay
 from radixserve.bench.agent_replay import StepModel, counts, run, seed_rows
-from radixserve.bench.agent_trace import TraceConfig
+from radixserve.bench.agent_plan import TraceConfig
 from radixserve.bench.harness import bench_model_path
 
 CFG = TraceConfig(agents=6, apps=2, app_tokens=96, user_tokens=16, turns=3, call_tokens=8, answer_tokens=8,

@@ -2,7 +2,8 @@
 import json
 
 from radixserve.bench import agent_trace
-from radixserve.bench.agent_trace import TraceConfig, TurnRecord, make_plan, summarize
+from radixserve.bench.agent_plan import TraceConfig, TurnRecord, make_plan
+from radixserve.bench.agent_trace import summarize
 from radixserve.bench.harness import bench_model_path
 from radixserve.bench.kv_memory import kv_shape, pool_tokens
 from radixserve.frontend.cli import build_parser
