@@ -108,11 +108,16 @@ def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
 
 
 def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str, float]:
-    """The excess recompute of the LRU and Bélády yardsticks (bench/cache_sim.py) on this run's realised trace:
-    its requests at their actual admission (send + the server's queue time, where it reports it) and finish times,
-    through a cache of the server's capacity (a request that does not fit beside the running ones waits)."""
+    """The excess recompute of the LRU, online and Bélády yardsticks (bench/cache_sim.py) on this run's realised
+    trace: its requests at their actual admission (send + the server's queue time, where it reports it) and finish
+    times, each agent a session closed by its last turn, through a cache of the server's capacity (a request that
+    does not fit beside the running ones waits)."""
+    last = {}
+    for r in records:
+        last[r.agent] = max(last.get(r.agent, 0), r.turn)
     trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids,
-                          None if r.queue_s is None else r.sent_s + min(r.queue_s, r.latency_s)) for r in records]
+                          None if r.queue_s is None else r.sent_s + min(r.queue_s, r.latency_s),
+                          session=r.agent, closes=r.turn == last[r.agent]) for r in records]
     cold = sum(r.cold_tokens for r in records)
     out: dict[str, float] = {}
     for policy in POLICIES:

@@ -133,7 +133,7 @@ def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
            "pins": {k: v for k, v in out["pins"].items() if k.startswith("num_pins_")}}
     if sim:
         replay = simulated_excess(records, out["kv_tokens"])
-        row |= {"lru_sim": replay["lru"], "belady_sim": replay["belady"]}
+        row |= {"lru_sim": replay["lru"], "online_sim": replay["online"], "belady_sim": replay["belady"]}
     return row
 
 
@@ -174,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
             on, off = row["on"], row["off"]
             print(f"seed {seed} budget {row['budget']:g} ({row['kv_tokens']} of peak {row['peak']}): excess on "
                   f"{on['excess']} off {off['excess']} | Bélády {on['belady_sim']} (off's trace "
-                  f"{off['belady_sim']}) LRU sim {on['lru_sim']} | target {row['target']:.0f} "
+                  f"{off['belady_sim']}) online sim {on['online_sim']} LRU sim {on['lru_sim']} | target "
+                  f"{row['target']:.0f} "
                   f"{'meets' if row['meets'] else 'MISSES'} | busy {off['busy_arrivals']:.0%} | turn p50/p99 on "
                   f"{on['turn_p50_s']}/{on['turn_p99_s']} off {off['turn_p50_s']}/{off['turn_p99_s']} s | pins "
                   f"{on['pins']}",

@@ -14,9 +14,9 @@ compute (first-time tokens: an app's prompt the first time it is sent, each agen
 result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
 (send to the turn's last token) and agent completion time p50/p99, throughput, the server's busy fraction (its
 engine's step time over the run's wall time, and over the arrivals: until the last agent arrives, before the drain
-of the slowest tools dilutes it), the server's pin counters, and the excess of two yardsticks replayed on each
-run's realised trace at the same capacity (bench/cache_sim.py): an LRU cache and Bélády's (evict what is next used
-furthest away).
+of the slowest tools dilutes it), the server's pin counters, and the excess of three yardsticks replayed on each
+run's realised trace at the same capacity (bench/cache_sim.py): an LRU cache, Bélády's (evict what is next used
+furthest away) and the online one (Bélády's rule on what a server can know then).
 Budgets are fractions of the trace's peak working set: the most tokens its live histories and their apps'
 prompts held at once on the realised timeline of a calibration run with a pool that never evicts
 (`peak_working_set`). Every repetition is another seed (another trace), calibrated on its own. The modes
@@ -41,6 +41,7 @@ import httpx
 from ..kernels.kv_budget import KV_CACHE_DTYPES, kv_bytes_per_token
 from ..scheduler.config import DTYPES
 from .agent_plan import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
+from .cache_sim import POLICIES
 from .kv_memory import kv_shape, pool_tokens
 from .output import BenchOutput, bench_parser, comma_choices, parse_args, percentile
 from .plot import plot_agent_trace
@@ -203,7 +204,7 @@ def markdown(report: dict[str, Any]) -> str:
              "that memory holds in it.", "",
              "| KV budget (MiB) | KV dtype | tokens held | sessions | recomputed | cold | excess | turn p50 / p99 s "
              "| agent p50 / p99 s | turns/s | busy (arrivals) | pins used / reclaimed / expired "
-             "| excess: LRU sim / Bélády sim |",
+             "| excess: LRU / online / Bélády sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
@@ -214,15 +215,16 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
                      f"| {row['busy']:.0%} ({row['busy_arrivals']:.0%}) | {p['num_pins_used']:g} / "
                      f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} "
-                     f"| {row['sim']['lru']:g} / {row['sim']['belady']:g}{_overflow(row['sim'])} |")
+                     f"| {' / '.join(format(row['sim'][policy], 'g') for policy in POLICIES)}"
+                     f"{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"
 
 
 def _overflow(sim: dict[str, float]) -> str:
     """The replays' honesty: requests that waited for room (the server had admitted them earlier: its decode-room
     estimate, retraction), and tokens over the capacity (a request larger than the cache)."""
-    waited = max(sim.get("lru_deferred", 0), sim.get("belady_deferred", 0))
-    over = max(sim["lru_overflow"], sim["belady_overflow"])
+    waited = max(sim.get(f"{policy}_deferred", 0) for policy in POLICIES)
+    over = max(sim.get(f"{policy}_overflow", 0) for policy in POLICIES)
     return (f" (waited: {waited:g} requests)" if waited else "") + (f" (over capacity by {over:g})" if over else "")
 
 

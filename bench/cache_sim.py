@@ -9,6 +9,11 @@ stay cached until evicted. Eviction takes one unlocked leaf token at a time:
 - ``lru``: the one used longest ago;
 - ``belady``: the one whose next use (the first later request whose prompt passes through it) is furthest away,
   never-again first. With paths of different lengths this is a yardstick, not the optimum.
+- ``online``: Bélády's rule on what a server can know at the time, its best online yardstick: a request already
+  sent (its arrival known) is the next use of what it passes through; a path whose session has closed is never used
+  again; any other path's next use is expected at its age's mean residual of the trace's return gaps (a session's
+  finish to its next send: the distribution a server learns as they come, `scheduler/return_gaps.py`). What
+  separates it from Bélády is only each tool's actual latency.
 
 A request whose locked prefix, new tokens and output do not fit beside the running requests' waits, as the
 server's queue would make it, first come first served, until finishes free the room; it then runs as long as it
@@ -21,9 +26,9 @@ import bisect
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
-POLICIES = ("lru", "belady")
+POLICIES = ("lru", "online", "belady")
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 
@@ -35,6 +40,8 @@ class TraceRequest:
     prompt: Sequence[int]
     output: Sequence[int]
     admitted_s: float | None = None  # when the server admitted it (None: when it was sent)
+    session: Hashable | None = None  # the agent (session) it belongs to
+    closes: bool = False  # its session ends when it finishes (nobody continues its path)
 
     @property
     def start_s(self) -> float:
@@ -42,12 +49,13 @@ class TraceRequest:
 
 
 class _Node:
-    __slots__ = ("parent", "token", "key", "children", "locks", "last")
+    __slots__ = ("parent", "token", "key", "children", "locks", "last", "session")
 
     def __init__(self, parent: _Node | None, token: int, key: int) -> None:
         self.parent, self.token, self.key = parent, token, key
         self.children: dict[int, _Node] = {}
         self.locks, self.last = 0, 0.0
+        self.session: Hashable | None = None  # the session of the request that last used it
 
 
 def _key(parent_key: int, token: int) -> int:
@@ -55,10 +63,11 @@ def _key(parent_key: int, token: int) -> int:
 
 
 class _Cache:
-    def __init__(self, capacity: int, policy: str, uses: dict[int, list[float]]) -> None:
+    def __init__(self, capacity: int, policy: str, uses: dict[int, list[float]],
+                 knowledge: _Knowledge | None = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.capacity, self.policy, self.uses = capacity, policy, uses
+        self.capacity, self.policy, self.uses, self.knows = capacity, policy, uses, knowledge
         self.root = _Node(None, -1, 0)
         self.cached = self.in_flight = self.overflow = 0
         self.locked = 0  # cached tokens some running request's path holds
@@ -73,7 +82,9 @@ class _Cache:
         """Smallest first is evicted first."""
         if self.policy == "lru":
             return (node.last, 0.0)
-        return (-self._next_use(node), node.last)
+        if self.policy == "belady":
+            return (-self._next_use(node), node.last)
+        return (-self.knows.expected_use(node, self.now, self._next_use(node)), node.last)
 
     def _evictable_leaves(self) -> list[_Node]:
         out, stack = [], [self.root]
@@ -103,7 +114,8 @@ class _Cache:
                 heapq.heappush(heap, (self._rank(parent), id(parent), parent))
         self.overflow += max(short, 0)
 
-    def walk(self, tokens: Sequence[int], create: bool, lock: int, start: _Node | None = None) -> tuple[int, _Node]:
+    def walk(self, tokens: Sequence[int], create: bool, lock: int, start: _Node | None = None,
+             session: Hashable | None = None) -> tuple[int, _Node]:
         """Follow (with `create`, extend) the path of `tokens` from `start` (the root), touching and (un)locking
         it; returns how many of them were cached and the node it ends at."""
         node, matched = start or self.root, 0
@@ -119,6 +131,10 @@ class _Cache:
             self.locked += int(child.locks == 0 and lock > 0) - int(child.locks + lock == 0 and lock < 0)
             child.locks += lock
             child.last = self.now
+            if child.session is None or child.session == session:
+                child.session = session
+            elif session is not None:
+                child.session = _SHARED
             node = child
         return matched, node
 
@@ -135,21 +151,68 @@ class _Cache:
         return self.locked + unlocked + self.in_flight + len(tokens) - matched + extra <= self.capacity
 
 
-def _uses(requests: Sequence[TraceRequest]) -> dict[int, list[float]]:
-    """Prefix key -> the sorted admission times of the requests whose prompt has that prefix."""
+_SHARED = object()  # a node's session when requests of more than one session used it
+
+
+class _Knowledge:
+    """What the ``online`` yardstick knows at a time: the requests already sent (which prefixes they will use), the
+    sessions closed, and the distribution of return gaps."""
+
+    def __init__(self, requests: Sequence[TraceRequest], uses: dict[int, list[float]]) -> None:
+        self.uses, self.sends = uses, _uses(requests, sent=True)
+        self.closed: set[Hashable] = set()
+        self.gaps = sorted(_return_gaps(requests))
+        self._tail = [0.0] * (len(self.gaps) + 1)  # _tail[i]: the sum of gaps[i:]
+        for i in range(len(self.gaps) - 1, -1, -1):
+            self._tail[i] = self._tail[i + 1] + self.gaps[i]
+
+    def expected_use(self, node: _Node, now: float, next_use: float) -> float:
+        times = self.uses.get(node.key, ())
+        i = bisect.bisect_right(times, now)
+        if i < len(times) and self.sends[node.key][i] <= now:
+            return next_use  # a request already sent will use it then
+        if node.session is not _SHARED and node.session in self.closed:
+            return float("inf")
+        return now + self.residual(now - node.last)
+
+    def residual(self, age: float) -> float:
+        """The mean remaining wait of a return gap that has lasted `age` (no longer gap seen: `age` again)."""
+        i = bisect.bisect_right(self.gaps, age)
+        left = len(self.gaps) - i
+        return self._tail[i] / left - age if left else age
+
+
+def _return_gaps(requests: Sequence[TraceRequest]) -> list[float]:
+    """Each session's gaps from a request's finish to its next request's send."""
+    finished: dict[Hashable, float] = {}
+    gaps = []
+    for r in sorted(requests, key=lambda r: r.sent_s):
+        if r.session is None:
+            continue
+        if r.session in finished:
+            gaps.append(max(r.sent_s - finished[r.session], 0.0))
+        finished[r.session] = r.done_s
+    return gaps
+
+
+def _uses(requests: Sequence[TraceRequest], sent: bool = False) -> dict[int, list[float]]:
+    """Prefix key -> the sorted admission times of the requests whose prompt has that prefix (with `sent`: their
+    send times, in the same order)."""
     uses: dict[int, list[float]] = {}
     for r in sorted(requests, key=lambda r: r.start_s):
         key = 0
         for tok in r.prompt:
             key = _key(key, tok)
-            uses.setdefault(key, []).append(r.start_s)
+            uses.setdefault(key, []).append(r.sent_s if sent else r.start_s)
     return uses
 
 
 def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> dict[str, float]:
     """Prompt tokens recomputed, the overflow and the waits, replaying `requests` through a cache of `capacity`
     tokens."""
-    cache = _Cache(capacity, policy, _uses(requests) if policy == "belady" else {})
+    uses = _uses(requests) if policy != "lru" else {}
+    knows = _Knowledge(requests, uses) if policy == "online" else None
+    cache = _Cache(capacity, policy, uses, knows)
     events = [(r.start_s, 1, i) for i, r in enumerate(requests)]  # (time, 0 finish / 1 arrival, request)
     heapq.heapify(events)
     queue: deque[int] = deque()
@@ -164,16 +227,18 @@ def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> di
         else:  # the output's slots move from in flight to cached; the path is unlocked
             running -= 1
             cache.in_flight -= len(r.output)
-            _, node = cache.walk(r.prompt, create=False, lock=-1)
-            cache.walk(r.output[:-1], create=True, lock=0, start=node)  # the last token was never computed
+            _, node = cache.walk(r.prompt, create=False, lock=-1, session=r.session)
+            cache.walk(r.output[:-1], create=True, lock=0, start=node, session=r.session)  # the last: never computed
+            if r.closes and knows is not None:
+                knows.closed.add(r.session)
         while queue and (running == 0 or cache.fits(requests[queue[0]].prompt, len(requests[queue[0]].output))):
             j = queue.popleft()
             q = requests[j]
             # the prompt's cached part is locked first, so making room for the rest cannot evict it
-            matched, node = cache.walk(q.prompt, create=False, lock=1)
+            matched, node = cache.walk(q.prompt, create=False, lock=1, session=q.session)
             out["recomputed"] += len(q.prompt) - matched
             cache.make_room(len(q.prompt) - matched + len(q.output))
-            cache.walk(q.prompt[matched:], create=True, lock=1, start=node)
+            cache.walk(q.prompt[matched:], create=True, lock=1, start=node, session=q.session)
             cache.in_flight += len(q.output)
             running += 1
             wait = t - q.start_s

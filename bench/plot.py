@@ -47,8 +47,8 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str, title: str = "") -> No
 
 
 def plot_agent_trace(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
-    """Two panels over the KV budget: excess recompute (sessions on, off, and the LRU and Bélády replays of the
-    sessions-on runs) and p99 turn latency (sessions on and off); a line per KV dtype where rows have several."""
+    """Two panels over the KV budget: excess recompute (sessions on, off, and the LRU, online and Bélády replays of
+    the sessions-on runs) and p99 turn latency (sessions on and off); a line per KV dtype where rows have several."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -63,6 +63,7 @@ def plot_agent_trace(rows: list[dict[str, Any]], path: str, title: str = "") -> 
         series = [(f"sessions on{of}", on, lambda r: r["excess"], "-"),
                   (f"sessions off (LRU){of}", off, lambda r: r["excess"], "-"),
                   (f"LRU replay{of}", on, lambda r: r["sim"]["lru"], ":"),
+                  (f"online replay{of}", on, lambda r: r["sim"]["online"], "-."),
                   (f"Bélády replay{of}", on, lambda r: r["sim"]["belady"], "--")]
         for num, (label, rs, value, style) in enumerate(s for s in series if s[1]):
             left.plot([r["budget"] for r in rs], [value(r) for r in rs], marker=_MARKERS[(num + dnum) % len(_MARKERS)],

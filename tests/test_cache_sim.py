@@ -1,5 +1,5 @@
-"""bench/cache_sim.py, the LRU and Bélády yardsticks of the agent-trace bench, on traces small enough to work out
-by hand, and on random ones where the invariants must hold."""
+"""bench/cache_sim.py, the LRU, online and Bélády yardsticks of the agent-trace bench, on traces small enough to
+work out by hand, and on random ones where the invariants must hold."""
 from __future__ import annotations
 
 import random
@@ -66,6 +66,45 @@ def test_only_a_request_larger_than_the_cache_runs_over_it():
     assert result["overflow"] == 2 and result["deferred"] == 1 and result["recomputed"] == 12
 
 
+def test_online_evicts_a_closed_session_first_where_lru_evicts_the_oldest():
+    """8 slots. Session 1 sends A, session 2 sends B and closes; C needs 4 slots. LRU drops A (the oldest) and A's
+    continuation recomputes it; the online yardstick knows nobody continues B (and Bélády that nobody uses it),
+    although by age alone B would be expected back first (idle 0.5 s where the return gaps, 0.8 s three times, A's
+    2.5 and a 9, leave A, idle 1.5 s, 4.25 s more and B 2.3)."""
+    trace = [TraceRequest(0, 0.5, A, [], session=1), TraceRequest(1, 1.5, B, [], session=2, closes=True),
+             TraceRequest(2, 2.5, C, [], session=3, closes=True), TraceRequest(3, 3.5, A + [50], [], session=1)]
+    for i, gap in enumerate([0.8, 0.8, 0.8, 9.0]):  # later sessions on prompts of their own (2 tokens each)
+        trace += [TraceRequest(20 + 20 * i, 20 + 20 * i, [100 + i], [], session=10 + i),
+                  TraceRequest(20 + 20 * i + gap, 20 + 20 * i + gap, [100 + i, 7], [], session=10 + i)]
+    assert simulate(trace, 8, "lru")["recomputed"] == 4 + 4 + 4 + 5 + 8
+    assert simulate(trace, 8, "online")["recomputed"] == 4 + 4 + 4 + 1 + 8 == simulate(trace, 8, "belady")["recomputed"]
+
+
+def test_online_knows_the_next_use_of_a_request_already_sent():
+    """A's continuation is sent at 1.8 and queued until 2.5: when C makes room at 2 the online yardstick keeps A
+    (used at 2.5, known) and drops B (open, idle 0.5 s: expected back at 2.8 by the one gap seen, A's 1.3 s); LRU
+    drops A, the oldest."""
+    trace = [TraceRequest(0, 0.5, A, [], session=1), TraceRequest(1, 1.5, B, [], session=2),
+             TraceRequest(2, 2.5, C, [], session=3), TraceRequest(1.8, 4, A + [50], [], admitted_s=2.5, session=1)]
+    assert simulate(trace, 8, "lru")["recomputed"] == 4 + 4 + 4 + 5
+    assert simulate(trace, 8, "online")["recomputed"] == 4 + 4 + 4 + 1
+
+
+@pytest.mark.parametrize("gaps, a_recomputed", [([0.2, 0.2, 0.2, 9.0], 5), ([2.0] * 4, 1)])
+def test_online_orders_waiting_histories_by_their_ages_mean_residual(gaps, a_recomputed):
+    """A idle since 0, B since 0.9; at 1.0 C needs one of them gone. Under a heavy tail of return gaps (other
+    sessions': 0.2, 0.2, 0.2, 9; A's own 1.5) the one idle longer is expected back last (A: 1 + 4.25 s, B: 0.1 +
+    2.1 s), so A goes, as under LRU, and its continuation recomputes all of it. Under gaps of ~2 s the residual
+    falls with age and B goes (A: 1 + 0.9 s, B: 0.1 + 1.8 s)."""
+    trace = [TraceRequest(0, 0, A, [], session=1), TraceRequest(0.9, 0.9, B, [], session=2),
+             TraceRequest(1.0, 1.0, C, [], session=3, closes=True), TraceRequest(1.5, 1.5, A + [50], [], session=1)]
+    for i, gap in enumerate(gaps):  # later sessions on prompts of their own: only their return gaps matter
+        trace += [TraceRequest(20 + 20 * i, 20 + 20 * i, [100 + i], [], session=10 + i),
+                  TraceRequest(20 + 20 * i + gap, 20 + 20 * i + gap, [100 + i, 7], [], session=10 + i)]
+    recomputed = simulate(trace, 8, "online")["recomputed"]
+    assert recomputed == 4 + 4 + 4 + a_recomputed + sum(1 + 1 for _ in gaps)
+
+
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         simulate([], 8, "fifo")
@@ -85,8 +124,8 @@ def test_belady_never_recomputes_more_than_lru_on_sequential_traces(seed, capaci
         for d in range(1, len(prompt) + 1):
             cold += tuple(prompt[:d]) not in seen
             seen.add(tuple(prompt[:d]))
-    assert simulate(trace, 10**6, "lru")["recomputed"] == cold == simulate(trace, 10**6, "belady")["recomputed"]
-    lru, belady = simulate(trace, capacity, "lru"), simulate(trace, capacity, "belady")
-    assert lru["overflow"] == belady["overflow"] == lru["deferred"] == belady["deferred"] == 0
-    assert cold <= belady["recomputed"]
-    assert cold <= lru["recomputed"]
+    for policy in ("lru", "online", "belady"):
+        assert simulate(trace, 10**6, policy)["recomputed"] == cold
+        result = simulate(trace, capacity, policy)
+        assert result["overflow"] == result["deferred"] == 0
+        assert cold <= result["recomputed"]
