@@ -181,8 +181,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                   f"{on['pins']}",
                   flush=True)
     if args.out:
-        BenchOutput("agent_replay", args.out).write_json("agent_replay", rows)
+        out = BenchOutput("agent_replay", args.out)
+        out.finish(out.write_report("agent_replay", {"command": args.command, "rows": rows}, markdown(rows)))
     return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """Per seed and budget: the engine's excess with sessions on and off beside the three yardsticks replayed on
+    the sessions-on run's trace, and the issue's target."""
+    lines = ["| seed | budget (tokens) | excess on | off | LRU sim | online sim | Bélády sim | target | turn p99 on / "
+             "off s |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        on, off = row["on"], row["off"]
+        lines.append(f"| {row['seed']} | {row['budget']:g} ({row['kv_tokens']}) | {on['excess']} | {off['excess']} "
+                     f"| {on['lru_sim']} | {on['online_sim']} | {on['belady_sim']} | {row['target']:.0f} "
+                     f"({'met' if row['meets'] else 'missed'}) | {on['turn_p99_s']} / {off['turn_p99_s']} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

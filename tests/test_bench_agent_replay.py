@@ -1,4 +1,6 @@
 """bench/agent_replay.py: agent_trace's trace against an in-process engine on a virtual clock, counted."""
+import json
+
 import pytest
 
 from radixserve.bench import agent_replay
@@ -38,7 +40,7 @@ def test_runs_are_deterministic_counts(model):
     assert first == second and first["excess"] > 0  # 240 slots cannot hold two apps and six histories
 
 
-def test_seed_rows_compare_sessions_with_the_yardsticks(model, capsys):
+def test_seed_rows_compare_sessions_with_the_yardsticks(model, capsys, tmp_path):
     (full,) = seed_rows(model, CFG, [1.0], StepModel())
     assert full["kv_tokens"] >= full["peak"] and full["on"]["excess"] <= full["off"]["excess"]
     assert full["target"] == pytest.approx(full["on"]["belady_sim"] + 0.25 * (full["off"]["excess"]
@@ -46,6 +48,9 @@ def test_seed_rows_compare_sessions_with_the_yardsticks(model, capsys):
     rows = agent_replay.main(["--model", "tiny", "--seeds", "1", "--budgets", "0.5", "--agents", "6",
                               "--arrivals-per-s", "20", "--config", '{"apps": 2, "app_tokens": 96, "user_tokens": 16,'
                               ' "turns": 3, "call_tokens": 8, "answer_tokens": 8, "tool_tokens": [16, 32],'
-                              ' "tool_median_s": 0.2, "tool_p95_s": 1.0, "vocab": 500}'])
-    assert len(rows) == 1 and rows[0]["on"]["lru_sim"] >= rows[0]["on"]["belady_sim"] >= 0 <= rows[0]["on"]["online_sim"]
+                              ' "tool_median_s": 0.2, "tool_p95_s": 1.0, "vocab": 500}', "--out", str(tmp_path)])
+    on = rows[0]["on"]
+    assert len(rows) == 1 and on["lru_sim"] >= on["belady_sim"] >= 0 <= on["online_sim"]
     assert "seed 1 budget 0.5" in capsys.readouterr().out
+    assert json.loads((tmp_path / "agent_replay.json").read_text())["rows"] == json.loads(json.dumps(rows))
+    assert f"| 1 | 0.5 ({rows[0]['kv_tokens']}) | {on['excess']} |" in (tmp_path / "agent_replay.md").read_text()
