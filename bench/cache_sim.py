@@ -229,7 +229,7 @@ def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> di
             cache.in_flight -= len(r.output)
             _, node = cache.walk(r.prompt, create=False, lock=-1, session=r.session)
             cache.walk(r.output[:-1], create=True, lock=0, start=node, session=r.session)  # the last: never computed
-            if r.closes and knows is not None:
+            if r.closes and r.session is not None and knows is not None:
                 knows.closed.add(r.session)
         while queue and (running == 0 or cache.fits(requests[queue[0]].prompt, len(requests[queue[0]].output))):
             j = queue.popleft()
