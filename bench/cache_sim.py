@@ -84,7 +84,7 @@ class _Cache:
             return (node.last, 0.0)
         if self.policy == "belady":
             return (-self._next_use(node), node.last)
-        return (-self.knows.expected_use(node, self.now, self._next_use(node)), node.last)
+        return (-self.knows.expected_use(node, self.now), node.last)
 
     def _evictable_leaves(self) -> list[_Node]:
         out, stack = [], [self.root]
@@ -166,11 +166,11 @@ class _Knowledge:
         for i in range(len(self.gaps) - 1, -1, -1):
             self._tail[i] = self._tail[i + 1] + self.gaps[i]
 
-    def expected_use(self, node: _Node, now: float, next_use: float) -> float:
+    def expected_use(self, node: _Node, now: float) -> float:
         times = self.uses.get(node.key, ())
         i = bisect.bisect_right(times, now)
         if i < len(times) and self.sends[node.key][i] <= now:
-            return next_use  # a request already sent will use it then
+            return times[i]  # a request already sent will use it then
         if node.session is not _SHARED and node.session in self.closed:
             return float("inf")
         return now + self.residual(now - node.last)
