@@ -36,7 +36,8 @@ MODEL = "radixserve-demo"
 CITIES = ("Paris", "Tokyo", "Berlin", "Madrid", "Rome", "London", "Cairo", "Lima")
 WORDS = ("river", "stone", "garden", "window", "paper", "music", "silver", "forest", "market", "engine",
          "cloud", "letter", "bridge", "summer", "candle", "harbor")
-PIN_KEYS = ("num_pins_pinned", "num_pins_used", "num_pins_expired", "num_pins_reclaimed", "num_pins_settled")
+PIN_KEYS = ("num_pins_pinned", "num_pins_used", "num_pins_expired", "num_pins_reclaimed", "num_pins_settled",
+            "num_tool_returns")
 
 
 @dataclass(frozen=True)

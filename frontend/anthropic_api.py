@@ -86,7 +86,8 @@ class _Turn:
     def ending(self, r: GenerateResult) -> tuple[str, str | None]:
         """The stop reason and sequence; a session's turn is settled here (a tool call keeps its pin longer)."""
         reason, sequence = stop_reason(r, self.content.num_calls > 0, self.req.sampling["stop"])
-        settle_turn(self.state, self.req.sampling.get("session_id"), reason == "tool_use")
+        settle_turn(self.state, self.req.sampling.get("session_id"),
+                    [b["name"] for b in self.content.blocks if b["type"] == "tool_use"] if reason == "tool_use" else ())
         return reason, sequence
 
     def message(self, r: GenerateResult) -> dict[str, Any]:

@@ -60,7 +60,9 @@ async def chat_completions(state: ServerState, request: Request, body: Any) -> A
     splitters = [plan.splitter() for _ in results]
     choices = _chat_choices(state, req, results, splitters) if plan.syntax is None \
         else await asyncio.to_thread(_chat_choices, state, req, results, splitters)
-    settle_turn(state, common.sampling.get("session_id"), any(c["finish_reason"] == "tool_calls" for c in choices))
+    settle_turn(state, common.sampling.get("session_id"), [call["function"]["name"] for c in choices
+                                                           if c["finish_reason"] == "tool_calls"
+                                                           for call in c["message"].get("tool_calls") or ()])
     after_chat_turn(state, req.messages, req.tools, template_kwargs, prompt_ids, results[0],
                     lambda: choices[0]["message"], common.sampling)
     usage = openai_usage([len(prompt_ids)], results, len(jobs), reasoning_tokens(plan, splitters))
@@ -241,7 +243,8 @@ class _ChatStream(ChunkStream):
             self.results.append(r)
             finish = chat_finish_reason(r, parser is not None and parser.num_calls > 0)
             if i == 0:  # a session's turn is settled by its first choice
-                settle_turn(self.state, self.req.common.sampling.get("session_id"), finish == "tool_calls")
+                settle_turn(self.state, self.req.common.sampling.get("session_id"),
+                            parser.names if finish == "tool_calls" else ())
                 prompt_ids, template_kwargs = self.rendered
                 after_chat_turn(self.state, self.req.messages, self.req.tools, template_kwargs, prompt_ids, r,
                                 functools.partial(self._message, r), self.req.common.sampling)

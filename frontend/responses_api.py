@@ -175,7 +175,7 @@ class _Turn:
         """A session's turn that ended without a function call keeps its pin only briefly (sessions_api)."""
         output = self.builder.final.get("output") or []
         settle_turn(self.state, self.req.chat.common.sampling.get("session_id"),
-                    any(item.get("type") == "function_call" for item in output))
+                    [item["name"] for item in output if item.get("type") == "function_call"])
 
     def fail(self, exc: APIError) -> list[dict[str, Any]]:
         error = {"code": str(exc.body()["error"]["code"]), "message": exc.message}

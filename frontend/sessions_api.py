@@ -6,7 +6,8 @@ OpenAI-style APIs (chat, completions, responses) take a `session_id` body field 
 or an `x-session-id` header. A request naming a session that is not open opens it; sessions close explicitly or
 after the engine's idle timeout. SGLang's token-level continuation (`session_params.rid`, `offset`, `replace`,
 `drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached. A chat
-turn that ends with a final answer rather than a tool call shortens its pin's time to live (`settle_turn`).
+turn that ends with a final answer rather than a tool call shortens its pin's time to live; one that calls tools
+names them, so that the session is expected back after those tools' observed latency (`settle_turn`).
 A session is its tenant's (frontend/tenants.py): the engine knows it by `engine_session(id, tenant)`, so another
 tenant naming the same id opens, continues and closes a session of its own.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
 import orjson
 from starlette.requests import Request
@@ -96,17 +97,18 @@ async def close_session(state: ServerState, request: Request, body: Any) -> dict
     return {"session_id": sid, "closed": await engine_call(state.engine, "close_session", (named,))}
 
 
-def settle_turn(state: ServerState, session_id: str | None, tool_call: bool) -> None:
-    """A chat turn of a session ended: with a tool call the agent comes back (its pin keeps its time to live); with
-    a final answer it may not, so its pin gets the short one. Sent without waiting: the reply does not depend on
-    it."""
-    if session_id is None or tool_call:
+def settle_turn(state: ServerState, session_id: str | None, tools: Iterable[str]) -> None:
+    """A chat turn of a session ended, calling `tools` (their names) or, with none, giving a final answer: the agent
+    comes back after those tools ran (the engine expects it from their return gaps), or may not come back (its pin
+    gets the short time to live). Sent without waiting: the reply does not depend on it."""
+    if session_id is None:
         return
     session_id = engine_session(session_id, current_tenant().name)
+    called = ",".join(sorted({name[:64] for name in tools})) or None  # in parallel: back when the slowest returns
 
     async def send() -> None:
         try:
-            await engine_call(state.engine, "settle_session", (session_id,))
+            await engine_call(state.engine, "settle_session", (session_id, called))
         except Exception as exc:  # only a pin's time to live is at stake
             logger.debug("settle_session %s: %s", session_id, exc)
 

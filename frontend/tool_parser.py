@@ -68,7 +68,11 @@ class StreamingToolParser:
         self._pending = ""
         self._in_call = False
         self._held_space = ""  # whitespace-only content: dropped if a tool call follows it directly
-        self.num_calls = 0
+        self.names: list[str] = []  # the tools called so far
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.names)
 
     def feed(self, text: str) -> list[tuple[str, Any]]:
         self._pending += text
@@ -86,7 +90,7 @@ class StreamingToolParser:
                     self._content(events, TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)
                 else:
                     self._held_space = ""
-                    self.num_calls += 1
+                    self.names.append(call.name)
                     events.append(("tool_call", call))
                 continue
             start = self._pending.find(TOOL_CALL_OPEN)

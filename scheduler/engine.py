@@ -344,9 +344,9 @@ class Engine:
         """Close a session and drop its pin; False when it was not open."""
         return self._on_loop(lambda: self.kv.sessions.close(session_id))
 
-    def settle_session(self, session_id: str) -> bool:
-        """The session's turn ended with a final answer: its pin keeps at most the shortest time to live."""
-        return self._on_loop(lambda: self.kv.sessions.settle(session_id))
+    def settle_session(self, session_id: str, tool: str | None = None) -> bool:
+        """The session's turn called `tool` (it is expected back after it) or gave a final answer (None)."""
+        return self._on_loop(lambda: self.kv.sessions.settle(session_id, tool))
 
     def _on_loop(self, fn: Callable[[], Any]) -> Any:
         return self._loop.call(fn) if self._loop.running and not self._loop.on_loop_thread() else fn()

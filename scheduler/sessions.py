@@ -15,7 +15,7 @@ when
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
   first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie), and
   among those the one whose session is expected back last (scheduler/return_gaps.py: Bélády's rule on the
-  expected next use).
+  expected next use; a chat turn's tool call names the tool, whose own return gaps then answer: `settle`).
 
 Under memory pressure a pin is made only if it is expected to pay, that is, to see its session back before
 admission reclaims it. Admission reclaims the pins expected back later than the new one first, at the rate it has
@@ -42,7 +42,7 @@ from typing import Callable
 
 from ..radix.radix_cache import RadixCache, TreeNode
 from .checks import check_session_id
-from .return_gaps import ReturnGaps
+from .return_gaps import ToolGaps
 
 IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
@@ -51,6 +51,13 @@ PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure
 PIN_ODDS = 0.5  # under pressure, pin only if this share of the observed returns would come before the reclaim
 EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
+
+
+@dataclass
+class _Left:
+    node: TreeNode  # the path the session's last finished request left cached
+    tokens: int
+    horizon: float  # how long a pin made then was expected to last (`_horizon`)
 
 
 @dataclass
@@ -72,8 +79,9 @@ class Sessions:
         self._pressure_at = float("-inf")  # when an admission last had to reclaim pins
         self._evicted_at = float("-inf")  # when an admission last had to evict cached paths
         self._finished: dict[str, float] = {}  # session -> when its last request finished (for the return gap)
-        self._left: dict[str, TreeNode] = {}  # session -> the path its last finished request left cached
-        self.gaps = ReturnGaps()
+        self._left: dict[str, _Left] = {}  # session -> what its last finished request left cached
+        self.gaps = ToolGaps()
+        self._called: dict[str, str] = {}  # session -> the tool(s) its last turn called (settle)
         self._reclaimed: deque[tuple[float, int]] = deque()  # (when, own slots) of the recent reclaims
         self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled", "skipped"), 0)
 
@@ -90,9 +98,10 @@ class Sessions:
         if self._last_seen.pop(session_id, None) is None:
             return False
         self._finished.pop(session_id, None)
+        self._called.pop(session_id, None)
         left = self._left.pop(session_id, None)
-        if not self._drop(session_id, "closed") and left is not None and not left.is_evicted:
-            self._tree.demote(left)  # unpinned (skipped under pressure), it still goes first: nobody continues it
+        if not self._drop(session_id, "closed") and left is not None and not left.node.is_evicted:
+            self._tree.demote(left.node)  # unpinned (skipped under pressure), it still goes first: nobody continues it
         return True
 
     @property
@@ -115,7 +124,7 @@ class Sessions:
         """A request of the session joined the waiting queue: its return gap is observed."""
         finished = self._finished.pop(session_id, None) if session_id is not None else None
         if finished is not None:
-            self.gaps.add(self._clock() - finished)
+            self.gaps.add(self._clock() - finished, self._called.get(session_id))
 
     def keep(self, session_id: str | None, node: TreeNode, tokens: int, queue_excess: int = 0) -> None:
         """Pin the path a finished request of the session leaves cached (ending at `node`, `tokens` long), unless
@@ -124,25 +133,54 @@ class Sessions:
         if session_id is None or session_id not in self._last_seen or tokens == 0 or node.is_root:
             return
         self._drop(session_id, None)
+        self._called.pop(session_id, None)  # this turn's call, if any, is named by settle
         now = self._finished[session_id] = self._clock()
-        self._left[session_id] = node
-        if self.gaps.within(self._horizon(now, queue_excess)) < PIN_ODDS:
+        left = self._left[session_id] = _Left(node, tokens, self._horizon(now, queue_excess))
+        if self.gaps.all.within(left.horizon) < PIN_ODDS:
             self.counts["skipped"] += 1
             return
-        self._tree.lock(node, pin=True)
-        ttl = min(max(TTL_PER_RECOMPUTE * tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
-        self._pins[session_id] = _Pin(node, tokens, now + ttl, now)
+        self._pin(session_id, left, now)
+
+    def _pin(self, session_id: str, left: _Left, made: float) -> None:
+        self._tree.lock(left.node, pin=True)
+        ttl = min(max(TTL_PER_RECOMPUTE * left.tokens * self.prefill_s_per_token, MIN_TTL_S), MAX_TTL_S)
+        self._pins[session_id] = _Pin(left.node, left.tokens, made + ttl, made)
         self.counts["pinned"] += 1
 
-    def settle(self, session_id: str) -> bool:
-        """The session's turn ended with a final answer (no tool call): the agent may not come back, so its pin
-        keeps at most the shortest time to live. False when the session holds no pin."""
+    def settle(self, session_id: str, tool: str | None = None) -> bool:
+        """The session's turn ended with a call of `tool` (the names of the tools called): the session is expected
+        back from that tool's return gaps, and keep's decision to pin or not is made again from them (`_revise`).
+        Or with a final answer (None): the agent may not come back, so its pin keeps at most the shortest time to
+        live. False when the session is not open, or for a final answer holds no pin."""
+        if tool is not None:
+            if session_id not in self._last_seen:
+                return False
+            self._called[session_id] = tool
+            self._revise(session_id)
+            return True
         pin = self._pins.get(session_id)
         if pin is None:
             return False
         pin.expires = min(pin.expires, self._clock() + MIN_TTL_S)
         self.counts["settled"] += 1
         return True
+
+    def _revise(self, session_id: str) -> None:
+        """Pin the session's last path, or not, by whether PIN_ODDS of its tool's returns come within the horizon
+        keep saw (its tool without enough returns of its own: everyone's, as keep decided)."""
+        left = self._left.get(session_id)
+        if left is None or left.node.is_evicted:
+            return
+        worth = self.gaps.of(self._called[session_id]).within(left.horizon) >= PIN_ODDS
+        if worth == (session_id in self._pins):
+            return
+        if worth:
+            self.counts["skipped"] -= 1
+            self._pin(session_id, left, self._finished.get(session_id, self._clock()))
+        else:
+            self._drop(session_id, None)
+            self.counts["pinned"] -= 1
+            self.counts["skipped"] += 1
 
     def expire(self) -> None:
         """Drop the pins whose time ran out, if memory is under pressure, and those made MAX_TTL_S ago; close the
@@ -171,9 +209,10 @@ class Sessions:
             self._drop(sid, "reclaimed")
 
     def expected_return(self, session_id: str, now: float) -> float:
-        """When the pinned session's next request is expected (the mean residual of the observed return gaps)."""
+        """When the pinned session's next request is expected: the mean residual of the return gaps observed after
+        calls of the tool its last turn called, or of everyone's (scheduler/return_gaps.py)."""
         pin = self._pins[session_id]
-        return now + self.gaps.remaining(now - pin.made)
+        return now + self.gaps.of(self._called.get(session_id)).remaining(now - pin.made)
 
     def _horizon(self, now: float, queue_excess: int) -> float:
         """How long a pin made now would last: admission reclaims the pins expected back later than it first; what
@@ -185,7 +224,7 @@ class Sessions:
         rate = sum(slots for _, slots in self._reclaimed) / PRESSURE_WINDOW_S
         if rate <= 0 and queue_excess <= 0:
             return float("inf")
-        when = now + self.gaps.remaining(0.0)
+        when = now + self.gaps.all.remaining(0.0)
         later = sum(_own_slots(pin.node) for sid, pin in self._pins.items() if self.expected_return(sid, now) > when)
         left = later - max(queue_excess, 0)
         if left <= 0:
@@ -208,7 +247,7 @@ class Sessions:
 
     def stats(self) -> dict[str, int]:
         return {"num_sessions": len(self._last_seen), "num_pins": len(self._pins),
-                "pinned_slots": self._tree.pinned_size,
+                "pinned_slots": self._tree.pinned_size, "num_tool_returns": self.gaps.named,
                 **{f"num_pins_{name}": value for name, value in self.counts.items()}}
 
     def drop_all(self) -> None:

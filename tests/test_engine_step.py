@@ -223,6 +223,12 @@ class TableFollowsSlots(RuleBasedStateMachine):
     def close_session(self, session):
         self.engine.close_session(session)
 
+    @rule(session=st.sampled_from(["s0", "s1"]), tool=st.sampled_from([None, "calc", "search"]))
+    def settle_session(self, session, tool):
+        """A chat turn's end as the server parses it: a tool call (named: the pin is decided again from that
+        tool's returns) or a final answer (the pin's time to live shortens)."""
+        self.engine.settle_session(session, tool)
+
     @rule(pick=st.integers(0, 50))
     def abort(self, pick):
         if self.rids:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.radix import KVAllocator, RadixCache
-from radixserve.scheduler.return_gaps import ReturnGaps
+from radixserve.scheduler.return_gaps import MAX_TOOLS, MIN_OWN, ReturnGaps, ToolGaps
 from radixserve.scheduler.sessions import PIN_ODDS, PRESSURE_WINDOW_S, Sessions
 
 HEAVY = [0.5] * 8 + [20.0] * 2  # most agents back within a second, a few after a long tool
@@ -118,8 +118,93 @@ def test_the_return_gap_is_observed_from_the_finish_to_the_next_arrival():
     sessions.arrived("a")
     sessions.arrived("a")  # a retraction's second stay in the queue is no return
     sessions.arrived(None)
-    assert len(sessions.gaps) == 1 and sessions.gaps.remaining(0.0) == 2.5
+    assert len(sessions.gaps.all) == 1 and sessions.gaps.all.remaining(0.0) == 2.5
     assert 0 < PIN_ODDS < 1
+
+
+def test_a_tool_answers_for_itself_once_it_has_enough_returns():
+    gaps = ToolGaps()
+    for _ in range(MIN_OWN - 1):
+        gaps.add(0.2, "calc")
+        gaps.add(30.0, "human")
+    assert gaps.of("calc") is gaps.of("human") is gaps.of(None) is gaps.all  # too few of their own yet
+    gaps.add(0.2, "calc")
+    gaps.add(9.0)  # a token-level turn's return: everyone's only
+    assert gaps.of("calc").remaining(0.0) == pytest.approx(0.2) and gaps.of("human") is gaps.all
+    assert len(gaps.all) == 2 * MIN_OWN and gaps.named == 2 * MIN_OWN - 1
+    for k in range(MAX_TOOLS):  # names come from model output: only the most recently called tools are kept
+        gaps.add(1.0, f"tool{k}")
+    assert gaps.of("calc") is gaps.all and len(gaps._by_tool) == MAX_TOOLS
+
+
+@pytest.mark.parametrize("named, dropped", [(True, "b"), (False, "a")])
+def test_admission_reclaims_the_pin_whose_tool_returns_last(named, dropped):
+    """Calculator calls return in 0.5 s, a human's answer in 30 s. Pin a (made at 0) waits on the calculator, b
+    (made at 0.9) on the human. At 1.0 admission needs one pin's slots. By age alone (no tool named: a token-level
+    turn) a is past every short return, so expected last (at 30 s; b at ~16 s), and goes. With the tools named,
+    b's own gaps say 30 s and a's say it is overdue (as long again: 2 s): b goes."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a", "b", "x"], 10)
+    for _ in range(MIN_OWN):
+        for sid, tool, gap in (("x", "calc", 0.5), ("x", "human", 30.0)):  # earlier turns' returns
+            sessions.keep(sid, nodes[sid], 10)
+            sessions.settle(sid, tool)
+            clock[0] += gap
+            sessions.arrived(sid)
+            sessions.take(sid)
+    sessions.close("x")
+    assert sessions.stats()["num_tool_returns"] == 2 * MIN_OWN
+    start = clock[0]
+    for sid, tool, made in (("a", "calc", 0.0), ("b", "human", 0.9)):
+        clock[0] = start + made
+        sessions.keep(sid, nodes[sid], 10)
+        if named:
+            assert sessions.settle(sid, tool)
+    clock[0] = start + 1.0
+    sessions.reclaim(10)
+    assert set(sessions._pins) == {"a", "b"} - {dropped}
+
+
+@pytest.mark.parametrize("calc, human, tool, pinned_at_keep, pinned_after", [
+    (8, 9, "calc", False, True),  # everyone's returns: 8 of 17 within the horizon, skipped; the calculator's: all
+    (8, 9, "human", False, False),
+    (9, 8, "human", True, False),  # 9 of 17: pinned; a human's answer never comes within it: the pin goes
+    (9, 8, "calc", True, True),
+])
+def test_a_named_tool_decides_the_pin_again_from_its_own_returns(calc, human, tool, pinned_at_keep, pinned_after):
+    """Under pressure (the 10 s horizon of the test above), keep decides from everyone's returns, the calculator's
+    0.5 s and a human's 30 s; the turn's tool call, named once the reply is parsed, decides again from its own."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["gone", "far", "new"], 40)
+    sessions.keep("gone", nodes["gone"], 40)
+    sessions.keep("far", nodes["far"], 40)
+    for name, count, gap in (("calc", calc, 0.5), ("human", human, 30.0)):
+        for _ in range(count):
+            sessions.gaps.add(gap, name)
+    clock[0] = 40.0
+    sessions.reclaim(40)
+    clock[0] += 1.0
+    sessions.keep("new", nodes["new"], 40)
+    assert ("new" in sessions._pins) == pinned_at_keep
+    assert sessions.settle("new", tool)
+    assert ("new" in sessions._pins) == pinned_after
+    counts = sessions.counts
+    assert counts["pinned"] + counts["skipped"] == 3 and counts["skipped"] == 1 - pinned_after
+    assert sessions._tree.pinned_size == 40 * (1 + pinned_after)
+
+
+def test_a_new_turn_forgets_the_last_turns_tool():
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a"], 10)
+    sessions.keep("a", nodes["a"], 10)
+    assert sessions.settle("a", "calc") and not sessions.settle("nobody", "calc")
+    clock[0] = 1.0
+    sessions.arrived("a")
+    sessions.take("a")
+    sessions.keep("a", nodes["a"], 10)  # finished again; no call named (yet): its return counts for everyone only
+    clock[0] = 3.0
+    sessions.arrived("a")
+    assert len(sessions.gaps.all) == 2 and sessions.gaps.named == 1
 
 
 def _gaps(values: list[float]) -> ReturnGaps:
