@@ -1,10 +1,18 @@
 """The agent trace itself (bench/agent_trace.py's): seeded apps and agents, the turns a run realised, the trace's
-peak working set, and the LRU and Bélády yardsticks replayed on a realised trace (bench/cache_sim.py). Shared by
-agent_trace (over HTTP), agent_trace_peer (against vLLM-CPU) and agent_replay (on a virtual clock)."""
+peak working set, and the LRU, online and Bélády yardsticks replayed on a realised trace (bench/cache_sim.py).
+Shared by agent_trace (over HTTP), agent_trace_peer (against vLLM-CPU) and agent_replay (on a virtual clock).
+
+Tool latencies are lognormal (median, p95). With `tools` > 1 each turn calls one of that many tools (uniformly),
+whose latencies differ: tool k's median is the trace's median x e^(s z_k), z_k the normal's (k + 1/2)/tools
+quantile, its own spread `tool_within` x sigma, and s such that the log-latencies keep the variance sigma^2: together
+the tools keep about the trace's median and p95. A server that sees which
+tool a turn called (a chat `tool_calls` finish names it) can learn each one's latency; with one tool, or a
+token-level client, it cannot."""
 from __future__ import annotations
 
 import math
 import random
+from statistics import NormalDist
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,19 +32,32 @@ class TraceConfig:
     arrivals_per_s: float = 2.0  # Poisson arrival rate of agents
     tool_median_s: float = 1.0
     tool_p95_s: float = 10.0
+    tools: int = 1  # distinct tools, each with its own latency distribution
+    tool_within: float = 0.3  # with several tools: a tool's own spread, as a share of the trace's sigma
     vocab: int = 4000  # token ids are drawn from [10, vocab)
     seed: int = 0
 
     def upper_bound(self) -> int:
         """Every app prompt plus every agent's longest possible history, as if all were alive at once: a pool this
         large never evicts (the calibration run's)."""
-        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
-        return self.apps * self.app_tokens + self.agents * longest
+        return self.apps * self.app_tokens + self.agents * self._longest()
 
     def max_sequence(self) -> int:
         """An upper bound on one request's prompt plus output."""
-        longest = self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
-        return self.app_tokens + longest + self.answer_tokens
+        return self.app_tokens + self._longest() + self.answer_tokens
+
+    def _longest(self) -> int:
+        """An agent's longest possible history."""
+        return self.user_tokens + (self.turns - 1) * (self.call_tokens + self.tool_tokens[1]) + self.answer_tokens
+
+    def tool_latencies(self) -> list[tuple[float, float]]:
+        """Each tool's lognormal (mu, sigma)."""
+        sigma = math.log(self.tool_p95_s / self.tool_median_s) / 1.645  # lognormal: p95 = median * e^(1.645 sigma)
+        if self.tools == 1:
+            return [(math.log(self.tool_median_s), sigma)]
+        z = [NormalDist().inv_cdf((k + 0.5) / self.tools) for k in range(self.tools)]
+        between = sigma * math.sqrt((1 - self.tool_within ** 2) / (sum(x * x for x in z) / len(z)))
+        return [(math.log(self.tool_median_s) + between * x, sigma * self.tool_within) for x in z]
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,7 @@ class AgentPlan:
     user: list[int]
     tool_results: list[list[int]]  # one per turn but the last
     waits_s: list[float]
+    tools: list[int]  # the tool each turn but the last calls
 
 
 def make_plan(cfg: TraceConfig) -> tuple[list[list[int]], list[AgentPlan]]:
@@ -57,14 +79,16 @@ def make_plan(cfg: TraceConfig) -> tuple[list[list[int]], list[AgentPlan]]:
         return [rng.randrange(10, cfg.vocab) for _ in range(n)]
 
     apps = [tokens(cfg.app_tokens) for _ in range(cfg.apps)]
-    sigma = math.log(cfg.tool_p95_s / cfg.tool_median_s) / 1.645  # lognormal: p95 = median * e^(1.645 sigma)
+    latency = cfg.tool_latencies()
+    which = random.Random(f"tools-{cfg.seed}")  # its own stream: one tool leaves the seed's trace as it was
     agents, t = [], 0.0
     for i in range(cfg.agents):
         t += rng.expovariate(cfg.arrivals_per_s)
-        agents.append(AgentPlan(
-            index=i, app=i % cfg.apps, arrival_s=t, user=tokens(cfg.user_tokens),
-            tool_results=[tokens(rng.randint(*cfg.tool_tokens)) for _ in range(cfg.turns - 1)],
-            waits_s=[rng.lognormvariate(math.log(cfg.tool_median_s), sigma) for _ in range(cfg.turns - 1)]))
+        user = tokens(cfg.user_tokens)
+        results = [tokens(rng.randint(*cfg.tool_tokens)) for _ in range(cfg.turns - 1)]
+        called = [which.randrange(cfg.tools) for _ in range(cfg.turns - 1)]
+        agents.append(AgentPlan(index=i, app=i % cfg.apps, arrival_s=t, user=user, tool_results=results,
+                                waits_s=[rng.lognormvariate(*latency[k]) for k in called], tools=called))
     return apps, agents
 
 
@@ -80,6 +104,7 @@ class TurnRecord:
     prompt_ids: list[int]
     output_ids: list[int]
     queue_s: float | None = None  # the server's: arrival in the engine to admission (None: not reported)
+    tool: int | None = None  # the tool the turn called, where the server was told (None: not, or the last turn)
 
 
 def peak_working_set(records: Sequence[TurnRecord], cfg: TraceConfig) -> int:
@@ -111,13 +136,14 @@ def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str,
     """The excess recompute of the LRU, online and Bélády yardsticks (bench/cache_sim.py) on this run's realised
     trace: its requests at their actual admission (send + the server's queue time, where it reports it) and finish
     times, each agent a session closed by its last turn, through a cache of the server's capacity (a request that
-    does not fit beside the running ones waits)."""
+    does not fit beside the running ones waits). Where the server was told each turn's tool, so is the online
+    yardstick."""
     last = {}
     for r in records:
         last[r.agent] = max(last.get(r.agent, 0), r.turn)
     trace = [TraceRequest(r.sent_s, r.sent_s + r.latency_s, r.prompt_ids, r.output_ids,
                           None if r.queue_s is None else r.sent_s + min(r.queue_s, r.latency_s),
-                          session=r.agent, closes=r.turn == last[r.agent]) for r in records]
+                          session=r.agent, closes=r.turn == last[r.agent], tool=r.tool) for r in records]
     cold = sum(r.cold_tokens for r in records)
     out: dict[str, float] = {}
     for policy in POLICIES:

@@ -11,6 +11,10 @@ of a run whose pool never evicts, sessions off), then per budget runs sessions o
 realised trace through bench/cache_sim.py's LRU and Bélády at the engine's capacity. The target of issue 38:
 excess(on) <= Bélády + 0.25 x (excess(off) - Bélády), Bélády on the sessions-on run's trace.
 
+With `--config '{"tools": 4}' --name-tools` each turn calls one of four tools of different latencies and the engine
+is told which (`Engine.settle_session(id, tool)`, as a chat `tool_calls` finish tells the server), and so is the
+online yardstick.
+
     python -m radixserve.bench.agent_replay --seeds 0,1,2,3 --budgets 0.5,1.0
 """
 from __future__ import annotations
@@ -68,8 +72,9 @@ def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, st
 
 
 def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
-        step: StepModel = StepModel()) -> dict[str, Any]:
-    """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records."""
+        step: StepModel = StepModel(), name_tools: bool = False) -> dict[str, Any]:
+    """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records. With
+    `name_tools` the engine is told which tool each turn called, as a chat turn's `tool_calls` tells the server."""
     clock, admitted_at = _Clock(), {}
     engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at)
     apps, plans = make_plan(cfg)
@@ -101,22 +106,27 @@ def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
         for delta in deltas:
             if delta.finished:
                 _finished(engine, cfg, plans, delta.result, sent.pop(delta.rid), clock.now, admitted_at, history,
-                          cold, records, due, sessions)
+                          cold, records, due, sessions, name_tools)
     return {"records": records, "kv_tokens": engine.kv.total_slots, "busy_s": busy,
             "busy_arrivals": busy_arrivals / last_arrival, "end_s": clock.now, "pins": engine.kv.sessions.stats()}
 
 
-def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold, records, due, sessions) -> None:
+def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold, records, due, sessions,
+              name_tools) -> None:
     """A turn ended: record it (agent_trace's TurnRecord), and schedule the agent's next turn after its tool."""
     agent, turn, sent_s = sent
+    sid, last = f"agent-{cfg.seed}-{agent}", turn == cfg.turns - 1
     queue_s = admitted_at.pop(result.rid, sent_s) - sent_s
+    tool = plans[agent].tools[turn] if name_tools and not last else None
     records.append(TurnRecord(agent, turn, result.prompt_tokens, result.cached_tokens, cold[agent], now - sent_s,
-                              sent_s, history[agent], list(result.output_ids), queue_s))
+                              sent_s, history[agent], list(result.output_ids), queue_s, tool))
     history[agent] = history[agent] + list(result.output_ids)
-    if turn == cfg.turns - 1:
+    if last:
         if sessions:
-            engine.close_session(f"agent-{cfg.seed}-{agent}")
+            engine.close_session(sid)
         return
+    if sessions and tool is not None:
+        engine.settle_session(sid, f"tool{tool}")
     tool = plans[agent].tool_results[turn]
     history[agent] = history[agent] + tool
     cold[agent] = len(tool) + 1  # the tool result, and the last output token (never computed)
@@ -130,21 +140,22 @@ def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
     latencies = [r.latency_s for r in records]
     row = {"excess": recomputed - sum(r.cold_tokens for r in records), "busy_arrivals": round(out["busy_arrivals"], 3),
            "turn_p50_s": round(percentile(latencies, 50), 3), "turn_p99_s": round(percentile(latencies, 99), 3),
-           "pins": {k: v for k, v in out["pins"].items() if k.startswith("num_pins_")}}
+           "pins": {k: v for k, v in out["pins"].items() if k.startswith("num_pins_") or k == "num_tool_returns"}}
     if sim:
         replay = simulated_excess(records, out["kv_tokens"])
         row |= {"lru_sim": replay["lru"], "online_sim": replay["online"], "belady_sim": replay["belady"]}
     return row
 
 
-def seed_rows(model_path: str, cfg: TraceConfig, budgets: Sequence[float], step: StepModel) -> list[dict[str, Any]]:
+def seed_rows(model_path: str, cfg: TraceConfig, budgets: Sequence[float], step: StepModel,
+              name_tools: bool = False) -> list[dict[str, Any]]:
     """Per budget: sessions on and off, and whether on meets the target (closes 75% of off's gap to Bélády)."""
     peak = peak_working_set(run(model_path, cfg, cfg.upper_bound(), False, step)["records"], cfg)
     rows = []
     for budget in budgets:
         kv_tokens = max(int(budget * peak), cfg.max_sequence() + cfg.answer_tokens)
-        on = counts(run(model_path, cfg, kv_tokens, True, step))
-        off = counts(run(model_path, cfg, kv_tokens, False, step))
+        on = counts(run(model_path, cfg, kv_tokens, True, step, name_tools))
+        off = counts(run(model_path, cfg, kv_tokens, False, step, name_tools))
         target = on["belady_sim"] + 0.25 * (off["excess"] - on["belady_sim"])
         rows.append({"seed": cfg.seed, "budget": budget, "peak": peak, "kv_tokens": kv_tokens, "on": on, "off": off,
                      "target": target, "meets": on["excess"] <= target})
@@ -163,13 +174,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--step-base-s", type=float, default=StepModel.base_s)
     p.add_argument("--step-per-token-s", type=float, default=StepModel.per_token_s)
     p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
+    p.add_argument("--name-tools", action="store_true",
+                   help="tell the engine (and the online yardstick) which tool each turn called, as chat does")
     args = parse_args(p, argv)
     step = StepModel(args.step_base_s, args.step_per_token_s)
     model_path = bench_model_path(args.model)
     rows = []
     for seed in args.seeds:
         cfg = TraceConfig(agents=args.agents, arrivals_per_s=args.arrivals_per_s, seed=seed, **args.config)
-        for row in seed_rows(model_path, cfg, args.budgets, step):
+        for row in seed_rows(model_path, cfg, args.budgets, step, args.name_tools):
             rows.append(row)
             on, off = row["on"], row["off"]
             print(f"seed {seed} budget {row['budget']:g} ({row['kv_tokens']} of peak {row['peak']}): excess on "

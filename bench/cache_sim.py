@@ -12,8 +12,9 @@ stay cached until evicted. Eviction takes one unlocked leaf token at a time:
 - ``online``: Bélády's rule on what a server can know at the time, its best online yardstick: a request already
   sent (its arrival known) is the next use of what it passes through; a path whose session has closed is never used
   again; any other path's next use is expected at its age's mean residual of the trace's return gaps (a session's
-  finish to its next send: the distribution a server learns as they come, `scheduler/return_gaps.py`). What
-  separates it from Bélády is only each tool's actual latency.
+  finish to its next send: the distribution a server learns as they come, `scheduler/return_gaps.py`), of the
+  gaps after calls of the same tool where the trace names the tool a request called. What separates it from
+  Bélády is only each tool call's actual latency.
 
 A request whose locked prefix, new tokens and output do not fit beside the running requests' waits, as the
 server's queue would make it, first come first served, until finishes free the room; it then runs as long as it
@@ -42,6 +43,7 @@ class TraceRequest:
     admitted_s: float | None = None  # when the server admitted it (None: when it was sent)
     session: Hashable | None = None  # the agent (session) it belongs to
     closes: bool = False  # its session ends when it finishes (nobody continues its path)
+    tool: Hashable | None = None  # the tool it called, where the server knows (its session returns after it)
 
     @property
     def start_s(self) -> float:
@@ -156,24 +158,43 @@ _SHARED = object()  # a node's session when requests of more than one session us
 
 class _Knowledge:
     """What the ``online`` yardstick knows at a time: the requests already sent (which prefixes they will use), the
-    sessions closed, and the distribution of return gaps."""
+    sessions closed, the distribution of return gaps and, where the trace names them, the tool each session's last
+    finished request called and the gaps after each tool's calls."""
 
     def __init__(self, requests: Sequence[TraceRequest], uses: dict[int, list[float]]) -> None:
         self.uses, self.sends = uses, _uses(requests, sent=True)
         self.closed: set[Hashable] = set()
-        self.gaps = sorted(_return_gaps(requests))
-        self._tail = [0.0] * (len(self.gaps) + 1)  # _tail[i]: the sum of gaps[i:]
-        for i in range(len(self.gaps) - 1, -1, -1):
-            self._tail[i] = self._tail[i + 1] + self.gaps[i]
+        self.called: dict[Hashable, Hashable] = {}  # session -> the tool its last finished request called
+        by_tool = _return_gaps(requests)
+        self._gaps = {tool: _Gaps(gaps) for tool, gaps in by_tool.items()}
+        self._all = _Gaps([gap for gaps in by_tool.values() for gap in gaps])
+
+    def finished(self, r: TraceRequest) -> None:
+        if r.session is None:
+            return
+        self.called[r.session] = r.tool
+        if r.closes:
+            self.closed.add(r.session)
 
     def expected_use(self, node: _Node, now: float) -> float:
         times = self.uses.get(node.key, ())
         i = bisect.bisect_right(times, now)
         if i < len(times) and self.sends[node.key][i] <= now:
             return times[i]  # a request already sent will use it then
-        if node.session is not _SHARED and node.session in self.closed:
+        if node.session is _SHARED:
+            return now + self._all.residual(now - node.last)
+        if node.session in self.closed:
             return float("inf")
-        return now + self.residual(now - node.last)
+        tool = self.called.get(node.session)
+        return now + self._gaps.get(tool, self._all).residual(now - node.last)
+
+
+class _Gaps:
+    def __init__(self, gaps: list[float]) -> None:
+        self.gaps = sorted(gaps)
+        self._tail = [0.0] * (len(self.gaps) + 1)  # _tail[i]: the sum of gaps[i:]
+        for i in range(len(self.gaps) - 1, -1, -1):
+            self._tail[i] = self._tail[i + 1] + self.gaps[i]
 
     def residual(self, age: float) -> float:
         """The mean remaining wait of a return gap that has lasted `age` (no longer gap seen: `age` again)."""
@@ -182,16 +203,18 @@ class _Knowledge:
         return self._tail[i] / left - age if left else age
 
 
-def _return_gaps(requests: Sequence[TraceRequest]) -> list[float]:
-    """Each session's gaps from a request's finish to its next request's send."""
-    finished: dict[Hashable, float] = {}
-    gaps = []
+def _return_gaps(requests: Sequence[TraceRequest]) -> dict[Hashable, list[float]]:
+    """Each session's gaps from a request's finish to its next request's send, by the tool the finished request
+    called (None where the trace does not name it)."""
+    finished: dict[Hashable, TraceRequest] = {}
+    gaps: dict[Hashable, list[float]] = {}
     for r in sorted(requests, key=lambda r: r.sent_s):
         if r.session is None:
             continue
-        if r.session in finished:
-            gaps.append(max(r.sent_s - finished[r.session], 0.0))
-        finished[r.session] = r.done_s
+        last = finished.get(r.session)
+        if last is not None:
+            gaps.setdefault(last.tool, []).append(max(r.sent_s - last.done_s, 0.0))
+        finished[r.session] = r
     return gaps
 
 
@@ -229,8 +252,8 @@ def simulate(requests: Sequence[TraceRequest], capacity: int, policy: str) -> di
             cache.in_flight -= len(r.output)
             _, node = cache.walk(r.prompt, create=False, lock=-1, session=r.session)
             cache.walk(r.output[:-1], create=True, lock=0, start=node, session=r.session)  # the last: never computed
-            if r.closes and r.session is not None and knows is not None:
-                knows.closed.add(r.session)
+            if knows is not None:
+                knows.finished(r)
         while queue and (running == 0 or cache.fits(requests[queue[0]].prompt, len(requests[queue[0]].output))):
             j = queue.popleft()
             q = requests[j]

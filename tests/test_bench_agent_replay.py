@@ -1,11 +1,12 @@
 """bench/agent_replay.py: agent_trace's trace against an in-process engine on a virtual clock, counted."""
+import dataclasses
 import json
 
 import pytest
 
 from radixserve.bench import agent_replay
 from radixserve.bench.agent_replay import StepModel, counts, run, seed_rows
-from radixserve.bench.agent_plan import TraceConfig
+from radixserve.bench.agent_plan import TraceConfig, make_plan
 from radixserve.bench.harness import bench_model_path
 
 CFG = TraceConfig(agents=6, apps=2, app_tokens=96, user_tokens=16, turns=3, call_tokens=8, answer_tokens=8,
@@ -33,6 +34,18 @@ def test_a_run_is_counted_on_the_virtual_clock(model):
         assert all(b.sent_s >= a.sent_s + a.latency_s for a, b in zip(turns, turns[1:]))
         assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + 8] == turns[0].prompt_ids + turns[0].output_ids
     assert out["pins"]["num_pins_pinned"] > 0
+
+
+def test_named_tools_reach_the_engine_and_the_records(model):
+    """As a chat client's tool calls would: each returning turn's tool is named to the engine, which counts every
+    return after one; the records carry it for the online yardstick. Unnamed, neither sees a tool."""
+    cfg = dataclasses.replace(CFG, tools=3)
+    plans = make_plan(cfg)[1]
+    named, unnamed = run(model, cfg, 240, True, name_tools=True), run(model, cfg, 240, True)
+    assert named["pins"]["num_tool_returns"] == 6 * 2 and unnamed["pins"]["num_tool_returns"] == 0
+    for r in named["records"]:
+        assert r.tool == (plans[r.agent].tools[r.turn] if r.turn < 2 else None)
+    assert {r.tool for r in unnamed["records"]} == {None}
 
 
 def test_runs_are_deterministic_counts(model):

@@ -1,5 +1,6 @@
 """bench/agent_trace.py: seeded agent plans, the recompute accounting, and a tiny run with sessions on and off."""
 import json
+import statistics
 
 from radixserve.bench import agent_trace
 from radixserve.bench.agent_plan import TraceConfig, TurnRecord, make_plan
@@ -24,6 +25,21 @@ def test_plans_are_seeded_and_shaped_as_asked():
     assert all(10 <= len(t) <= 20 for a in agents for t in a.tool_results)
     assert all(x < y for x, y in zip([a.arrival_s for a in agents], [a.arrival_s for a in agents][1:]))
     assert cfg.upper_bound() == 2 * 40 + 5 * (64 + 2 * (32 + 20) + 64)
+
+
+def test_several_tools_keep_the_trace_and_split_its_latencies():
+    """Each turn calls one of `tools` tools, each with its own latency (their medians in order); the tokens and
+    arrivals are the seed's whatever the tools (their draws have a stream of their own), and one tool is the
+    trace's single lognormal."""
+    one, four = TraceConfig(agents=400, seed=2), TraceConfig(agents=400, seed=2, tools=4)
+    (apps1, plans1), (apps4, plans4) = make_plan(one), make_plan(four)
+    assert apps1 == apps4 and [(a.arrival_s, a.user, a.tool_results) for a in plans1] == \
+        [(a.arrival_s, a.user, a.tool_results) for a in plans4]
+    assert {t for a in plans1 for t in a.tools} == {0} and {t for a in plans4 for t in a.tools} == {0, 1, 2, 3}
+    medians = [statistics.median(w for a in plans4 for w, t in zip(a.waits_s, a.tools) if t == k) for k in range(4)]
+    assert medians == sorted(medians) and medians[3] > 10 * medians[0]
+    everyone = sorted(w for a in plans4 for w in a.waits_s)
+    assert 0.7 < statistics.median(everyone) < 1.4 and 6 < everyone[int(0.95 * len(everyone))] < 14
 
 
 def test_the_peak_working_set_counts_live_histories_and_their_apps():

@@ -105,6 +105,20 @@ def test_online_orders_waiting_histories_by_their_ages_mean_residual(gaps, a_rec
     assert recomputed == 4 + 4 + 4 + a_recomputed + sum(1 + 1 for _ in gaps)
 
 
+@pytest.mark.parametrize("named, a_recomputed", [(False, 5), (True, 1)])
+def test_online_expects_a_session_back_after_its_tools_latency_where_the_tool_is_named(named, a_recomputed):
+    """The heavy-tailed case above, where the gaps are a fast tool's (0.2 s three times; A's 1.5) and a slow one's
+    (9 s); A called the fast tool and B the slow one. Unnamed, A (idle longest) goes. Named, A is expected back
+    0.5 s after 1.0 (the fast gaps past its age) and B at 9: B goes, and A's continuation hits."""
+    fast, slow = ("fast", "slow") if named else (None, None)
+    trace = [TraceRequest(0, 0, A, [], session=1, tool=fast), TraceRequest(0.9, 0.9, B, [], session=2, tool=slow),
+             TraceRequest(1.0, 1.0, C, [], session=3, closes=True), TraceRequest(1.5, 1.5, A + [50], [], session=1)]
+    for i, (gap, tool) in enumerate([(0.2, fast), (0.2, fast), (0.2, fast), (9.0, slow)]):
+        trace += [TraceRequest(20 + 20 * i, 20 + 20 * i, [100 + i], [], session=10 + i, tool=tool),
+                  TraceRequest(20 + 20 * i + gap, 20 + 20 * i + gap, [100 + i, 7], [], session=10 + i)]
+    assert simulate(trace, 8, "online")["recomputed"] == 4 + 4 + 4 + a_recomputed + 4 * 2
+
+
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         simulate([], 8, "fifo")
