@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 POLICIES = ("lru", "online", "belady")
+_SERIALS = itertools.count()
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
 
@@ -51,12 +53,13 @@ class TraceRequest:
 
 
 class _Node:
-    __slots__ = ("parent", "token", "key", "children", "locks", "last", "session")
+    __slots__ = ("parent", "token", "key", "children", "locks", "last", "session", "serial")
 
     def __init__(self, parent: _Node | None, token: int, key: int) -> None:
         self.parent, self.token, self.key = parent, token, key
         self.children: dict[int, _Node] = {}
         self.locks, self.last = 0, 0.0
+        self.serial = next(_SERIALS)  # ties in the eviction rank break by creation order, not by memory address
         self.session: Hashable | None = None  # the session of the request that last used it
 
 
@@ -104,7 +107,7 @@ class _Cache:
         short = self.cached + self.in_flight + need - self.capacity
         if short <= 0:
             return
-        heap = [(self._rank(leaf), id(leaf), leaf) for leaf in self._evictable_leaves()]
+        heap = [(self._rank(leaf), leaf.serial, leaf) for leaf in self._evictable_leaves()]
         heapq.heapify(heap)
         while short > 0 and heap:
             _, _, leaf = heapq.heappop(heap)
@@ -113,7 +116,7 @@ class _Cache:
             self.cached -= 1
             short -= 1
             if parent is not self.root and not parent.children and parent.locks == 0:
-                heapq.heappush(heap, (self._rank(parent), id(parent), parent))
+                heapq.heappush(heap, (self._rank(parent), parent.serial, parent))
         self.overflow += max(short, 0)
 
     def walk(self, tokens: Sequence[int], create: bool, lock: int, start: _Node | None = None,

@@ -119,6 +119,15 @@ def test_online_expects_a_session_back_after_its_tools_latency_where_the_tool_is
     assert simulate(trace, 8, "online")["recomputed"] == 4 + 4 + 4 + a_recomputed + 4 * 2
 
 
+def test_ties_in_the_eviction_rank_break_by_creation_order():
+    """A and B are admitted at the same time (their tokens tie under LRU); C needs 4 of the 8 slots: A's path,
+    created first, goes whole, B stays (not one token of each, as an order by memory address could pick), and
+    every replay counts the same."""
+    trace = [_req(0, A), TraceRequest(0, 0.5, B, []), _req(1, C), _req(2, B), _req(3, A)]
+    results = {simulate(trace, 8, "lru")["recomputed"] for _ in range(5)}
+    assert results == {4 + 4 + 4 + 0 + 4}
+
+
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         simulate([], 8, "fifo")
