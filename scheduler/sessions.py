@@ -22,7 +22,8 @@ admission reclaims it. Admission reclaims the pins expected back later than the 
 reclaimed pinned slots over the last PRESSURE_WINDOW_S, after what the waiting queue needs beyond the free and
 evictable slots (`keep`'s `queue_excess`): that gives the new pin a horizon, and it is made only if at least
 PIN_ODDS of the observed return gaps are shorter (else `skipped`: it would only have displaced cache that other
-requests were about to hit).
+requests were about to hit). Once the turn's tool is named, both its expected return (which pins are reclaimed
+before it) and the odds come from that tool's gaps, and the decision is made again (`settle`).
 
 The time to live is the cost model: TTL_PER_RECOMPUTE x the time the path would take to prefill again, clamped
 to [MIN_TTL_S, MAX_TTL_S], so a long history (expensive to recompute) is kept longer than a short one; and the
@@ -42,7 +43,7 @@ from typing import Callable
 
 from ..radix.radix_cache import RadixCache, TreeNode
 from .checks import check_session_id
-from .return_gaps import ToolGaps
+from .return_gaps import ReturnGaps, ToolGaps
 
 IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its pin goes)
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
@@ -57,7 +58,7 @@ DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
 class _Left:
     node: TreeNode  # the path the session's last finished request left cached
     tokens: int
-    horizon: float  # how long a pin made then was expected to last (`_horizon`)
+    queue_excess: int  # what the waiting queue needed then beyond the free and evictable slots
 
 
 @dataclass
@@ -135,8 +136,8 @@ class Sessions:
         self._drop(session_id, None)
         self._called.pop(session_id, None)  # this turn's call, if any, is named by settle
         now = self._finished[session_id] = self._clock()
-        left = self._left[session_id] = _Left(node, tokens, self._horizon(now, queue_excess))
-        if self.gaps.all.within(left.horizon) < PIN_ODDS:
+        left = self._left[session_id] = _Left(node, tokens, queue_excess)
+        if self.gaps.all.within(self._horizon(now, queue_excess, self.gaps.all)) < PIN_ODDS:
             self.counts["skipped"] += 1
             return
         self._pin(session_id, left, now)
@@ -167,11 +168,13 @@ class Sessions:
 
     def _revise(self, session_id: str) -> None:
         """Pin the session's last path, or not, by whether PIN_ODDS of its tool's returns come within the horizon
-        keep saw (its tool without enough returns of its own: everyone's, as keep decided)."""
+        its tool's expected return gives it beside the queue keep saw (a tool without enough returns of its own:
+        everyone's, as keep decided)."""
         left = self._left.get(session_id)
         if left is None or left.node.is_evicted:
             return
-        worth = self.gaps.of(self._called[session_id]).within(left.horizon) >= PIN_ODDS
+        gaps = self.gaps.of(self._called[session_id])
+        worth = gaps.within(self._horizon(self._clock(), left.queue_excess, gaps)) >= PIN_ODDS
         if worth == (session_id in self._pins):
             return
         if worth:
@@ -214,17 +217,17 @@ class Sessions:
         pin = self._pins[session_id]
         return now + self.gaps.of(self._called.get(session_id)).remaining(now - pin.made)
 
-    def _horizon(self, now: float, queue_excess: int) -> float:
-        """How long a pin made now would last: admission reclaims the pins expected back later than it first; what
-        they hold beyond the waiting queue's `queue_excess` goes at the rate admission reclaimed pinned slots in the
-        last PRESSURE_WINDOW_S. No pressure (no reclaim, the queue fits): it lasts; the queue's excess alone would
-        reclaim it: none."""
+    def _horizon(self, now: float, queue_excess: int, gaps: ReturnGaps) -> float:
+        """How long a pin made now, its session expected back after `gaps`' mean, would last: admission reclaims the
+        pins expected back later than it first; what they hold beyond the waiting queue's `queue_excess` goes at the
+        rate admission reclaimed pinned slots in the last PRESSURE_WINDOW_S. No pressure (no reclaim, the queue
+        fits): it lasts; the queue's excess alone would reclaim it: none."""
         while self._reclaimed and self._reclaimed[0][0] < now - PRESSURE_WINDOW_S:
             self._reclaimed.popleft()
         rate = sum(slots for _, slots in self._reclaimed) / PRESSURE_WINDOW_S
         if rate <= 0 and queue_excess <= 0:
             return float("inf")
-        when = now + self.gaps.all.remaining(0.0)
+        when = now + gaps.remaining(0.0)
         later = sum(_own_slots(pin.node) for sid, pin in self._pins.items() if self.expected_return(sid, now) > when)
         left = later - max(queue_excess, 0)
         if left <= 0:

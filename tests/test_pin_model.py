@@ -193,6 +193,32 @@ def test_a_named_tool_decides_the_pin_again_from_its_own_returns(calc, human, to
     assert sessions._tree.pinned_size == 40 * (1 + pinned_after)
 
 
+def test_a_named_tools_horizon_counts_the_pins_expected_back_after_it():
+    """Returns: the calculator's 0.5 s, a search's 11 s, a human's 30 s (everyone's mean 13.8 s). At 41 s pin
+    `far` (everyone's: overdue, at 82 s) and `mid` (waiting on a human for 17.5 s: at 53.5 s) are left, 40 slots
+    each, reclaimed at 4 slots/s. A new turn expected back at everyone's mean (54.8 s) would outlast only `far`:
+    a 10 s horizon, within which no search returns, so keep skips it. Named, it calls the search, back at 52 s,
+    before `mid` too: 20 s, within which every search returns, and it is pinned."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["gone", "far", "mid", "new"], 40)
+    for name, gap in (("calc", 0.5), ("search", 11.0), ("human", 30.0)):
+        for _ in range(MIN_OWN):
+            sessions.gaps.add(gap, name)
+    sessions.keep("gone", nodes["gone"], 40)
+    sessions.keep("far", nodes["far"], 40)
+    clock[0] = 23.5
+    sessions.keep("mid", nodes["mid"], 40)
+    assert sessions.settle("mid", "human") and "mid" in sessions._pins
+    clock[0] = 40.0
+    sessions.reclaim(40)
+    assert set(sessions._pins) == {"far", "mid"}
+    clock[0] = 41.0
+    sessions.keep("new", nodes["new"], 40)
+    assert "new" not in sessions._pins
+    sessions.settle("new", "search")
+    assert "new" in sessions._pins
+
+
 def test_a_new_turn_forgets_the_last_turns_tool():
     clock = [0.0]
     sessions, nodes = _sessions(clock, ["a"], 10)
