@@ -168,12 +168,12 @@ class Sessions:
 
     def _revise(self, session_id: str) -> None:
         """Pin the session's last path, or not, by whether PIN_ODDS of its tool's returns come within the horizon
-        its tool's expected return gives it beside the queue keep saw (a tool without enough returns of its own:
-        everyone's, as keep decided)."""
+        its tool's expected return gives it beside the queue keep saw. A tool without enough returns of its own
+        says nothing keep did not know: keep's decision stands."""
         left = self._left.get(session_id)
-        if left is None or left.node.is_evicted:
-            return
         gaps = self.gaps.of(self._called[session_id])
+        if left is None or left.node.is_evicted or gaps is self.gaps.all:
+            return
         worth = gaps.within(self._horizon(self._clock(), left.queue_excess, gaps)) >= PIN_ODDS
         if worth == (session_id in self._pins):
             return
