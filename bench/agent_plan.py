@@ -5,15 +5,14 @@ Shared by agent_trace (over HTTP), agent_trace_peer (against vLLM-CPU) and agent
 Tool latencies are lognormal (median, p95). With `tools` > 1 each turn calls one of that many tools (uniformly),
 whose latencies differ: tool k's median is the trace's median x e^(s z_k), z_k the normal's (k + 1/2)/tools
 quantile, its own spread `tool_within` x sigma, and s such that the log-latencies keep the variance sigma^2: together
-the tools keep about the trace's median and p95. A server that sees which
-tool a turn called (a chat `tool_calls` finish names it) can learn each one's latency; with one tool, or a
-token-level client, it cannot."""
+the tools keep about the trace's median and p95. A server that sees which tool a turn called (a chat `tool_calls`
+finish names it) can learn each one's latency; with one tool, or a token-level client, it cannot."""
 from __future__ import annotations
 
 import math
 import random
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Sequence
 
 from .cache_sim import POLICIES, TraceRequest, simulate

@@ -117,16 +117,16 @@ def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold,
     agent, turn, sent_s = sent
     sid, last = f"agent-{cfg.seed}-{agent}", turn == cfg.turns - 1
     queue_s = admitted_at.pop(result.rid, sent_s) - sent_s
-    tool = plans[agent].tools[turn] if name_tools and not last else None
+    called = plans[agent].tools[turn] if name_tools and not last else None
     records.append(TurnRecord(agent, turn, result.prompt_tokens, result.cached_tokens, cold[agent], now - sent_s,
-                              sent_s, history[agent], list(result.output_ids), queue_s, tool))
+                              sent_s, history[agent], list(result.output_ids), queue_s, called))
     history[agent] = history[agent] + list(result.output_ids)
     if last:
         if sessions:
             engine.close_session(sid)
         return
-    if sessions and tool is not None:
-        engine.settle_session(sid, f"tool{tool}")
+    if sessions and called is not None:
+        engine.settle_session(sid, f"tool{called}")
     tool = plans[agent].tool_results[turn]
     history[agent] = history[agent] + tool
     cold[agent] = len(tool) + 1  # the tool result, and the last output token (never computed)

@@ -193,6 +193,8 @@ class _Knowledge:
 
 
 class _Gaps:
+    """A distribution of return gaps, for the mean remaining wait of one that has lasted so long."""
+
     def __init__(self, gaps: list[float]) -> None:
         self.gaps = sorted(gaps)
         self._tail = [0.0] * (len(self.gaps) + 1)  # _tail[i]: the sum of gaps[i:]
