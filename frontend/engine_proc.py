@@ -186,15 +186,18 @@ class EngineProcess:
 
     def _send(self, message: Any) -> None:
         """Never blocks the event loop: a PUSH socket whose peer is gone (the engine died) would wait for one
-        forever, and the death would never be noticed. Failing to send means the engine is gone: it is declared
-        dead here (every open request fails) rather than when the reader thread next looks."""
-        try:
-            self._requests.send(msg.dumps(message), zmq.NOBLOCK)
-        except zmq.Again:
-            self.proc.join(1.0)  # the engine's end closed its socket; its exit status is a moment behind
-            if not self.dead:
-                self._died()
-            raise EngineDead("the engine process is not reading requests") from None
+        forever, and the death would never be noticed. An engine that has exited, or a send that fails, means the
+        engine is gone: it is declared dead here (every open request fails) rather than when the reader thread next
+        looks. The exit is checked first: until zmq's I/O thread has seen the peer's socket close, a send to a
+        dead engine still succeeds, into a queue nobody reads."""
+        if self.proc.is_alive():
+            try:
+                self._requests.send(msg.dumps(message), zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                self.proc.join(1.0)  # the engine's end closed its socket; its exit status is a moment behind
+        self._died()
+        raise EngineDead("the engine process is not reading requests")
 
     # -- events (reader thread -> event loop) -----------------------------------------------
 
