@@ -21,13 +21,13 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(bits).long() - b.view(bits).long()).abs()
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.01) -> None:
-    """bf16: equal but for at most 1 ulp on a small share (a sum in another order, exp's last bit before
+def _close(got: torch.Tensor, want: torch.Tensor, share: float = 0.01, ulps: int = 1) -> None:
+    """bf16: equal but for at most `ulps` on a small share (a sum in another order, exp's last bit before
     rounding); fp32: within a few ulps."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.bfloat16:
         apart = _ulps_apart(got, want)
-        assert int(apart.max()) <= 1, float(apart.max())
+        assert int(apart.max()) <= ulps, float(apart.max())
         assert float((apart > 0).float().mean()) <= share
     else:
         torch.testing.assert_close(got, want, rtol=3e-6, atol=1e-6)
@@ -46,7 +46,10 @@ def test_add_rms_norm(rows, d, with_delta, dtype, seed):
     if delta is not None:
         x.add_(delta)
     assert torch.equal(x_native, x)  # the residual stream, in place, rounded as torch rounds
-    _close(got, layers.rms_norm(x, w, 1e-6))
+    # Rounded twice, as transformers does: x / rms to bf16, then x weight. The variance summed in another order
+    # can tip the first rounding at a tie by one ulp, which the weight (up to 1.5) makes two at the output
+    # (rows=20, d=896, bf16, seed=51: 1.7656 or 1.7734 before the weight, 1.9141 or 1.9297 after).
+    _close(got, layers.rms_norm(x, w, 1e-6), ulps=2)
 
 
 @settings(max_examples=30, deadline=None)
@@ -98,7 +101,7 @@ def test_a_wrong_rounding_or_head_would_show():
     w = (torch.rand(896, generator=gen) + 0.5).bfloat16()
     once = (w.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))).bfloat16()
     with pytest.raises(AssertionError):
-        _close(once, layers.rms_norm(x, w, 1e-6))
+        _close(once, layers.rms_norm(x, w, 1e-6), ulps=2)  # as sharp as test_add_rms_norm's comparison
     rotary = layers.RotaryEmbedding(64, _rope(), "cpu")
     positions = torch.arange(8) * 37
     qkv = torch.randn(8, 128, generator=gen).bfloat16()
