@@ -216,7 +216,7 @@ class Engine:
         for req in admitted:
             req.admit_time = t0
             self.metrics.count_admission(len(req.prompt_ids), req.cached_tokens or 0,
-                                         prefix_only=req.params.max_new_tokens == 0)
+                                         prefix_only=req.prefix_only)
         t1 = self._mark = time.perf_counter()  # outputs are timed from _mark to the end of the step
         self._parts["plan"] += t1 - t0
         if batch.items:

@@ -80,7 +80,7 @@ class PrefixKV:
                 self.tree.hint(req.hint_node)
                 need = self._hinted_need[id(req)] = req.seq_len - len(slots)
                 self.waiting_need += need
-                if req.cached_tokens is None:  # its first stay in the queue (not a retraction): it just arrived
+                if req.cached_tokens is None and not req.prefix_only:  # its first stay in the queue: it just arrived
                     self.sessions.arrived(req.params.session_id)
 
     def unhint(self, req: Req) -> None:
@@ -99,7 +99,8 @@ class PrefixKV:
             self.tree.record_hit(node)
         self.tree.lock(node)
         self.unhint(req)  # the lock holds what the hint asked for
-        self.sessions.take(req.params.session_id)  # the request's lock holds what its session's pin kept
+        if not req.prefix_only:  # a warm-up's own lock holds what it needs; the session's turn is still to come
+            self.sessions.take(req.params.session_id)  # the request's lock holds what its session's pin kept
         req.last_node = node
         self.rows.assign(req.slot_row, slots)
         req.kv_len = req.tree_len = len(slots)
@@ -171,7 +172,9 @@ class PrefixKV:
         if req.last_node is None:
             return
         self.cache_prefix(req)
-        if finished:
+        if finished and req.prefix_only:
+            self.sessions.rebase(req.params.session_id, req.last_node, req.tree_len)
+        elif finished:
             excess = self.waiting_need - self.allocator.num_free_slots - self.tree.evictable_size
             self.sessions.keep(req.params.session_id, req.last_node, req.tree_len, queue_excess=excess)
         slots = self.rows.release(req.slot_row)

@@ -178,6 +178,11 @@ class Req:
         return bool(self.output_ids) and self.num_pending == 1
 
     @property
+    def prefix_only(self) -> bool:
+        """It only computes and caches its prompt (max_new_tokens 0): a cache warm-up, not a turn of its own."""
+        return self.params.max_new_tokens == 0
+
+    @property
     def owned_slots(self) -> int:
         """Slots this request holds outside the tree (in-flight in the accounting identity)."""
         return len(self.kv_slots) - self.tree_len

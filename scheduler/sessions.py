@@ -148,6 +148,21 @@ class Sessions:
         self._pins[session_id] = _Pin(left.node, left.tokens, made + ttl, made)
         self.counts["pinned"] += 1
 
+    def rebase(self, session_id: str | None, node: TreeNode, tokens: int) -> None:
+        """A warm-up of the session finished (a prefix-only request: the server's prefetch of the history as the
+        next turn will render it, frontend/rewrite_prefetch.py): what the session's last turn left is now that
+        path, and its pin, if it has one, moves there. Not a turn: the return gap, the tool and the pin's time to
+        live stay the last turn's."""
+        left = self._left.get(session_id) if session_id is not None else None
+        if left is None or tokens == 0 or node.is_root:
+            return
+        self._left[session_id] = _Left(node, tokens, left.queue_excess)
+        pin = self._pins.get(session_id)
+        if pin is not None:
+            self._tree.lock(node, pin=True)  # before the old pin goes: the shared prefix is never unpinned between
+            self._tree.unlock(pin.node, pin=True)
+            pin.node, pin.tokens = node, tokens
+
     def settle(self, session_id: str, tool: str | None = None) -> bool:
         """The session's turn ended with a call of `tool` (the names of the tools called): the session is expected
         back from that tool's return gaps, and keep's decision to pin or not is made again from them (`_revise`).

@@ -185,3 +185,29 @@ def test_a_final_answer_keeps_the_pin_only_briefly(ckpt):
     assert sessions._pins["agent"].expires == 49.5
     assert engine.settle_session("agent") and sessions._pins["agent"].expires == 2.0
     assert not engine.settle_session("nobody") and engine.stats()["num_pins_settled"] == 1
+
+
+def test_a_warm_up_of_the_next_turn_moves_the_pin_and_is_no_return(ckpt):
+    """The server's prefetch of the history as the next turn renders it (a prefix-only request naming the session,
+    frontend/rewrite_prefetch.py) is not the agent coming back: no return gap, no pin used, the tool named stays.
+    The pin moves to the rendering it computed, which the next turn then hits whole; the next turn's return gap is
+    counted from the last turn's finish, after its tool."""
+    engine = _engine(ckpt, kv_cache_tokens=320, max_running_requests=2)
+    sessions = engine.kv.sessions
+    now = [0.0]
+    sessions._clock = lambda: now[0]
+    turn = _history(3)
+    _run(engine, turn, session_id="agent")
+    assert engine.settle_session("agent", "search")
+    rendered = turn[:60] + _history(4, 50)  # the template rewrote the history from token 60 on
+    now[0] = 0.5
+    engine.generate([rendered], dict(GREEDY, max_new_tokens=0, session_id="agent"))
+    stats = engine.stats()
+    assert (stats["num_pins"], stats["num_pins_pinned"], stats["num_pins_used"]) == (1, 1, 0)
+    assert len(sessions.gaps.all) == 0 and stats["pinned_slots"] == len(rendered)
+    _flood(engine)
+    now[0] = 3.0
+    assert _run(engine, rendered + [7, 8, 9], session_id="agent") == len(rendered)
+    stats = engine.stats()
+    assert stats["num_pins_used"] == 1 and stats["num_tool_returns"] == 1 and sessions.gaps.all.remaining(0.0) == 3.0
+    engine.check_integrity()
