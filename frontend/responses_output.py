@@ -25,12 +25,13 @@ from typing import Any
 import orjson
 
 from .reasoning import ReasoningSplitter
+from .sse import sse_event
 from .responses_protocol import new_item_id
 from .tool_parser import StreamingToolParser, ToolCall
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+    return sse_event(event, event["type"])
 
 
 class ResponseBuilder:

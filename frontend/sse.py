@@ -19,11 +19,21 @@ logger = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 
+# JSON may hold U+0085, U+2028 and U+2029 raw, but line readers that split on Unicode line
+# boundaries (httpx's iter_lines, str.splitlines) would cut a `data:` line there. Escaped, they
+# are the same JSON string. In UTF-8 these byte runs encode only these characters.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
 
 def sse_event(payload: Any, name: str | None = None) -> bytes:
-    """One `data: {json}` event; `name` adds its `event:` line (Anthropic's streams name every event)."""
+    """One `data: {json}` event on one line; `name` adds its `event:` line (Anthropic's and the
+    Responses API's streams name every event)."""
     head = b"event: " + name.encode() + b"\n" if name is not None else b""
-    return head + b"data: " + orjson.dumps(payload) + b"\n\n"
+    data = orjson.dumps(payload)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return head + b"data: " + data + b"\n\n"
 
 
 class SSEResponse:

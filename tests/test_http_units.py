@@ -212,6 +212,17 @@ def test_sse_event_format():
     assert sse_event({"a": "é"}) == b'data: {"a":"\xc3\xa9"}\n\n'
 
 
+@pytest.mark.parametrize("text", ["a\x85b", "\u2028", "x\u2029\u2028\x85y", "\r\n\x0b\x1c"])
+def test_sse_event_is_one_line_for_unicode_line_readers(text):
+    # A model may emit any character; httpx's iter_lines (like str.splitlines) also breaks at
+    # U+0085, U+2028, U+2029. The event must still be one `data:` line that parses back.
+    from httpx._decoders import LineDecoder
+
+    lines = [x for x in LineDecoder().decode(sse_event({"text": text}, "delta").decode()) if x]
+    assert lines[0] == "event: delta" and len(lines) == 2, lines
+    assert json.loads(lines[1].removeprefix("data: ")) == {"text": text}
+
+
 def test_logprob_payloads():
     texts = TokenTexts(lambda t: {1: "ab", 2: "c", 3: "d"}[t])
     lp = [TokenLogprob(2, -0.5, [(2, -0.5), (3, -1.0)]), TokenLogprob(3, -0.25, [(3, -0.25), (2, -2.0)])]
