@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+from radixserve.scheduler.return_gaps import ReturnGaps
+
 POLICIES = ("lru", "online", "belady")
 _SERIALS = itertools.count()
 _MOD = (1 << 61) - 1
@@ -169,8 +171,8 @@ class _Knowledge:
         self.closed: set[Hashable] = set()
         self.called: dict[Hashable, Hashable] = {}  # session -> the tool its last finished request called
         by_tool = _return_gaps(requests)
-        self._gaps = {tool: _Gaps(gaps) for tool, gaps in by_tool.items()}
-        self._all = _Gaps([gap for gaps in by_tool.values() for gap in gaps])
+        self._gaps = {tool: _distribution(gaps) for tool, gaps in by_tool.items()}
+        self._all = _distribution([gap for gaps in by_tool.values() for gap in gaps])
 
     def finished(self, r: TraceRequest) -> None:
         if r.session is None:
@@ -185,27 +187,19 @@ class _Knowledge:
         if i < len(times) and self.sends[node.key][i] <= now:
             return times[i]  # a request already sent will use it then
         if node.session is _SHARED:
-            return now + self._all.residual(now - node.last)
+            return now + self._all.remaining(now - node.last)
         if node.session in self.closed:
             return float("inf")
         tool = self.called.get(node.session)
-        return now + self._gaps.get(tool, self._all).residual(now - node.last)
+        return now + self._gaps.get(tool, self._all).remaining(now - node.last)
 
 
-class _Gaps:
-    """A distribution of return gaps, for the mean remaining wait of one that has lasted so long."""
-
-    def __init__(self, gaps: list[float]) -> None:
-        self.gaps = sorted(gaps)
-        self._tail = [0.0] * (len(self.gaps) + 1)  # _tail[i]: the sum of gaps[i:]
-        for i in range(len(self.gaps) - 1, -1, -1):
-            self._tail[i] = self._tail[i + 1] + self.gaps[i]
-
-    def residual(self, age: float) -> float:
-        """The mean remaining wait of a return gap that has lasted `age` (no longer gap seen: `age` again)."""
-        i = bisect.bisect_right(self.gaps, age)
-        left = len(self.gaps) - i
-        return self._tail[i] / left - age if left else age
+def _distribution(gaps: list[float]) -> ReturnGaps:
+    """The whole trace's `gaps` as the engine's estimator holds its window: the same mean residual."""
+    dist = ReturnGaps(window=max(len(gaps), 1))
+    for gap in gaps:
+        dist.add(gap)
+    return dist
 
 
 def _return_gaps(requests: Sequence[TraceRequest]) -> dict[Hashable, list[float]]:

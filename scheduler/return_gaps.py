@@ -79,9 +79,9 @@ class ToolGaps:
         if tool is None:
             return
         self.named += 1
-        own = self._by_tool.pop(tool, None) or ReturnGaps(self._window)
+        own = self._by_tool.setdefault(tool, ReturnGaps(self._window))
         own.add(gap_s)
-        self._by_tool[tool] = own  # most recently called last
+        self._by_tool.move_to_end(tool)  # most recently called last
         if len(self._by_tool) > MAX_TOOLS:
             self._by_tool.popitem(last=False)
 
