@@ -3,12 +3,13 @@
 `lock` / `unlock` protect a path (a request's prefix, or a session's pin) and keep the locked / pinned / evictable
 sizes. The unlocked leaves are ordered by the policy's priority (LRU, or lru-reuse's hit bonus) within two tiers,
 unhinted before hinted: a hint marks a path a waiting request will match (`hint` / `unhint`, counted along the path
-like locks, moving to the parent when eviction takes the hinted leaf). `demote` puts a path nobody will continue (a
-closed session's) first in its tier. RadixCache inherits this; it keeps the index exact on every change."""
+like locks, moving to the parent when eviction takes the hinted leaf). `demote` puts a path first in its tier, in the
+order of the ranks given: a path nobody will continue (a closed session's), or one whose session is expected back
+last. RadixCache inherits this; it keeps the index exact on every change."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     from sortedcontainers import SortedDict
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 EVICTION_POLICIES = ("lru", "lru-reuse")
 # One doubling of a node's hit count is worth this many logical clock ticks of recency (lru-reuse).
 DEFAULT_REUSE_BONUS = 64.0
+DEMOTED = 1 << 40  # a demoted path's last access is its rank less this: before every real stamp (>= 0)
 
 
 class EvictionOrder:
@@ -86,18 +88,27 @@ class EvictionOrder:
             raise ValueError(f"unhint: {node!r} has no hint (unhint without a matching hint)")
         self._count_hint(node, -1)
 
-    def demote(self, node: TreeNode) -> None:
+    def demote(self, node: TreeNode, rank: int = 0) -> int:
         """Make node, and the ancestors only its path uses, the first candidates of their hint tier (a closed
-        session's history: nobody is expected to continue it). Ancestors shared with other paths keep their rank, and
-        so does a node with children (a longer path uses it)."""
+        session's history: nobody is expected to continue it); among demoted paths, lower `rank` first. Ancestors
+        shared with other paths keep their rank, and so does a node with children (a longer path uses it). Returns
+        the unlocked slots demoted."""
         if node.children:
-            return
+            return 0
+        stamp = rank - DEMOTED
+        slots = 0
         while not node.is_root and node.parent is not None:
-            node.last_access, node.hit_count = 0, 0
+            node.last_access, node.hit_count = stamp, 0
+            slots += len(node.value) if node.lock_ref == 0 else 0
             self._sync_leaf_index(node)
             node = node.parent
             if node.is_root or len(node.children) > 1:
-                return
+                break
+        return slots
+
+    def candidates(self) -> Iterator[TreeNode]:
+        """The unlocked leaves in the order eviction takes them (a parent joins once its last child is gone)."""
+        return iter(self._evictable_leaves.values())
 
     def _count_hint(self, node: TreeNode, delta: int) -> None:
         if node.is_root:

@@ -197,5 +197,6 @@ class PrefixKV:
             self.sessions.reclaim(shortfall - self.tree.evictable_size)
         if shortfall > 0:
             self.sessions.note_eviction()
+            self.sessions.rank_away(shortfall)
             self.tree.evict(shortfall)
         return self.allocator.alloc(num_slots)

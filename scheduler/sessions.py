@@ -226,11 +226,39 @@ class Sessions:
             self._reclaimed.append((now, _own_slots(self._pins[sid].node)))
             self._drop(sid, "reclaimed")
 
+    def rank_away(self, num_slots: int) -> None:
+        """Admission is about to evict `num_slots`. Of the histories of sessions away without a pin (skipped,
+        reclaimed or expired), LRU would take as many slots as its order reaches among its first `num_slots`; those
+        slots go, but from the sessions expected back last (Bélády's rule on the expected next use, where LRU takes
+        the oldest: for a tool whose latency is predictable, the session that left last is the one back last).
+        What else is cached keeps its place in the order."""
+        now = self._clock()
+        away = {self._left[sid].node: sid for sid in self._finished
+                if sid not in self._pins and sid in self._left and not self._left[sid].node.is_evicted}
+        if not away:
+            return
+        share = seen = 0
+        for leaf in self._tree.candidates():
+            if seen >= num_slots:
+                break
+            slots = _own_slots(leaf, held=0) if leaf in away else len(leaf.value)
+            seen += slots
+            share += slots if leaf in away else 0
+        order = sorted(away.values(), key=lambda sid: self._expected(sid, self._finished[sid], now), reverse=True)
+        covered = 0
+        for rank, sid in enumerate(order, start=1):
+            if covered >= share:
+                break
+            covered += self._tree.demote(self._left[sid].node, rank)
+
     def expected_return(self, session_id: str, now: float) -> float:
-        """When the pinned session's next request is expected: the mean residual of the return gaps observed after
-        calls of the tool its last turn called, or of everyone's (scheduler/return_gaps.py)."""
-        pin = self._pins[session_id]
-        return now + self.gaps.of(self._called.get(session_id)).remaining(now - pin.made)
+        """When the pinned session's next request is expected (scheduler/return_gaps.py)."""
+        return self._expected(session_id, self._pins[session_id].made, now)
+
+    def _expected(self, session_id: str, since: float, now: float) -> float:
+        """When the session, away since `since`, is expected back: the mean residual of the return gaps observed
+        after calls of the tool its last turn called, or of everyone's."""
+        return now + self.gaps.of(self._called.get(session_id)).remaining(now - since)
 
     def _horizon(self, now: float, queue_excess: int, gaps: ReturnGaps) -> float:
         """How long a pin made now, its session expected back after `gaps`' mean, would last: admission reclaims the
@@ -285,10 +313,13 @@ class Sessions:
         return True
 
 
-def _own_slots(node: TreeNode) -> int:
-    """The slots of the path ending at `node` that its one lock (a pin) alone holds."""
+def _own_slots(node: TreeNode, held: int = 1) -> int:
+    """The slots of the path ending at `node` that only its one lock (a pin) holds; `held=0`: that no lock holds
+    and no other path uses."""
     own = 0
-    while not node.is_root and node.lock_ref == 1:
+    while not node.is_root and node.lock_ref == held:
         own += len(node.value)
         node = node.parent
+        if held == 0 and len(node.children) > 1:
+            break
     return own

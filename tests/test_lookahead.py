@@ -67,3 +67,26 @@ def test_a_closed_sessions_path_goes_before_older_paths(ckpt):
     engine.check_integrity()
     assert engine.kv.tree.match_length(older + [0], None) == len(older)
     assert engine.kv.tree.match_length(session_path + [0], None) < len(session_path)
+
+
+def test_demoted_paths_go_first_in_the_order_of_their_ranks():
+    """A closed session's path (rank 0), then the paths of sessions expected back last (ranks 1, 2...), then LRU;
+    a demoted path's shared ancestor keeps its rank (another path still uses it)."""
+    from radixserve.radix import KVAllocator, RadixCache
+
+    allocator = KVAllocator(64, 1)
+    tree = RadixCache(allocator, page_size=1)
+    paths = {name: [base, base + 1, base + 2] for name, base in (("a", 100), ("b", 200), ("c", 300), ("d", 400))}
+    for tokens in paths.values():
+        tree.insert(tokens, allocator.alloc(3))
+    shared = list(tree.match_prefix([100, 101], record_hit=False)[0])
+    tree.insert([100, 101, 9], shared + allocator.alloc(1))  # a's first two tokens now shared with another path
+    nodes = {name: tree.match_prefix(tokens, record_hit=False)[1] for name, tokens in paths.items()}
+    assert tree.demote(nodes["c"], 2) == 3 and tree.demote(nodes["b"], 1) == 3 and tree.demote(nodes["d"], 0) == 3
+    assert tree.demote(nodes["a"], 3) == 1  # its own last token only
+    order = []
+    while tree.evictable_size:
+        tree.evict(1)
+        order += [name for name, tokens in paths.items() if tree.match_length(tokens, None) < 3 and name not in order]
+    assert order == ["d", "b", "c", "a"] and tree.match_length([100, 101, 9], None) == 0
+    tree.check_integrity()

@@ -165,6 +165,40 @@ def test_admission_reclaims_the_pin_whose_tool_returns_last(named, dropped):
     assert set(sessions._pins) == {"a", "b"} - {dropped}
 
 
+@pytest.mark.parametrize("named, evicted", [(True, "b"), (False, "a")])
+def test_admission_evicts_the_unpinned_history_whose_session_is_expected_back_last(named, evicted):
+    """The tools and times of the test above, but admission reclaimed both pins: the histories are cached, unpinned,
+    and admission must evict one. LRU would take a (cached first). With the tools named, b waits on a human (due in
+    ~30 s) while a's calculator call is overdue: b goes (`rank_away`). Unnamed, a is past every short return and
+    expected last: a goes, as LRU would."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a", "b", "x"], 10)
+    for _ in range(MIN_OWN):
+        for tool, gap in (("calc", 0.5), ("human", 30.0)):
+            sessions.keep("x", nodes["x"], 10)
+            sessions.settle("x", tool)
+            clock[0] += gap
+            sessions.arrived("x")
+            sessions.take("x")
+    sessions.close("x")
+    start = clock[0]
+    for sid, tool, made in (("a", "calc", 0.0), ("b", "human", 0.9)):
+        clock[0] = start + made
+        sessions.keep(sid, nodes[sid], 10)
+        if named:
+            sessions.settle(sid, tool)
+    clock[0] = start + 1.0
+    sessions.reclaim(20)
+    assert not sessions._pins
+    tree = sessions._tree
+    sessions.rank_away(10)
+    assert tree.evict(10) == 10
+    kept = {sid for sid, base in (("a", 1000), ("b", 2000), ("x", 3000))
+            if len(tree.peek_prefix([base + j for j in range(10)])) == 10}
+    assert kept == {"a", "b", "x"} - {evicted}
+    tree.check_integrity()
+
+
 @pytest.mark.parametrize("calc, human, tool, pinned_at_keep, pinned_after", [
     (8, 9, "calc", False, True),  # everyone's returns: 8 of 17 within the horizon, skipped; the calculator's: all
     (8, 9, "human", False, False),

@@ -122,6 +122,15 @@ def make_machine(page_size: int, num_slots: int, stats: Counter) -> type:
                 self.hints.append((salt, list(tokens[:len(matched)]), node))
                 note("prefix hinted")
 
+        @precondition(lambda self: self.model)
+        @rule(data=st.data(), rank=st.integers(0, 3))
+        def demote(self, data, rank):
+            """A path goes to the front of the eviction order (a closed session's, or one expected back last)."""
+            salt, prefix = data.draw(st.sampled_from(sorted(self.model, key=repr)), label="demoted")
+            _, node = self.cache.match_prefix(list(prefix), salt, record_hit=False)
+            if self.cache.demote(node, rank):
+                note("path demoted")
+
         @precondition(lambda self: self.pins)
         @rule(data=st.data())
         def unpin(self, data):
