@@ -49,12 +49,13 @@ class _Clock:
 
 
 def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, step: StepModel,
-            admitted_at: dict[str, float]) -> Any:
-    """An Engine as agent_trace's server runs it, its sessions on the virtual clock, admissions time-stamped."""
+            admitted_at: dict[str, float], sessions: bool) -> Any:
+    """An Engine as agent_trace's server runs it (sessions off: its agent cache off too), its sessions on the virtual
+    clock, admissions time-stamped."""
     from ..scheduler.engine import Engine
 
     engine = Engine(model_path, kv_cache_tokens=kv_tokens, context_length=cfg.max_sequence(),
-                    max_running_requests=min(cfg.agents, 64), num_threads=1)
+                    max_running_requests=min(cfg.agents, 64), num_threads=1, disable_agent_cache=not sessions)
     sessions = engine.kv.sessions
     sessions._clock = clock
     measured = sessions.observe_prefill
@@ -76,7 +77,7 @@ def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
     """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records. With
     `name_tools` the engine is told which tool each turn called, as a chat turn's `tool_calls` tells the server."""
     clock, admitted_at = _Clock(), {}
-    engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at)
+    engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at, sessions)
     apps, plans = make_plan(cfg)
     due = [(p.arrival_s, p.index, 0) for p in plans]  # (time, agent, turn)
     heapq.heapify(due)

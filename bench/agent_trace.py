@@ -7,7 +7,8 @@ turn: the answer); between turns it waits a tool latency drawn from a lognormal 
 appends a tool result of 100-400 tokens. Token-level and seeded: every request is `/generate` with `input_ids`,
 each turn built from the previous turn's actual output ids. With sessions on, every request names its agent's
 session (`session_params.id`) and the agent closes it after its last turn, so the server pins its history
-while it waits (scheduler/sessions.py); off, the cache is plain LRU with reuse.
+while it waits (scheduler/sessions.py); off, the server runs with `--disable-agent-cache` (no pins, no look-ahead,
+no program scheduling: issue 38's one flag) and the cache is plain LRU with reuse.
 
 Per budget and mode it reports prompt tokens recomputed (prompt - cached), the **cold** tokens every cache must
 compute (first-time tokens: an app's prompt the first time it is sent, each agent's first message, each tool
@@ -158,7 +159,8 @@ def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool
                kv_cache_dtype: str = "auto") -> dict[str, Any]:
     from ..frontend.spawn import ServerProcess
 
-    server = ServerProcess(server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype))
+    args = server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype)
+    server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]))
     try:
         return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
     finally:

@@ -129,6 +129,10 @@ class EngineConfig:
         False, "CPU: attend with torch's flash attention op instead of radixserve's compiled kernel "
                "(kernels/native.py; used where it builds: Linux with a C compiler; fp32 or bf16, head_dim a "
                "multiple of 32 up to 128)")
+    disable_agent_cache: bool = option(
+        False, "plain LRU-with-reuse caching, the baseline of bench/agent_trace: no session pins, no look-ahead in "
+               "eviction (waiting requests' prefixes last, closed sessions first, sessions expected back last first) "
+               "and no program-level scheduling; sessions still open and close")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")

@@ -30,13 +30,16 @@ DECODE_AHEAD = 16
 
 class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
-                 num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS):
+                 num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS, agent_cache: bool = True):
         self.page_size = page_size
         self.rows = SlotRows(num_rows)
         self.allocator = KVAllocator(num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size=page_size, disable=disable_cache,
                                eviction_policy=eviction_policy, reuse_bonus=reuse_bonus)
-        self.sessions = Sessions(self.tree)  # pins of finished requests' paths, for their sessions' next turns
+        # Pins of finished requests' paths for their sessions' next turns, and eviction that looks ahead; off (the
+        # agent-trace baseline) the cache is plain LRU with reuse.
+        self.agent_cache = agent_cache
+        self.sessions = Sessions(self.tree, enabled=agent_cache)
         self._hinted_need: dict[int, int] = {}  # id(waiting request) -> its uncached tokens when hinted
         self.waiting_need = 0  # their sum: the slots the waiting queue will ask for
 
@@ -68,7 +71,7 @@ class PrefixKV:
         """Waiting requests expect to use their cached prefixes: eviction takes every path nobody waits for first
         (RadixCache.hint; a preference, never a ban). Once per stay in the queue (`admit` and `unhint` end it), one
         walk for all the choices of a prompt."""
-        if self.tree.disable:
+        if self.tree.disable or not self.agent_cache:
             return
         walked: dict[tuple, tuple[list[int], TreeNode]] = {}
         for req in waiting:

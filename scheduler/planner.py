@@ -71,7 +71,7 @@ class Planner:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
         self._step_order = None
         if self.policy.share is not None:  # program levels yield to the cache under memory pressure (fair_share.py)
-            self.policy.share.las = not self.kv.sessions.under_pressure()
+            self.policy.share.las = self.kv.agent_cache and not self.kv.sessions.under_pressure()
         budget, lead_tenant = self._prefill_budget(step)
         self._preempt(step, budget)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last

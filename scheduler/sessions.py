@@ -71,8 +71,9 @@ class _Pin:
 
 class Sessions:
     def __init__(self, tree: RadixCache, clock: Callable[[], float] = time.monotonic,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, enabled: bool = True) -> None:
         self._tree, self._clock, self.idle_timeout_s = tree, clock, idle_timeout_s
+        self.enabled = enabled  # off: sessions open and close, but no path is kept (so none is demoted or ranked)
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
@@ -131,7 +132,7 @@ class Sessions:
         """Pin the path a finished request of the session leaves cached (ending at `node`, `tokens` long), unless
         fewer than PIN_ODDS of the observed returns would come within the pin's horizon (`_horizon`; the waiting
         queue needs `queue_excess` slots beyond the free and evictable ones): admission would reclaim it first."""
-        if session_id is None or session_id not in self._last_seen or tokens == 0 or node.is_root:
+        if not self.enabled or session_id is None or session_id not in self._last_seen or tokens == 0 or node.is_root:
             return
         self._drop(session_id, None)
         self._called.pop(session_id, None)  # this turn's call, if any, is named by settle

@@ -90,3 +90,19 @@ def test_demoted_paths_go_first_in_the_order_of_their_ranks():
         order += [name for name, tokens in paths.items() if tree.match_length(tokens, None) < 3 and name not in order]
     assert order == ["d", "b", "c", "a"] and tree.match_length([100, 101, 9], None) == 0
     tree.check_integrity()
+
+
+def test_the_agent_cache_flag_turns_look_ahead_and_program_levels_off(ckpt):
+    """--disable-agent-cache (the agent-trace baseline): a waiting request's prefix is not hinted, and admission
+    sets program levels aside; the sessions still open and close."""
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256, max_running_requests=1, disable_agent_cache=True)
+    _cache(engine, _prompt(1))
+    engine.add_request(_prompt(3, 20), dict(GREEDY, max_new_tokens=4), rid="running")
+    engine.step()
+    engine.add_request(_prompt(1) + [7], dict(GREEDY, max_new_tokens=1), rid="waiting")
+    engine.step()
+    assert engine.planner.waiting and engine.planner.waiting[0].hint_node is None
+    assert engine.kv.tree.match_prefix(_prompt(1), record_hit=False)[1].hint_ref == 0
+    assert engine.policy.share.las is False
+    assert engine.open_session("s") == "s" and engine.close_session("s")
+    _run_until_done(engine)

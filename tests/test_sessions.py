@@ -37,15 +37,15 @@ def _flood(engine: Engine, num: int = 6) -> None:
     engine.generate([_history(100 + i) for i in range(num)], GREEDY)
 
 
-@pytest.mark.parametrize("session", [None, "agent-1"])
-def test_a_session_history_survives_other_traffic_until_its_next_turn(ckpt, session):
-    engine = _engine(ckpt, kv_cache_tokens=320, max_running_requests=2)
+@pytest.mark.parametrize("session, agent_cache", [(None, True), ("agent-1", True), ("agent-1", False)])
+def test_a_session_history_survives_other_traffic_until_its_next_turn(ckpt, session, agent_cache):
+    engine = _engine(ckpt, kv_cache_tokens=320, max_running_requests=2, disable_agent_cache=not agent_cache)
     history = _history(1)
     _run(engine, history, session_id=session)
     _flood(engine)
     cached = _run(engine, history + [7, 8, 9], session_id=session)  # the next turn: history + the tool result
     stats = engine.stats()
-    if session is None:  # LRU evicted the history while the agent waited
+    if session is None or not agent_cache:  # LRU evicted the history while the agent waited
         assert cached == 0 and stats["num_pins"] == 0
     else:
         assert cached == len(history) and stats["num_pins_used"] == 1 and stats["num_pins"] == 1
