@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from radixserve.scheduler.return_gaps import ReturnGaps
+from ..scheduler.return_gaps import ReturnGaps
 
 POLICIES = ("lru", "online", "belady")
 _SERIALS = itertools.count()
