@@ -15,7 +15,9 @@ when
 - admission needs the slots (`reclaim`): pins never starve admission; the cheapest to recompute per slot go
   first (a pin's recompute time is its length x the measured prefill cost per token, so per slot they tie), and
   among those the one whose session is expected back last (scheduler/return_gaps.py: Bélády's rule on the
-  expected next use; a chat turn's tool call names the tool, whose own return gaps then answer: `settle`).
+  expected next use; a chat turn's tool call names the tool, whose own return gaps then answer: `settle`); or
+  admission evicts session histories and the pinned one is expected back later than the unpinned ones it would
+  take (`rank_away`).
 
 Under memory pressure a pin is made only if it is expected to pay, that is, to see its session back before
 admission reclaims it. Admission reclaims the pins expected back later than the new one first, at the rate it has
@@ -230,8 +232,9 @@ class Sessions:
     def rank_away(self, num_slots: int) -> None:
         """Admission is about to evict `num_slots`. Of the histories of sessions away without a pin (skipped,
         reclaimed or expired), LRU would take as many slots as its order reaches among its first `num_slots`; those
-        slots go, but from the sessions expected back last (Bélády's rule on the expected next use, where LRU takes
-        the oldest: for a tool whose latency is predictable, the session that left last is the one back last).
+        slots go, but from the sessions expected back last among every away session, pinned or not (Bélády's rule
+        on the expected next use, where LRU takes the oldest and a pin would keep a session due in a minute over
+        one due now: a pin taken here is reclaimed). A session whose next request is already waiting is not away.
         What else is cached keeps its place in the order."""
         now = self._clock()
         away = {self._left[sid].node: sid for sid in self._finished
@@ -245,11 +248,17 @@ class Sessions:
             slots = _own_slots(leaf, held=0) if leaf in away else len(leaf.value)
             seen += slots
             share += slots if leaf in away else 0
-        order = sorted(away.values(), key=lambda sid: self._expected(sid, self._finished[sid], now), reverse=True)
+        pinned = [sid for sid in self._pins if sid in self._finished]
+        order = sorted([*away.values(), *pinned], key=lambda sid: self._expected(sid, self._finished[sid], now),
+                       reverse=True)
         covered = 0
         for rank, sid in enumerate(order, start=1):
             if covered >= share:
                 break
+            pin = self._pins.get(sid)
+            if pin is not None:
+                self._reclaimed.append((now, _own_slots(pin.node)))
+                self._drop(sid, "reclaimed")
             covered += self._tree.demote(self._left[sid].node, rank)
 
     def expected_return(self, session_id: str, now: float) -> float:

@@ -145,14 +145,7 @@ def test_admission_reclaims_the_pin_whose_tool_returns_last(named, dropped):
     b's own gaps say 30 s and a's say it is overdue (as long again: 2 s): b goes."""
     clock = [0.0]
     sessions, nodes = _sessions(clock, ["a", "b", "x"], 10)
-    for _ in range(MIN_OWN):
-        for sid, tool, gap in (("x", "calc", 0.5), ("x", "human", 30.0)):  # earlier turns' returns
-            sessions.keep(sid, nodes[sid], 10)
-            sessions.settle(sid, tool)
-            clock[0] += gap
-            sessions.arrived(sid)
-            sessions.take(sid)
-    sessions.close("x")
+    _calculator_and_human(sessions, nodes["x"], clock)
     assert sessions.stats()["num_tool_returns"] == 2 * MIN_OWN
     start = clock[0]
     for sid, tool, made in (("a", "calc", 0.0), ("b", "human", 0.9)):
@@ -173,14 +166,7 @@ def test_admission_evicts_the_unpinned_history_whose_session_is_expected_back_la
     expected last: a goes, as LRU would."""
     clock = [0.0]
     sessions, nodes = _sessions(clock, ["a", "b", "x"], 10)
-    for _ in range(MIN_OWN):
-        for tool, gap in (("calc", 0.5), ("human", 30.0)):
-            sessions.keep("x", nodes["x"], 10)
-            sessions.settle("x", tool)
-            clock[0] += gap
-            sessions.arrived("x")
-            sessions.take("x")
-    sessions.close("x")
+    _calculator_and_human(sessions, nodes["x"], clock)
     start = clock[0]
     for sid, tool, made in (("a", "calc", 0.0), ("b", "human", 0.9)):
         clock[0] = start + made
@@ -193,9 +179,32 @@ def test_admission_evicts_the_unpinned_history_whose_session_is_expected_back_la
     tree = sessions._tree
     sessions.rank_away(10)
     assert tree.evict(10) == 10
-    kept = {sid for sid, base in (("a", 1000), ("b", 2000), ("x", 3000))
-            if len(tree.peek_prefix([base + j for j in range(10)])) == 10}
-    assert kept == {"a", "b", "x"} - {evicted}
+    assert _cached(tree, ["a", "b", "x"], 10) == {"a", "b", "x"} - {evicted}
+    tree.check_integrity()
+
+
+@pytest.mark.parametrize("named, evicted", [(True, "b"), (False, "a")])
+def test_admission_takes_a_pinned_history_expected_back_after_the_unpinned_one(named, evicted):
+    """The tools and times above, but b (the human, made at 0.9) is pinned and a (the calculator, made at 0) is not:
+    its pin was skipped, the queue then needing more than the pool had. Admission evicts one history: LRU's is a's,
+    the oldest unpinned. Named, a is overdue and b not due for ~29 s: b's pin is reclaimed and b goes instead.
+    Unnamed, a is expected last by age and goes, as LRU would."""
+    clock = [0.0]
+    sessions, nodes = _sessions(clock, ["a", "b", "x"], 10)
+    _calculator_and_human(sessions, nodes["x"], clock)
+    start = clock[0]
+    for sid, tool, made, excess in (("a", "calc", 0.0, 20), ("b", "human", 0.9, 0)):
+        clock[0] = start + made
+        sessions.keep(sid, nodes[sid], 10, queue_excess=excess)
+        if named:
+            sessions.settle(sid, tool)
+    assert set(sessions._pins) == {"b"}
+    clock[0] = start + 1.0
+    tree = sessions._tree
+    sessions.rank_away(10)
+    assert tree.evict(10) == 10
+    assert _cached(tree, ["a", "b", "x"], 10) == {"a", "b", "x"} - {evicted}
+    assert sessions.counts["reclaimed"] == (evicted == "b")
     tree.check_integrity()
 
 
@@ -286,3 +295,22 @@ def _sessions(clock: list[float], names: list[str], length: int) -> tuple[Sessio
         tree.insert(tokens, allocator.alloc(length))
         nodes[name] = tree.match_prefix(tokens)[1]
     return sessions, nodes
+
+
+def _cached(tree: RadixCache, names: list[str], length: int) -> set[str]:
+    """The sessions of `_sessions` whose whole path is still cached."""
+    return {name for i, name in enumerate(names)
+            if len(tree.peek_prefix([1000 * (i + 1) + j for j in range(length)])) == length}
+
+
+def _calculator_and_human(sessions: Sessions, node, clock: list[float]) -> None:
+    """MIN_OWN earlier turns of session x each calling the calculator (back in 0.5 s) and a human (back in 30 s);
+    then x closes."""
+    for _ in range(MIN_OWN):
+        for tool, gap in (("calc", 0.5), ("human", 30.0)):
+            sessions.keep("x", node, 10)
+            sessions.settle("x", tool)
+            clock[0] += gap
+            sessions.arrived("x")
+            sessions.take("x")
+    sessions.close("x")
