@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -177,7 +178,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
     p.add_argument("--name-tools", action="store_true",
                    help="tell the engine (and the online yardstick) which tool each turn called, as chat does")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="write one report of these runs' agent_replay.json "
+                   "(seeds run in parallel processes) instead of running")
     args = parse_args(p, argv)
+    if args.merge:
+        rows = merge(args.merge)
+        _write(args, rows)
+        return rows
     step = StepModel(args.step_base_s, args.step_per_token_s)
     model_path = bench_model_path(args.model)
     rows = []
@@ -194,23 +201,68 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                   f"{on['turn_p50_s']}/{on['turn_p99_s']} off {off['turn_p50_s']}/{off['turn_p99_s']} s | pins "
                   f"{on['pins']}",
                   flush=True)
+    _write(args, rows)
+    return rows
+
+
+def _write(args: Any, rows: list[dict[str, Any]]) -> None:
     if args.out:
         out = BenchOutput("agent_replay", args.out)
         out.finish(out.write_report("agent_replay", {"command": args.command, "rows": rows}, markdown(rows)))
-    return rows
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """Per seed and budget: the engine's excess with sessions on and off beside the three yardsticks replayed on
-    the sessions-on run's trace, and the issue's target."""
-    lines = ["| seed | budget (tokens) | excess on | off | LRU sim | online sim | Bélády sim | target | turn p99 on / "
-             "off s |", "|---|---|---|---|---|---|---|---|---|"]
+    the sessions-on run's trace, the issue's target, the share of off's gap to Bélády that on closes (`closed`,
+    the target's 75%) and that the online yardstick closes of the LRU replay's; then per budget the medians."""
+    lines = ["| seed | budget (tokens) | excess on | off | LRU sim | online sim | Bélády sim | target | closed | online "
+             "closes | turn p99 on / off s | busy |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         on, off = row["on"], row["off"]
         lines.append(f"| {row['seed']} | {row['budget']:g} ({row['kv_tokens']}) | {on['excess']} | {off['excess']} "
                      f"| {on['lru_sim']} | {on['online_sim']} | {on['belady_sim']} | {row['target']:.0f} "
-                     f"({'met' if row['meets'] else 'missed'}) | {on['turn_p99_s']} / {off['turn_p99_s']} |")
+                     f"({'met' if row['meets'] else 'missed'}) | {_closed(row)} | {_online_closes(row)} | "
+                     f"{on['turn_p99_s']} / {off['turn_p99_s']} | {off['busy_arrivals']:.0%} |")
+    lines.append("")
+    for budget in sorted({row["budget"] for row in rows}):
+        lines.append(_summary([row for row in rows if row["budget"] == budget]))
     return "\n".join(lines) + "\n"
+
+
+def _share(gap_from: float, value: float, to: float) -> float | None:
+    return (gap_from - value) / (gap_from - to) if gap_from != to else None
+
+
+def _closed(row: dict[str, Any]) -> str:
+    share = _share(row["off"]["excess"], row["on"]["excess"], row["on"]["belady_sim"])
+    return "-" if share is None else f"{share:.0%}"
+
+
+def _online_closes(row: dict[str, Any]) -> str:
+    on = row["on"]
+    share = _share(on["lru_sim"], on["online_sim"], on["belady_sim"])
+    return "-" if share is None else f"{share:.0%}"
+
+
+def _summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One budget's seeds: how many meet the target, and the target on the medians."""
+    def med(values):
+        return statistics.median(values)
+
+    on, off = med([r["on"]["excess"] for r in rows]), med([r["off"]["excess"] for r in rows])
+    belady = med([r["on"]["belady_sim"] for r in rows])
+    target = belady + 0.25 * (off - belady)
+    p99 = med([r["on"]["turn_p99_s"] / r["off"]["turn_p99_s"] for r in rows if r["off"]["turn_p99_s"]] or [0.0])
+    return (f"Budget {rows[0]['budget']:g}: met on {sum(r['meets'] for r in rows)} of {len(rows)} seeds; on the "
+            f"medians excess on {on:,.0f}, off {off:,.0f}, Bélády {belady:,.0f}, target {target:,.0f} "
+            f"({'met' if on <= target else 'missed'}; closed {_share(off, on, belady) or 0:.0%}); turn p99 on / off "
+            f"{p99:.2f}x (median of the seeds' ratios).")
+
+
+def merge(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of several runs' agent_replay.json (seeds run in parallel processes), by seed and budget."""
+    rows = [row for path in paths for row in json.loads(open(path).read())["rows"]]
+    return sorted(rows, key=lambda row: (row["budget"], row["seed"]))
 
 
 if __name__ == "__main__":

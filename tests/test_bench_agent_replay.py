@@ -67,3 +67,27 @@ def test_seed_rows_compare_sessions_with_the_yardsticks(model, capsys, tmp_path)
     assert "seed 1 budget 0.5" in capsys.readouterr().out
     assert json.loads((tmp_path / "agent_replay.json").read_text())["rows"] == json.loads(json.dumps(rows))
     assert f"| 1 | 0.5 ({rows[0]['kv_tokens']}) | {on['excess']} |" in (tmp_path / "agent_replay.md").read_text()
+    report = (tmp_path / "agent_replay.md").read_text()
+    assert f"Budget 0.5: met on {int(rows[0]['meets'])} of 1 seeds; on the medians excess on {on['excess']:,}," in report
+
+
+def test_merge_writes_one_report_of_runs_split_by_seed(tmp_path):
+    """Seeds run in parallel processes, each writing its own JSON: --merge reports them as one run."""
+    def row(seed, on, off, belady):
+        side = {"excess": on, "lru_sim": off + 10, "online_sim": on, "belady_sim": belady, "turn_p99_s": 1.0,
+                "busy_arrivals": 0.8}
+        return {"seed": seed, "budget": 0.5, "kv_tokens": 100, "on": side,
+                "off": {**side, "excess": off, "turn_p99_s": 2.0}, "target": belady + 0.25 * (off - belady),
+                "meets": on <= belady + 0.25 * (off - belady)}
+
+    for name, rows in (("a", [row(1, 50, 100, 40), row(0, 90, 100, 60)]), ("b", [row(2, 70, 100, 40)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "agent_replay.json").write_text(json.dumps({"rows": rows}))
+    merged = agent_replay.main(["--merge", str(tmp_path / "a" / "agent_replay.json"),
+                                str(tmp_path / "b" / "agent_replay.json"), "--out", str(tmp_path / "all")])
+    assert [r["seed"] for r in merged] == [0, 1, 2]
+    report = (tmp_path / "all" / "agent_replay.md").read_text()
+    assert "| 1 | 0.5 (100) | 50 | 100 | 110 | 50 | 40 | 55 (met) | 83% | 86% | 1.0 / 2.0 | 80% |" in report
+    # medians: on 70, off 100, Bélády 40: target 55, missed, (100 - 70) / (100 - 40) closed
+    assert ("Budget 0.5: met on 1 of 3 seeds; on the medians excess on 70, off 100, Bélády 40, target 55 (missed; "
+            "closed 50%); turn p99 on / off 0.50x") in report
