@@ -13,7 +13,8 @@ excess(on) <= Bélády + 0.25 x (excess(off) - Bélády), Bélády on the sessio
 
 With `--config '{"tools": 4}' --name-tools` each turn calls one of four tools of different latencies and the engine
 is told which (`Engine.settle_session(id, tool)`, as a chat `tool_calls` finish tells the server), and so is the
-online yardstick.
+online yardstick. With `--warm-gaps` the engine starts with the return gaps of another trace of the same workload
+(`warm_gaps`), as a server that served it before; else it learns them during the run.
 
     python -m radixserve.bench.agent_replay --seeds 0,1,2,3 --budgets 0.5,1.0
 """
@@ -74,11 +75,13 @@ def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, st
 
 
 def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
-        step: StepModel = StepModel(), name_tools: bool = False) -> dict[str, Any]:
+        step: StepModel = StepModel(), name_tools: bool = False, warm: bool = False) -> dict[str, Any]:
     """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records. With
     `name_tools` the engine is told which tool each turn called, as a chat turn's `tool_calls` tells the server."""
     clock, admitted_at = _Clock(), {}
     engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at, sessions)
+    if warm:
+        warm_gaps(engine.kv.sessions.gaps, cfg, name_tools)
     apps, plans = make_plan(cfg)
     due = [(p.arrival_s, p.index, 0) for p in plans]  # (time, agent, turn)
     heapq.heapify(due)
@@ -128,11 +131,30 @@ def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold,
             engine.close_session(sid)
         return
     if sessions and called is not None:
-        engine.settle_session(sid, f"tool{called}")
+        engine.settle_session(sid, tool_name(called))
     tool = plans[agent].tool_results[turn]
     history[agent] = history[agent] + tool
     cold[agent] = len(tool) + 1  # the tool result, and the last output token (never computed)
     heapq.heappush(due, (now + plans[agent].waits_s[turn], agent, turn + 1))
+
+
+WARM_SEED_OFFSET = 1000  # warm_gaps' trace: the same workload at seed + this
+
+
+def tool_name(tool: int) -> str:
+    """The name the engine is told for the trace's tool number `tool`."""
+    return f"tool{tool}"
+
+
+def warm_gaps(gaps: Any, cfg: TraceConfig, name_tools: bool) -> None:
+    """Feed `gaps` (the engine's ToolGaps) the return gaps of another trace of the same workload (its plan at seed
+    + WARM_SEED_OFFSET: each tool's latency, by tool when named), as a server that has served this workload
+    before has observed them. A fresh engine learns the distribution during the run, from the short returns first;
+    the online yardstick knows the run's whole distribution from the start."""
+    other = dataclasses.replace(cfg, seed=cfg.seed + WARM_SEED_OFFSET)
+    for plan in make_plan(other)[1]:
+        for turn in range(other.turns - 1):
+            gaps.add(plan.waits_s[turn], tool_name(plan.tools[turn]) if name_tools else None)
 
 
 def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
@@ -150,13 +172,13 @@ def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
 
 
 def seed_rows(model_path: str, cfg: TraceConfig, budgets: Sequence[float], step: StepModel,
-              name_tools: bool = False) -> list[dict[str, Any]]:
+              name_tools: bool = False, warm: bool = False) -> list[dict[str, Any]]:
     """Per budget: sessions on and off, and whether on meets the target (closes 75% of off's gap to Bélády)."""
     peak = peak_working_set(run(model_path, cfg, cfg.upper_bound(), False, step)["records"], cfg)
     rows = []
     for budget in budgets:
         kv_tokens = max(int(budget * peak), cfg.max_sequence() + cfg.answer_tokens)
-        on = counts(run(model_path, cfg, kv_tokens, True, step, name_tools))
+        on = counts(run(model_path, cfg, kv_tokens, True, step, name_tools, warm))
         off = counts(run(model_path, cfg, kv_tokens, False, step, name_tools))
         target = on["belady_sim"] + 0.25 * (off["excess"] - on["belady_sim"])
         rows.append({"seed": cfg.seed, "budget": budget, "peak": peak, "kv_tokens": kv_tokens, "on": on, "off": off,
@@ -178,6 +200,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
     p.add_argument("--name-tools", action="store_true",
                    help="tell the engine (and the online yardstick) which tool each turn called, as chat does")
+    p.add_argument("--warm-gaps", action="store_true",
+                   help="start the engine with the return gaps of another trace of the same workload (warm_gaps)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="write one report of these runs' agent_replay.json "
                    "(seeds run in parallel processes) instead of running")
     args = parse_args(p, argv)
@@ -190,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for seed in args.seeds:
         cfg = TraceConfig(agents=args.agents, arrivals_per_s=args.arrivals_per_s, seed=seed, **args.config)
-        for row in seed_rows(model_path, cfg, args.budgets, step, args.name_tools):
+        for row in seed_rows(model_path, cfg, args.budgets, step, args.name_tools, args.warm_gaps):
             rows.append(row)
             on, off = row["on"], row["off"]
             print(f"seed {seed} budget {row['budget']:g} ({row['kv_tokens']} of peak {row['peak']}): excess on "

@@ -91,3 +91,25 @@ def test_merge_writes_one_report_of_runs_split_by_seed(tmp_path):
     # medians: on 70, off 100, Bélády 40: target 55, missed, (100 - 70) / (100 - 40) closed
     assert ("Budget 0.5: met on 1 of 3 seeds; on the medians excess on 70, off 100, Bélády 40, target 55 (missed; "
             "closed 50%); turn p99 on / off 0.50x") in report
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_warm_gaps_are_another_trace_of_the_same_workload(named):
+    """--warm-gaps: the engine starts with what a server that served this workload before observed, each return
+    under its tool when named: the tool latencies of the same config's plan at another seed, not this run's."""
+    from radixserve.scheduler.return_gaps import MIN_OWN, ToolGaps
+
+    cfg = dataclasses.replace(CFG, tools=3, agents=24)
+    gaps = ToolGaps()
+    agent_replay.warm_gaps(gaps, cfg, named)
+    other = make_plan(dataclasses.replace(cfg, seed=cfg.seed + agent_replay.WARM_SEED_OFFSET))[1]
+    waits = sorted(w for p in other for w in p.waits_s[:cfg.turns - 1])
+    assert len(gaps.all) == len(waits) == 24 * 2 and gaps.named == 48 * named
+    assert gaps.all.within(waits[11]) == pytest.approx(12 / 48)
+    for k in range(3):
+        mine = [w for p in other for w, t in zip(p.waits_s, p.tools) if t == k]
+        assert len(mine) >= MIN_OWN
+        seen = gaps.of(agent_replay.tool_name(k))
+        assert len(seen) == (len(mine) if named else 48)
+        assert seen.remaining(0.0) == pytest.approx(sum(mine) / len(mine) if named else sum(waits) / 48)
+    assert sorted(w for p in make_plan(cfg)[1] for w in p.waits_s[:cfg.turns - 1]) != waits
