@@ -37,6 +37,7 @@ are locked slots: the KV identity holds with them (free + evictable + locked + i
 """
 from __future__ import annotations
 
+import heapq
 import time
 import uuid
 from collections import deque
@@ -226,8 +227,12 @@ class Sessions:
         for sid in order:
             if self._tree.evictable_size >= target:
                 break
-            self._reclaimed.append((now, _own_slots(self._pins[sid].node)))
-            self._drop(sid, "reclaimed")
+            self._reclaim_pin(sid, now)
+
+    def _reclaim_pin(self, session_id: str, now: float) -> None:
+        """Admission takes the session's pin (its slots count towards the reclaim rate `_horizon` sees)."""
+        self._reclaimed.append((now, _own_slots(self._pins[session_id].node)))
+        self._drop(session_id, "reclaimed")
 
     def rank_away(self, num_slots: int) -> None:
         """Admission is about to evict `num_slots`. Of the histories of sessions away without a pin (skipped,
@@ -248,17 +253,15 @@ class Sessions:
             slots = _own_slots(leaf, held=0) if leaf in away else len(leaf.value)
             seen += slots
             share += slots if leaf in away else 0
-        pinned = [sid for sid in self._pins if sid in self._finished]
-        order = sorted([*away.values(), *pinned], key=lambda sid: self._expected(sid, self._finished[sid], now),
-                       reverse=True)
-        covered = 0
-        for rank, sid in enumerate(order, start=1):
-            if covered >= share:
-                break
-            pin = self._pins.get(sid)
-            if pin is not None:
-                self._reclaimed.append((now, _own_slots(pin.node)))
-                self._drop(sid, "reclaimed")
+        # latest expected back first, popped lazily: a heap, as only the first few are usually reached
+        order = [(-self._expected(sid, self._finished[sid], now), n, sid)
+                 for n, sid in enumerate([*away.values(), *(s for s in self._pins if s in self._finished)])]
+        heapq.heapify(order)
+        covered = rank = 0
+        while order and covered < share:
+            sid, rank = heapq.heappop(order)[2], rank + 1
+            if sid in self._pins:
+                self._reclaim_pin(sid, now)
             covered += self._tree.demote(self._left[sid].node, rank)
 
     def expected_return(self, session_id: str, now: float) -> float:
