@@ -156,15 +156,22 @@ def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int,
 
 
 def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int, dtype: str = "auto",
-               kv_cache_dtype: str = "auto") -> dict[str, Any]:
+               kv_cache_dtype: str = "auto", env: dict[str, str] | None = None) -> dict[str, Any]:
     from ..frontend.spawn import ServerProcess
 
     args = server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype)
-    server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]))
+    server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]), env=env)
     try:
         return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
     finally:
         server.stop()
+
+
+def calibrate(model_path: str, cfg: TraceConfig, threads: int, dtype: str = "auto",
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The calibration run: a pool that never evicts, sessions off; its realised peak (`peak_tokens`) is the working
+    set the budgets are fractions of."""
+    return run_budget(model_path, cfg, cfg.upper_bound(), False, threads, dtype, env=env)
 
 
 def run_order(kv_cache_dtypes: Sequence[str], sessions: Sequence[bool], flip: bool) -> list[tuple[str, bool]]:
@@ -244,9 +251,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     runs, peaks = [], []
     for rep in range(args.repeats):
         seeded = dataclasses.replace(cfg, seed=cfg.seed + rep)
-        # The calibration run: a pool that never evicts, sessions off; its realised peak sets the budgets.
-        peaks.append(run_budget(model_path, seeded, seeded.upper_bound(), False, args.threads,
-                                args.dtype)["peak_tokens"])
+        peaks.append(calibrate(model_path, seeded, args.threads, args.dtype)["peak_tokens"])
         for i, budget in enumerate(args.budgets):
             model_tokens = max(int(budget * peaks[-1]), cfg.max_sequence() + cfg.answer_tokens)
             for kv_dtype, sessions in run_order(args.kv_cache_dtypes, args.sessions, (i + rep) % 2 == 1):

@@ -27,7 +27,7 @@ import httpx
 
 from . import roofline
 from .agent_plan import TraceConfig
-from .agent_trace import run_trace, server_args
+from .agent_trace import calibrate, run_budget, run_trace
 from .output import BenchOutput, bench_parser, parse_args
 
 SERVED = "model"
@@ -51,18 +51,6 @@ async def send_completion(client: httpx.AsyncClient, history: list[int], max_tok
     usage = out["usage"]
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return usage["prompt_tokens"], cached, list(out["choices"][0]["token_ids"])
-
-
-def run_ours(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str,
-             sessions: bool = True) -> dict[str, Any]:
-    from ..frontend.spawn import ServerProcess
-
-    server = ServerProcess(server_args(model_path, cfg, kv_tokens, threads, dtype)
-                           + ([] if sessions else ["--disable-agent-cache"]), env={"OMP_NUM_THREADS": str(threads)})
-    try:
-        return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
-    finally:
-        server.stop()
 
 
 def kv_sizes(args: Any, per_token: int, calibrate: Callable[[], int]) -> list[tuple[str, int]]:
@@ -135,17 +123,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for name in (CLI, "_vllm_worker.py"):
         shutil.copy(os.path.join(here, name), work_dir)
     calibration: dict[str, Any] = {}
+    omp = {"OMP_NUM_THREADS": str(args.threads)}
 
-    def calibrate() -> int:  # a pool that never evicts, sessions off (bench/agent_trace.py's calibration run)
-        calibration.update(run_ours(model_path, cfg, cfg.upper_bound(), args.threads, args.dtype, sessions=False))
+    def calibrated_peak() -> int:
+        calibration.update(calibrate(model_path, cfg, args.threads, args.dtype, env=omp))
         return calibration["peak_tokens"]
 
-    sizes = kv_sizes(args, per_token, calibrate)
+    sizes = kv_sizes(args, per_token, calibrated_peak)
     runs = []
     for rep in range(args.repeats):
         for i, (kv, kv_tokens) in enumerate(sizes):
             for server in (("ours", "vllm") if (rep + i) % 2 == 0 else ("vllm", "ours")):
-                row = (run_ours(model_path, cfg, kv_tokens, args.threads, args.dtype) if server == "ours"
+                row = (run_budget(model_path, cfg, kv_tokens, True, args.threads, args.dtype, env=omp)
+                       if server == "ours"
                        else run_vllm(args, model_path, cfg, kv_tokens, kv_tokens * per_token, work_dir))
                 runs.append({"rep": rep, "kv": kv, "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * per_token,
                              "server": server, "agents_per_min": 60 * cfg.agents / row["wall_s"], **row})

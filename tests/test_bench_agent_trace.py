@@ -129,7 +129,7 @@ def _fake_row(peak: int) -> dict:
 def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
     calls = []
 
-    def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto"):
+    def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto", env=None):
         calls.append((kv_tokens, sessions, dtype, kv_cache_dtype))
         return _fake_row(4000)
 

@@ -14,8 +14,8 @@ def test_kv_bytes_per_token_is_layers_times_k_and_v_times_heads_times_head_dim()
 
 def test_rows_are_medians_per_kv_size_and_server():
     def run(server, rate):
-        return {"kv": "1 GiB", "kv_tokens": 100, "kv_bytes": 1000, "server": server, "agents_per_min": rate, "turn_p50_s": rate / 10,
-                "turn_p99_s": rate / 5, "recomputed": rate, "excess": 0, "wall_s": 60 / rate}
+        return {"kv": "1 GiB", "kv_tokens": 100, "kv_bytes": 1000, "server": server, "agents_per_min": rate,
+                "turn_p50_s": rate / 10, "turn_p99_s": rate / 5, "recomputed": rate, "excess": 0, "wall_s": 60 / rate}
     rows = summarize([run("ours", 30), run("vllm", 10), run("ours", 20), run("vllm", 14), run("ours", 40),
                       run("vllm", 12)])
     assert [(r["server"], r["agents_per_min"]) for r in rows] == [("ours", 30), ("vllm", 12)]
