@@ -6,9 +6,10 @@
  *   S^T = K Q^T  A: K rows gathered into kb [keys][d]; B: Q^T as pairs qt2 [d / 2][QB][2]; C: 16 keys
  *                x 16 rows of s [keys][QB], the layout softmax_block reads (q is unscaled: scaled q
  *                would be rounded to bf16 again, so softmax_block scales the scores).
- *   O += P V     A: P [rows][keys] in bf16 (s transposed and rounded: the one approximation beyond
- *                fp32 sums; the softmax sum l stays fp32 over the unrounded p); B: V as key pairs
- *                vb [keys / 2][d][2] (v_pairs, cpu_attn_dp.h); C: 16 x 16 tiles of o [rows][d].
+ *   O += P V     A: P [rows][keys] in bf16 (rounded: the one approximation beyond fp32 sums; the softmax
+ *                sum l stays fp32 over the unrounded p): softmax_block writes it as key pairs pp [keys / 2]
+ *                [rows] (32 bits a pair, as for vdpbf16ps), p_rows transposes those 32-bit pairs; B: V as
+ *                key pairs vb [keys / 2][d][2] (v_pairs, cpu_attn_dp.h); C: 16 x 16 tiles of o [rows][d].
  *
  * Keys come in multiples of 32 (the block's tail repeats a key, masked to p = 0) and rows in
  * multiples of 16 (padding rows see nothing). Tiles 0-3 accumulate, 4 and 5 are the operands.
@@ -71,20 +72,16 @@ AMX_TARGET static inline void transpose16(__m512 r[16], const __m512i idx[4][2])
             }
 }
 
-/* pb[i][j] = bf16(s[j][i]) for rows i < np and keys j < nkp (32 keys a row store). */
-AMX_TARGET static inline void p_rows(const float *s, int nkp, int np, uint16_t *pb) {
+/* pb[i][2t, 2t + 1] = pp[t][i] for rows i < np and key pairs t < nkp / 2: 16 x 16 blocks of 32-bit pairs. */
+AMX_TARGET static inline void p_rows(const uint32_t *pp, int nkp, int np, uint16_t *pb) {
     __m512i idx[4][2];
     transpose_indices(idx);
-    for (int j = 0; j < nkp; j += 32)
+    for (int t = 0; t < nkp / 2; t += 16)
         for (int i = 0; i < np; i += 16) {
-            __m512 first[16], second[16];
-            for (int r = 0; r < 16; ++r) {
-                first[r] = _mm512_load_ps(s + (j + r) * QB + i);
-                second[r] = _mm512_load_ps(s + (j + 16 + r) * QB + i);
-            }
-            transpose16(first, idx), transpose16(second, idx);
-            for (int r = 0; r < 16; ++r)
-                _mm512_storeu_si512(pb + (i + r) * KB + j, (__m512i)_mm512_cvtne2ps_pbh(second[r], first[r]));
+            __m512 r[16];
+            for (int k = 0; k < 16; ++k) r[k] = _mm512_load_ps((const float *)(pp + (t + k) * QB + i));
+            transpose16(r, idx);
+            for (int k = 0; k < 16; ++k) _mm512_storeu_ps((float *)(pb + (i + k) * KB + 2 * t), r[k]);
         }
 }
 

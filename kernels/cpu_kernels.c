@@ -53,37 +53,44 @@ RS_INLINE void pv_tile(const float *p, int i0, const void *const *vp, int c0, in
         for (int v = 0; v < PV_NV; ++v) vf_store(o + (i0 + k) * d + c0 + 16 * v, acc[k][v]);
 }
 
-/* Per block: scale s by sscale (scores in log2 units; i8: key j's by sscale * ksc[j] too), mask (when
- * some row does not see every key of it), update the running max m and sum l of each row, turn s into
- * probabilities (pairs: into pp as bf16 key pairs, cpu_attn_dp.h; i8: key j's times vsc[j] after the sum
- * l took them), rescale o by exp2(old max - new max). */
+/* Per block: the scores s scaled by sscale (in log2 units; i8: key j's by sscale * ksc[j] too) and masked
+ * (when some row does not see every key of it), the running max m and sum l of each row updated, s turned
+ * into probabilities (pairs: into pp as bf16 key pairs, cpu_attn_dp.h; i8: key j's times vsc[j] after the
+ * sum l took them), o rescaled by exp2(old max - new max). Scaling or masking rewrites s first; a plain
+ * block's max is taken unscaled (sscale > 0 commutes with it) and sscale applied inside the exponent. */
 RS_INLINE void softmax_block(float *s, float sscale, int j0, int nk, int nkp, int np, int masked, const int32_t *lo,
                              const int32_t *hi, float *m, float *l, float *o, int d, uint32_t *pp, const int pairs,
                              const float *ksc, const float *vsc, const int i8) {
     const vf ninf = vf_set1(-INFINITY);
+    const int in_place = i8 || masked || !(sscale > 0.0f);
+    const vf ps = vf_set1(in_place ? 1.0f : sscale);
     for (int v = 0; v < np / 16; ++v) {
         const vi lov = vi_load(lo + 16 * v), hiv = vi_load(hi + 16 * v);
         const vf m_old = vf_load(m + 16 * v);
-        vf mx = m_old;
+        vf mx = ninf;
         for (int j = 0; j < nkp; ++j) {
-            vf x = vf_mul(vf_load(s + j * QB + 16 * v), vf_set1(i8 ? sscale * ksc[j] : sscale));
-            if (masked) {
-                const vi jj = vi_set1(j0 + j);
-                vm seen = vm_and(vi_ge(jj, lov), vi_lt(jj, hiv));
-                x = vf_blend(j < nk ? seen : vm_none(), x, ninf);
+            vf x = vf_load(s + j * QB + 16 * v);
+            if (in_place) {
+                x = vf_mul(x, vf_set1(i8 ? sscale * ksc[j] : sscale));
+                if (masked) {
+                    const vi jj = vi_set1(j0 + j);
+                    vm seen = vm_and(vi_ge(jj, lov), vi_lt(jj, hiv));
+                    x = vf_blend(j < nk ? seen : vm_none(), x, ninf);
+                }
+                vf_store(s + j * QB + 16 * v, x);
             }
-            vf_store(s + j * QB + 16 * v, x);
             mx = vf_max(mx, x);
         }
+        mx = vf_max(m_old, in_place ? mx : vf_mul(mx, ps));
         /* A row with no key so far keeps max -inf; subtract 0 instead (its scores are all -inf). */
-        const vf ref = vf_maskz(vf_ne(mx, ninf), mx);
+        const vf ref = vf_maskz(vf_ne(mx, ninf), mx), nref = vf_sub(vf_zero(), ref);
         const vf alpha = exp2_ps(vf_sub(m_old, ref));
         vf sum = vf_zero();
 #if HAVE_DP
         if (pairs) {
             for (int j = 0; j < nkp; j += 2) {
-                const vf p0 = exp2_ps(vf_sub(vf_load(s + j * QB + 16 * v), ref));
-                const vf p1 = exp2_ps(vf_sub(vf_load(s + (j + 1) * QB + 16 * v), ref));
+                const vf p0 = exp2_ps(vf_fmadd(vf_load(s + j * QB + 16 * v), ps, nref));
+                const vf p1 = exp2_ps(vf_fmadd(vf_load(s + (j + 1) * QB + 16 * v), ps, nref));
                 put_pairs(pp + j / 2 * QB + 16 * v, i8 ? vf_mul(p0, vf_set1(vsc[j])) : p0,
                           i8 ? vf_mul(p1, vf_set1(vsc[j + 1])) : p1);
                 sum = vf_add(sum, vf_add(p0, p1));
@@ -91,7 +98,7 @@ RS_INLINE void softmax_block(float *s, float sscale, int j0, int nk, int nkp, in
         }
 #endif
         for (int j = 0; j < nkp && !pairs; ++j) {
-            const vf p = exp2_ps(vf_sub(vf_load(s + j * QB + 16 * v), ref));
+            const vf p = exp2_ps(vf_fmadd(vf_load(s + j * QB + 16 * v), ps, nref));
             vf_store(s + j * QB + 16 * v, i8 ? vf_mul(p, vf_set1(vsc[j])) : p);
             sum = vf_add(sum, p);
         }
@@ -124,7 +131,7 @@ RS_INLINE void attend_item_impl(const args_t *a, int b, int h, int r0, int nr, v
     int32_t lo[QB] __attribute__((aligned(64))), hi[QB] __attribute__((aligned(64)));
     const void *kp[KB], *vp[KB];
     float ksc[KB], vsc[KB]; /* i8: the block's scales */
-    uint16_t *qt2 = (uint16_t *)qt, *kb = scratch; /* amx: K rows, V pairs, P rows; dp: V pairs, P pairs */
+    uint16_t *qt2 = (uint16_t *)qt, *kb = scratch; /* amx: K rows (then P pairs), V pairs, P rows; dp: V pairs, P pairs */
     float *kw = scratch;
     int jmin = a->num_keys, jmax = 0;
     const float qscale = a->scale * LOG2E;
@@ -192,8 +199,9 @@ RS_INLINE void attend_item_impl(const args_t *a, int b, int h, int r0, int nr, v
             v_pairs(vp, d, nkp, kb + KB * DMAX);
         }
 #endif
-        uint32_t *pp = (uint32_t *)(kb + KB * DMAX);
-        softmax_block(s, amx || dp ? qscale : 1.0f, j0, nk, nkp, np, masked, lo, hi, m, l, o, d, pp, dp, ksc, vsc, i8);
+        uint32_t *pp = (uint32_t *)(amx ? kb : kb + KB * DMAX); /* amx: over the K rows, used by now */
+        softmax_block(s, amx || dp ? qscale : 1.0f, j0, nk, nkp, np, masked, lo, hi, m, l, o, d, pp, amx || dp, ksc, vsc,
+                      i8);
 #if HAVE_DP
         if (dp) {
             pv_dp(pp, kb, d, nkp, np, o);
@@ -202,7 +210,7 @@ RS_INLINE void attend_item_impl(const args_t *a, int b, int h, int r0, int nr, v
 #endif
 #if HAVE_AMX
         if (amx) {
-            p_rows(s, nkp, np, kb + 2 * KB * DMAX);
+            p_rows(pp, nkp, np, kb + 2 * KB * DMAX);
             pv_amx(kb + 2 * KB * DMAX, kb + KB * DMAX, d, nkp, np, o);
             continue;
         }
