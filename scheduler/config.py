@@ -16,6 +16,7 @@ from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, 
 from ..kernels.quant_spec import QUANTIZATIONS
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
 from .checks import check_choice, check_int, check_number
+from .sessions import ADMISSION_RATIO
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "cache-aware")
@@ -133,6 +134,10 @@ class EngineConfig:
         False, "plain LRU-with-reuse caching, the baseline of bench/agent_trace: no session pins, no look-ahead in "
                "eviction (waiting requests' prefixes last, closed sessions first, sessions expected back last first) "
                "and no program-level scheduling; sessions still open and close")
+    session_admission_ratio: float = option(
+        ADMISSION_RATIO, "load control of sessions: a request that starts a session waits while the histories of the "
+                         "started sessions coming back, the running requests and its own prompt exceed this many KV "
+                         "pools (scheduler/sessions.py; 0: off; off with --disable-agent-cache)")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")
@@ -150,6 +155,7 @@ class EngineConfig:
         check_int("shared_prefix_min_tokens", self.shared_prefix_min_tokens, lo=0)
         check_int("seed", self.seed)
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
+        check_number("session_admission_ratio", self.session_admission_ratio, lo=0)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

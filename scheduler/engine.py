@@ -67,7 +67,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.kv = PrefixKV(num_slots, cfg.page_size, cfg.disable_radix_cache, cfg.eviction_policy,
                            num_rows=cfg.max_running_requests, reuse_bonus=cfg.reuse_bonus,
-                           agent_cache=not cfg.disable_agent_cache)
+                           agent_cache=not cfg.disable_agent_cache, admission_ratio=cfg.session_admission_ratio)
         self.policy = SchedulePolicy(cfg.schedule_policy, self.kv, cfg.policy)
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)

@@ -17,7 +17,7 @@ import logging
 from ..radix.allocator import KVAllocator
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache, TreeNode
 from .req import Req
-from .sessions import Sessions
+from .sessions import ADMISSION_RATIO, Sessions
 from .slot_row import SlotRows
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,8 @@ DECODE_AHEAD = 16
 
 class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
-                 num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS, agent_cache: bool = True):
+                 num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS, agent_cache: bool = True,
+                 admission_ratio: float = ADMISSION_RATIO):
         self.page_size = page_size
         self.rows = SlotRows(num_rows)
         self.allocator = KVAllocator(num_slots, page_size)
@@ -39,7 +40,7 @@ class PrefixKV:
         # Pins of finished requests' paths for their sessions' next turns, and eviction that looks ahead; off (the
         # agent-trace baseline) the cache is plain LRU with reuse.
         self.agent_cache = agent_cache
-        self.sessions = Sessions(self.tree, enabled=agent_cache)
+        self.sessions = Sessions(self.tree, enabled=agent_cache, admission_ratio=admission_ratio)
         self._hinted_need: dict[int, int] = {}  # id(waiting request) -> its uncached tokens when hinted
         self.waiting_need = 0  # their sum: the slots the waiting queue will ask for
 

@@ -186,12 +186,17 @@ class Planner:
         decode_room = self._decode_room_estimate()
         shields = self._shield_prefixes(order, decode_room, budget)
         running = self._running_per_capped_tenant()
+        load = None  # load control (Sessions.starts): what started sessions bring back and the running hold
         try:
             for req in order:
                 if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                     break
                 if self._capped(req, running):
                     continue  # its tenant runs its most already: it waits, others go on
+                if self.running and self.kv.sessions.starts(req.params.session_id):
+                    load = self._load() if load is None else load
+                    if load + req.seq_len > self.kv.sessions.admission_ratio * self.kv.total_slots:
+                        continue  # a new program would thrash the started ones' histories: it waits for one to end
                 tenant = tenant_of(req)
                 if req.params.priority >= IDLE_PRIORITY and not self._idle():
                     continue  # idle-only work (a history prefetch) never shares a step with real work
@@ -200,6 +205,8 @@ class Planner:
                     break  # head-of-line: smaller requests must not starve a big one
                 decode_room += self._estimate(req)
                 budget -= batch.items[-1].num_tokens
+                if load is not None:
+                    load += req.seq_len
                 if tenant in running:
                     running[tenant] += 1
                 if first_admission:
@@ -208,6 +215,11 @@ class Planner:
             for _, node in shields.values():
                 self.kv.tree.unlock(node)
         return admitted
+
+    def _load(self) -> int:
+        """Load control's measure (Sessions.starts): the history tokens the started sessions bring back, and the
+        running requests' tokens (those admitted this step included)."""
+        return self.kv.sessions.returning_tokens() + sum(r.seq_len for r in self.running)
 
     def _idle(self) -> bool:
         """No work but idle-priority work is running or waiting."""

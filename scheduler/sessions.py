@@ -52,6 +52,8 @@ IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its 
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
 MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
 PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure: expired pins go
+ADMISSION_RATIO = 1.5  # load control: sessions start while the histories coming back fit this many pools
+RETURN_HORIZON_S = 60.0  # an away session's history counts as coming back for this long after its last turn
 PIN_ODDS = 0.5  # under pressure, pin only if this share of the observed returns would come before the reclaim
 EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
@@ -74,9 +76,12 @@ class _Pin:
 
 class Sessions:
     def __init__(self, tree: RadixCache, clock: Callable[[], float] = time.monotonic,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, enabled: bool = True) -> None:
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, enabled: bool = True,
+                 admission_ratio: float = ADMISSION_RATIO) -> None:
         self._tree, self._clock, self.idle_timeout_s = tree, clock, idle_timeout_s
         self.enabled = enabled  # off: sessions open and close, but no path is kept (so none is demoted or ranked)
+        self.admission_ratio = admission_ratio  # load control (`starts`); 0: off
+        self._admitted: set[str] = set()  # open sessions a request of which was admitted
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
@@ -102,6 +107,7 @@ class Sessions:
         """Close a session and drop its pin; False when it was not open."""
         if self._last_seen.pop(session_id, None) is None:
             return False
+        self._admitted.discard(session_id)
         self._finished.pop(session_id, None)
         self._called.pop(session_id, None)
         left = self._left.pop(session_id, None)
@@ -113,6 +119,24 @@ class Sessions:
     def num_open(self) -> int:
         return len(self._last_seen)
 
+    # -- load control -----------------------------------------------------------------
+
+    def starts(self, session_id: str | None) -> bool:
+        """Whether a request of `session_id` would start it (no request of it admitted yet), with load control on.
+        Starting a program commits memory to all its later turns: once the histories the started programs bring
+        back exceed the pool, they evict each other's between turns and recompute them (thrashing), so the planner
+        admits a start only while `returning_tokens`, the running requests and the start itself fit in
+        `admission_ratio` pools (or nothing runs); waiting, it starts as soon as a program ends."""
+        return (self.enabled and self.admission_ratio > 0 and session_id is not None
+                and session_id not in self._admitted)
+
+    def returning_tokens(self) -> int:
+        """The history tokens of the started sessions that are coming back: those waiting in the queue and those away
+        for less than RETURN_HORIZON_S since their last turn finished (pinned or not, cached or not)."""
+        now = self._clock()
+        return sum(left.tokens for sid, left in self._left.items()
+                   if now - self._finished.get(sid, now) < RETURN_HORIZON_S)
+
     # -- pins -------------------------------------------------------------------------
 
     def take(self, session_id: str | None) -> None:
@@ -121,6 +145,7 @@ class Sessions:
         if session_id is None:
             return
         self._last_seen[session_id] = self._clock()
+        self._admitted.add(session_id)
         self._left.pop(session_id, None)
         if self._drop(session_id, None):
             self.counts["used"] += 1

@@ -191,11 +191,12 @@ class TableFollowsSlots(RuleBasedStateMachine):
     total_checked = 0
     kv_cache_dtype = "auto"
 
-    @initialize(page_size=st.sampled_from([1, 4]))
-    def start(self, page_size):
+    @initialize(page_size=st.sampled_from([1, 4]), admission=st.sampled_from([1.5, 0.25]))
+    def start(self, page_size, admission):
+        # admission 0.25 (48 slots): sessions' starts often wait for load control (Sessions.starts)
         self.engine = Engine(self.ckpt, num_threads=1, kv_cache_tokens=192, page_size=page_size,
                              chunked_prefill_size=24, max_running_requests=6, shared_prefix_min_tokens=0,
-                             kv_cache_dtype=self.kv_cache_dtype)
+                             kv_cache_dtype=self.kv_cache_dtype, session_admission_ratio=admission)
         self.rids: list[str] = []
         self.checked_steps = 0
         runner, build = self.engine.runner, self.engine.runner.build_forward_input
@@ -257,8 +258,11 @@ class TableFollowsSlots(RuleBasedStateMachine):
     def teardown(self):
         engine = getattr(self, "engine", None)
         if engine is not None:
-            while engine.has_unfinished():
+            for _ in range(2000):  # bounded: a request that load control or anything else starves fails here
+                if not engine.has_unfinished():
+                    break
                 engine.step()
+            assert not engine.has_unfinished()
             engine.flush_cache()
             stats = engine.stats()
             assert stats["free_slots"] == stats["total_slots"]
@@ -288,7 +292,7 @@ def test_table_and_kv_identity_with_an_int8_pool(tmp_path_factory):
     runner = Int8PoolFollowsSlots.TestCase
     runner.settings = settings(max_examples=12, stateful_step_count=30, deadline=None, derandomize=True)
     runner().runTest()
-    assert TableFollowsSlots.total_checked - before > 60  # 101 in-step checks
+    assert TableFollowsSlots.total_checked - before > 30  # 41 in-step checks
     engine = Engine(Int8PoolFollowsSlots.ckpt, num_threads=1, kv_cache_tokens=64, kv_cache_dtype="int8")
     assert type(engine.runner.k_cache).__name__ == "Int8KV" and engine.runner.attention.startswith("native")
 
