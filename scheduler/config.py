@@ -137,7 +137,7 @@ class EngineConfig:
     session_admission_ratio: float = option(
         ADMISSION_RATIO, "load control of sessions: a request that starts a session waits while the histories of the "
                          "started sessions coming back, the running requests and its own prompt exceed this many KV "
-                         "pools (scheduler/sessions.py; 0: off; off with --disable-agent-cache)")
+                         "pools, 120 s at most (scheduler/sessions.py; 0: off; off with --disable-agent-cache)")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")

@@ -54,6 +54,7 @@ MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
 PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure: expired pins go
 ADMISSION_RATIO = 1.5  # load control: sessions start while the histories coming back fit this many pools
 RETURN_HORIZON_S = 60.0  # an away session's history counts as coming back for this long after its last turn
+MAX_START_WAIT_S = 120.0  # load control holds a session's start at most this long
 PIN_ODDS = 0.5  # under pressure, pin only if this share of the observed returns would come before the reclaim
 EXPIRE_EVERY_S = 0.25  # expire's scan of the pins and sessions is O(open sessions): not every step
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-3  # until a step measures it
@@ -82,6 +83,7 @@ class Sessions:
         self.enabled = enabled  # off: sessions open and close, but no path is kept (so none is demoted or ranked)
         self.admission_ratio = admission_ratio  # load control (`starts`); 0: off
         self._admitted: set[str] = set()  # open sessions a request of which was admitted
+        self._starting: dict[str, float] = {}  # session -> when load control first saw its start waiting
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
@@ -108,6 +110,7 @@ class Sessions:
         if self._last_seen.pop(session_id, None) is None:
             return False
         self._admitted.discard(session_id)
+        self._starting.pop(session_id, None)
         self._finished.pop(session_id, None)
         self._called.pop(session_id, None)
         left = self._left.pop(session_id, None)
@@ -122,13 +125,16 @@ class Sessions:
     # -- load control -----------------------------------------------------------------
 
     def starts(self, session_id: str | None) -> bool:
-        """Whether a request of `session_id` would start it (no request of it admitted yet), with load control on.
-        Starting a program commits memory to all its later turns: once the histories the started programs bring
-        back exceed the pool, they evict each other's between turns and recompute them (thrashing), so the planner
-        admits a start only while `returning_tokens`, the running requests and the start itself fit in
-        `admission_ratio` pools (or nothing runs); waiting, it starts as soon as a program ends."""
-        return (self.enabled and self.admission_ratio > 0 and session_id is not None
-                and session_id not in self._admitted)
+        """Whether load control holds a request of `session_id` that would start it (no request of it admitted yet)
+        to the load: starting a program commits memory to all its later turns, and once the histories the started
+        programs bring back exceed the pool they evict each other's between turns and recompute them (thrashing).
+        So the planner admits a start only while `returning_tokens`, the running requests and the start itself fit
+        in `admission_ratio` pools (or nothing runs); waiting, it starts as soon as a program ends, or once it has
+        waited MAX_START_WAIT_S (programs that never end must not shut new ones out)."""
+        if not self.enabled or self.admission_ratio <= 0 or session_id is None or session_id in self._admitted:
+            return False
+        now = self._clock()
+        return now - self._starting.setdefault(session_id, now) < MAX_START_WAIT_S
 
     def returning_tokens(self) -> int:
         """The history tokens of the started sessions that are coming back: those waiting in the queue and those away
@@ -146,6 +152,7 @@ class Sessions:
             return
         self._last_seen[session_id] = self._clock()
         self._admitted.add(session_id)
+        self._starting.pop(session_id, None)
         self._left.pop(session_id, None)
         if self._drop(session_id, None):
             self.counts["used"] += 1
@@ -242,6 +249,8 @@ class Sessions:
             self._drop(sid, "expired")
         for sid in [s for s, seen in self._last_seen.items() if now - seen > self.idle_timeout_s]:
             self.close(sid)
+        for sid in [s for s, since in self._starting.items() if now - since > self.idle_timeout_s]:
+            del self._starting[sid]  # a start aborted while it waited
 
     def reclaim(self, num_slots: int) -> None:
         """Drop pins, the session expected back last first (per slot their recompute costs tie), until `num_slots`

@@ -7,7 +7,7 @@ import pytest
 
 from _engine_helpers import make_checkpoint
 from radixserve.scheduler import Engine
-from radixserve.scheduler.sessions import RETURN_HORIZON_S
+from radixserve.scheduler.sessions import IDLE_TIMEOUT_S, MAX_START_WAIT_S, RETURN_HORIZON_S
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_new_tokens=4)
 LONG = dict(GREEDY, max_new_tokens=24)
@@ -52,6 +52,34 @@ def test_a_start_waits_while_the_running_and_returning_exceed_the_ratio(ckpt):
     first = _admission_steps(engine, [running, start, plain])
     finished_a = first[running] + 1 + 24  # "a" admitted, then one step per output token
     assert first[plain] <= 2 and first[start] >= finished_a - 1
+    engine.check_integrity()
+
+
+def test_a_start_waits_at_most_max_start_wait(ckpt):
+    """Programs that never end (or keep coming back) must not shut new ones out."""
+    now = [0.0]
+    engine = _engine(ckpt, now, session_admission_ratio=0.5)
+    running = engine.add_request(_prompt(1), dict(LONG, session_id="a"))
+    engine.step()
+    start = engine.add_request(_prompt(2), dict(GREEDY, session_id="b"))
+    engine.step()
+    engine.step()
+    assert [r.rid for r in engine.planner.running] == [running]  # held
+    now[0] += MAX_START_WAIT_S
+    engine.step()
+    assert {r.rid for r in engine.planner.running} == {running, start}  # "a" still runs: the wait ran out
+    _admission_steps(engine, [running, start])
+    aborted = engine.add_request(_prompt(3), dict(LONG, session_id="c"))
+    engine.step()
+    engine.add_request(_prompt(4), dict(GREEDY, session_id="d"))
+    engine.step()
+    engine.abort(aborted)
+    assert "d" in engine.kv.sessions._starting  # "d" was held, then it is aborted while it waits
+    for rid in [r.rid for r in engine.planner.waiting]:
+        engine.abort(rid)
+    now[0] += IDLE_TIMEOUT_S + 1
+    engine.step()
+    assert not engine.kv.sessions._starting
     engine.check_integrity()
 
 
