@@ -156,10 +156,14 @@ def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int,
 
 
 def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int, dtype: str = "auto",
-               kv_cache_dtype: str = "auto", env: dict[str, str] | None = None) -> dict[str, Any]:
+               kv_cache_dtype: str = "auto", env: dict[str, str] | None = None,
+               admission_ratio: float = 0.0) -> dict[str, Any]:
+    """One run on a fresh server; `admission_ratio` > 0 turns its load control of sessions on (sessions on only)."""
     from ..frontend.spawn import ServerProcess
 
     args = server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype)
+    if sessions and admission_ratio > 0:
+        args += ["--session-admission-ratio", str(admission_ratio)]
     server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]), env=env)
     try:
         return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
@@ -256,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             model_tokens = max(int(budget * peaks[-1]), cfg.max_sequence() + cfg.answer_tokens)
             for kv_dtype, sessions in run_order(args.kv_cache_dtypes, args.sessions, (i + rep) % 2 == 1):
                 kv_tokens = pool_tokens(model_tokens, shape, kv_dtype)
-                row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads, args.dtype, kv_dtype)
+                row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads, args.dtype, kv_dtype,
+                                 admission_ratio=args.session_admission_ratio)
                 runs.append({"rep": rep, "seed": seeded.seed, "budget": budget, "kv_cache_dtype": kv_dtype,
                              "kv_tokens": kv_tokens, "kv_bytes": model_tokens * kv_bytes_per_token(*shape),
                              "sessions": sessions, **row})
@@ -295,6 +300,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--sessions", type=comma_choices(("on", "off")), default=["on", "off"],
                    help="the modes: sessions on, off (plain LRU)")
     p.add_argument("--repeats", type=int, default=3, help="runs per budget and mode; each row is their median")
+    p.add_argument("--session-admission-ratio", type=float, default=0.0,
+                   help="the server's --session-admission-ratio with sessions on (0: its default, load control off)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = parse_args(p, argv)
     args.sessions = [mode == "on" for mode in args.sessions]

@@ -134,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     for rep in range(args.repeats):
         for i, (kv, kv_tokens) in enumerate(sizes):
             for server in (("ours", "vllm") if (rep + i) % 2 == 0 else ("vllm", "ours")):
-                row = (run_budget(model_path, cfg, kv_tokens, True, args.threads, args.dtype, env=omp)
+                row = (run_budget(model_path, cfg, kv_tokens, True, args.threads, args.dtype, env=omp,
+                                  admission_ratio=args.session_admission_ratio)
                        if server == "ours"
                        else run_vllm(args, model_path, cfg, kv_tokens, kv_tokens * per_token, work_dir))
                 runs.append({"rep": rep, "kv": kv, "kv_tokens": kv_tokens, "kv_bytes": kv_tokens * per_token,
@@ -171,6 +172,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--threads-bind", help="the cores vLLM binds, VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--session-admission-ratio", type=float, default=0.0,
+                   help="radixserve's --session-admission-ratio (0: its default, load control off)")
     for name in _SAME_FIELDS:
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
     return parse_args(p, argv)

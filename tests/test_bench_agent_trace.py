@@ -113,6 +113,34 @@ def test_the_kv_shape_is_the_dtype_the_server_runs_in():
     assert kv_shape(path, "auto") == (2, 2, 16, 4) and kv_shape(path, "bfloat16") == (2, 2, 16, 2)
 
 
+def test_run_budget_asks_for_load_control_with_sessions_on_only(monkeypatch):
+    started = []
+
+    class Server:
+        url = "http://127.0.0.1:1"
+
+        def __init__(self, args, env=None):
+            started.append(args)
+
+        def stop(self):
+            pass
+
+    async def no_trace(url, cfg, sessions, kv_tokens):
+        return {}
+
+    import radixserve.frontend.spawn as spawn
+    monkeypatch.setattr(spawn, "ServerProcess", Server)
+    monkeypatch.setattr(agent_trace, "run_trace", no_trace)
+    cfg = TraceConfig(agents=2)
+    for sessions in (True, False):
+        agent_trace.run_budget("m", cfg, 100, sessions, 1, admission_ratio=1.5)
+    agent_trace.run_budget("m", cfg, 100, True, 1)
+    on, off, default = started
+    assert on[on.index("--session-admission-ratio") + 1] == "1.5" and "--disable-agent-cache" not in on
+    assert "--session-admission-ratio" not in off and "--disable-agent-cache" in off
+    assert "--session-admission-ratio" not in default
+
+
 def test_server_args_carry_the_kv_dtype_and_tokens_to_the_server():
     args = agent_trace.server_args("/ckpt", TraceConfig(agents=6), 1882, 1, "bfloat16", "int8")
     engine = config_from_args(build_parser().parse_args(["serve", *args])).engine
@@ -129,13 +157,17 @@ def _fake_row(peak: int) -> dict:
 def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
     calls = []
 
-    def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto", env=None):
+    def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto", env=None,
+                   admission_ratio=0.0):
         calls.append((kv_tokens, sessions, dtype, kv_cache_dtype))
+        ratios.append(admission_ratio)
         return _fake_row(4000)
+
+    ratios = []
 
     monkeypatch.setattr(agent_trace, "run_budget", run_budget)
     report = agent_trace.main([*TINY, "--repeats", "2", "--kv-cache-dtypes", "auto,int8", "--sessions", "on",
-                               "--out", str(tmp_path)])
+                               "--session-admission-ratio", "1.5", "--out", str(tmp_path)])
     auto = 2000  # 0.5 of the fake peak, above the floor (one longest request)
     int8 = pool_tokens(auto, (2, 2, 16, 4), "int8")
     assert int8 == 2000 * 512 // 160 == 6400  # tiny runs in fp32: 2 x 2 x 2 x 16 x 4 bytes a token against 16 + 4
@@ -143,6 +175,7 @@ def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
                             answer_tokens=8, tool_tokens=(16, 32)).upper_bound()
     assert calls == [(calibrate, False, "auto", "auto"), (auto, True, "auto", "auto"), (int8, True, "auto", "int8"),
                      (calibrate, False, "auto", "auto"), (int8, True, "auto", "int8"), (auto, True, "auto", "auto")]
+    assert ratios == [0.0, 1.5, 1.5, 0.0, 1.5, 1.5]  # load control for the measured runs, not the calibrations
     assert [(r["kv_cache_dtype"], r["kv_tokens"], r["sessions"]) for r in report["rows"]] == [
         ("auto", auto, True), ("int8", int8, True)]
     assert report["rows"][0]["kv_bytes"] == report["rows"][1]["kv_bytes"] == auto * 512

@@ -23,6 +23,8 @@ def _prompt(seed: int, length: int = 96) -> list[int]:
 
 
 def _engine(ckpt: str, now: list[float], **config) -> Engine:
+    """Load control on (it is opt-in) at 1.5 pools unless `config` says otherwise; the sessions' clock is `now`."""
+    config = {"session_admission_ratio": 1.5, **config}
     engine = Engine(ckpt, num_threads=1, kv_cache_tokens=320, max_running_requests=4, **config)
     engine.kv.sessions._clock = lambda: now[0]
     return engine
@@ -126,6 +128,7 @@ def test_load_control_is_off_with_a_zero_ratio_and_without_the_agent_cache(ckpt,
     engine.check_integrity()
 
 
-def test_a_bad_ratio_is_refused(ckpt):
+def test_load_control_is_opt_in_and_a_bad_ratio_is_refused(ckpt):
+    assert Engine(ckpt, num_threads=1, kv_cache_tokens=320).kv.sessions.admission_ratio == 0.0
     with pytest.raises(ValueError, match="session_admission_ratio"):
         Engine(ckpt, num_threads=1, session_admission_ratio=-1.0)
