@@ -157,12 +157,13 @@ def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int,
 
 def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int, dtype: str = "auto",
                kv_cache_dtype: str = "auto", env: dict[str, str] | None = None,
-               admission_ratio: float = 0.0) -> dict[str, Any]:
-    """One run on a fresh server; `admission_ratio` > 0 turns its load control of sessions on (sessions on only)."""
+               admission_ratio: float | None = None) -> dict[str, Any]:
+    """One run on a fresh server; `admission_ratio`: its load control of sessions (sessions on only; None: its
+    default, 0: off)."""
     from ..frontend.spawn import ServerProcess
 
     args = server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype)
-    if sessions and admission_ratio > 0:
+    if sessions and admission_ratio is not None:
         args += ["--session-admission-ratio", str(admission_ratio)]
     server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]), env=env)
     try:
@@ -300,8 +301,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--sessions", type=comma_choices(("on", "off")), default=["on", "off"],
                    help="the modes: sessions on, off (plain LRU)")
     p.add_argument("--repeats", type=int, default=3, help="runs per budget and mode; each row is their median")
-    p.add_argument("--session-admission-ratio", type=float, default=0.0,
-                   help="the server's --session-admission-ratio with sessions on (0: its default, load control off)")
+    p.add_argument("--session-admission-ratio", type=float, default=None,
+                   help="the server's --session-admission-ratio with sessions on (default: the server's; 0: off)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = parse_args(p, argv)
     args.sessions = [mode == "on" for mode in args.sessions]

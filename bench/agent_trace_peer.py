@@ -172,8 +172,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--threads-bind", help="the cores vLLM binds, VLLM_CPU_OMP_THREADS_BIND (default 0-<threads-1>)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--session-admission-ratio", type=float, default=0.0,
-                   help="radixserve's --session-admission-ratio (0: its default, load control off)")
+    p.add_argument("--session-admission-ratio", type=float, default=None,
+                   help="radixserve's --session-admission-ratio (default: the server's; 0: off)")
     for name in _SAME_FIELDS:
         p.add_argument("--" + name.replace("_", "-"), type=type(getattr(d, name)), default=getattr(d, name))
     return parse_args(p, argv)

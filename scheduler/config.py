@@ -135,11 +135,11 @@ class EngineConfig:
                "eviction (waiting requests' prefixes last, closed sessions first, sessions expected back last first) "
                "and no program-level scheduling; sessions still open and close")
     session_admission_ratio: float = option(
-        ADMISSION_RATIO, "load control of sessions (0: off, the default): a request that starts a session waits, 120 s "
-                         "at most, while the histories of the started sessions coming back, the running requests and "
-                         "its own prompt exceed this many KV pools (scheduler/sessions.py); 1.5 raised completed "
-                         "agents per minute by a fifth on model L's agent trace at half its working set, at the "
-                         "cost of first-turn latency; off with --disable-agent-cache")
+        ADMISSION_RATIO, "load control of sessions (0: off): once the server is behind (its waiting queue's prefill "
+                         "would take 2 s, within the last 30 s), a request that starts a session waits, 120 s at "
+                         "most, while the histories of the started sessions coming back, the running requests and "
+                         "its own prompt exceed this many KV pools (scheduler/sessions.py); off with "
+                         "--disable-agent-cache")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")

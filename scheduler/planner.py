@@ -186,6 +186,7 @@ class Planner:
         decode_room = self._decode_room_estimate()
         shields = self._shield_prefixes(order, decode_room, budget)
         running = self._running_per_capped_tenant()
+        self.kv.sessions.observe_backlog(self.kv.waiting_need)
         load = None  # load control (Sessions.starts): what started sessions bring back and the running hold
         try:
             for req in order:

@@ -52,7 +52,9 @@ IDLE_TIMEOUT_S = 600.0  # a session without a request for this long closes (its 
 TTL_PER_RECOMPUTE = 50.0  # a pin lives this many times its path's recompute time...
 MIN_TTL_S, MAX_TTL_S = 2.0, 120.0  # ...within these bounds
 PRESSURE_WINDOW_S = 10.0  # a reclaim this recent means memory is under pressure: expired pins go
-ADMISSION_RATIO = 0.0  # load control (`starts`) is opt-in: it trades first-turn latency for completed programs
+ADMISSION_RATIO = 1.5  # load control (`starts`): the started programs' histories fit in this many pools...
+BEHIND_S = 2.0  # ...while the server is behind: the waiting queue's prefill would take this long...
+BEHIND_LATCH_S = 30.0  # ...within this long (a burst's starts must not all slip in before the queue grows)
 RETURN_HORIZON_S = 60.0  # an away session's history counts as coming back for this long after its last turn
 MAX_START_WAIT_S = 120.0  # load control holds a session's start at most this long
 PIN_ODDS = 0.5  # under pressure, pin only if this share of the observed returns would come before the reclaim
@@ -84,6 +86,8 @@ class Sessions:
         self.admission_ratio = admission_ratio  # load control (`starts`); 0: off
         self._admitted: set[str] = set()  # open sessions a request of which was admitted
         self._starting: dict[str, float] = {}  # session -> when load control first saw its start waiting
+        self.behind_s = BEHIND_S
+        self._behind_at = float("-inf")  # when the waiting queue's prefill last took behind_s or more
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
         self._pins: dict[str, _Pin] = {}
         self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN
@@ -128,13 +132,23 @@ class Sessions:
         """Whether load control holds a request of `session_id` that would start it (no request of it admitted yet)
         to the load: starting a program commits memory to all its later turns, and once the histories the started
         programs bring back exceed the pool they evict each other's between turns and recompute them (thrashing).
-        So the planner admits a start only while `returning_tokens`, the running requests and the start itself fit
-        in `admission_ratio` pools (or nothing runs); waiting, it starts as soon as a program ends, or once it has
-        waited MAX_START_WAIT_S (programs that never end must not shut new ones out)."""
+        So while the server is behind (`observe_backlog`), the planner admits a start only while `returning_tokens`, the
+        running requests and the start itself fit in `admission_ratio` pools (or nothing runs); waiting, it starts
+        as soon as a program ends, or once it has waited MAX_START_WAIT_S (programs that never end must not shut new
+        ones out). A server that keeps up starts every program at once: the recompute of thrashing histories then
+        costs time it has, and a held first turn would only wait."""
         if not self.enabled or self.admission_ratio <= 0 or session_id is None or session_id in self._admitted:
             return False
         now = self._clock()
+        if now - self._behind_at > BEHIND_LATCH_S:
+            return False
         return now - self._starting.setdefault(session_id, now) < MAX_START_WAIT_S
+
+    def observe_backlog(self, num_tokens: int) -> None:
+        """The waiting queue needs `num_tokens` uncached tokens computed (each step): at the measured prefill cost,
+        behind_s or more of it means the server is behind, for BEHIND_LATCH_S from then."""
+        if num_tokens * self.prefill_s_per_token >= self.behind_s:
+            self._behind_at = self._clock()
 
     def returning_tokens(self) -> int:
         """The history tokens of the started sessions that are coming back: those waiting in the queue and those away

@@ -135,10 +135,12 @@ def test_run_budget_asks_for_load_control_with_sessions_on_only(monkeypatch):
     for sessions in (True, False):
         agent_trace.run_budget("m", cfg, 100, sessions, 1, admission_ratio=1.5)
     agent_trace.run_budget("m", cfg, 100, True, 1)
-    on, off, default = started
+    agent_trace.run_budget("m", cfg, 100, True, 1, admission_ratio=0.0)
+    on, off, default, zero = started
     assert on[on.index("--session-admission-ratio") + 1] == "1.5" and "--disable-agent-cache" not in on
     assert "--session-admission-ratio" not in off and "--disable-agent-cache" in off
     assert "--session-admission-ratio" not in default
+    assert zero[zero.index("--session-admission-ratio") + 1] == "0.0"  # 0: off, not the server's default
 
 
 def test_server_args_carry_the_kv_dtype_and_tokens_to_the_server():
@@ -158,7 +160,7 @@ def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
     calls = []
 
     def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto", env=None,
-                   admission_ratio=0.0):
+                   admission_ratio=None):
         calls.append((kv_tokens, sessions, dtype, kv_cache_dtype))
         ratios.append(admission_ratio)
         return _fake_row(4000)
@@ -175,7 +177,7 @@ def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
                             answer_tokens=8, tool_tokens=(16, 32)).upper_bound()
     assert calls == [(calibrate, False, "auto", "auto"), (auto, True, "auto", "auto"), (int8, True, "auto", "int8"),
                      (calibrate, False, "auto", "auto"), (int8, True, "auto", "int8"), (auto, True, "auto", "auto")]
-    assert ratios == [0.0, 1.5, 1.5, 0.0, 1.5, 1.5]  # load control for the measured runs, not the calibrations
+    assert ratios == [None, 1.5, 1.5, None, 1.5, 1.5]  # load control for the measured runs, not the calibrations
     assert [(r["kv_cache_dtype"], r["kv_tokens"], r["sessions"]) for r in report["rows"]] == [
         ("auto", auto, True), ("int8", int8, True)]
     assert report["rows"][0]["kv_bytes"] == report["rows"][1]["kv_bytes"] == auto * 512

@@ -1,13 +1,15 @@
-"""Load control of sessions (Sessions.starts, Planner._admit): a request that would start a session waits while the
-histories the started sessions bring back, the running requests and its own prompt exceed `session_admission_ratio`
-pools; continuations, requests without a session and a start with nothing running never wait for it."""
+"""Load control of sessions (Sessions.starts, Planner._admit): while the server is behind, a request that would start a
+session waits while the histories the started sessions bring back, the running requests and its own prompt exceed
+`session_admission_ratio` pools; continuations, requests without a session and a start with nothing running never wait
+for it, nor does any start on a server that keeps up."""
 from __future__ import annotations
 
 import pytest
 
 from _engine_helpers import make_checkpoint
 from radixserve.scheduler import Engine
-from radixserve.scheduler.sessions import IDLE_TIMEOUT_S, MAX_START_WAIT_S, RETURN_HORIZON_S
+from radixserve.scheduler.sessions import (ADMISSION_RATIO, BEHIND_LATCH_S, BEHIND_S, IDLE_TIMEOUT_S, MAX_START_WAIT_S,
+                                           RETURN_HORIZON_S)
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_new_tokens=4)
 LONG = dict(GREEDY, max_new_tokens=24)
@@ -22,11 +24,13 @@ def _prompt(seed: int, length: int = 96) -> list[int]:
     return [(seed * 37 + 11 * j) % 400 + 20 for j in range(length)]
 
 
-def _engine(ckpt: str, now: list[float], **config) -> Engine:
-    """Load control on (it is opt-in) at 1.5 pools unless `config` says otherwise; the sessions' clock is `now`."""
-    config = {"session_admission_ratio": 1.5, **config}
+def _engine(ckpt: str, now: list[float], behind: bool = True, **config) -> Engine:
+    """Load control at its default ratio unless `config` says otherwise, the sessions' clock `now`; `behind`: the server
+    counts as behind whenever anything waits (else the tiny model's queue would never take BEHIND_S)."""
     engine = Engine(ckpt, num_threads=1, kv_cache_tokens=320, max_running_requests=4, **config)
     engine.kv.sessions._clock = lambda: now[0]
+    if behind:
+        engine.kv.sessions.behind_s = 1e-12
     return engine
 
 
@@ -128,7 +132,36 @@ def test_load_control_is_off_with_a_zero_ratio_and_without_the_agent_cache(ckpt,
     engine.check_integrity()
 
 
-def test_load_control_is_opt_in_and_a_bad_ratio_is_refused(ckpt):
-    assert Engine(ckpt, num_threads=1, kv_cache_tokens=320).kv.sessions.admission_ratio == 0.0
+def test_a_server_that_keeps_up_holds_no_start_and_one_behind_holds_them_for_the_latch(ckpt):
+    """Behind: the waiting queue's uncached prefill, at the measured cost per token, takes BEHIND_S; the holds last
+    BEHIND_LATCH_S from the last step that saw it, so a burst's starts cannot slip in while the queue drains."""
+    now = [0.0]
+    engine = _engine(ckpt, now, behind=False, session_admission_ratio=0.5)
+    sessions = engine.kv.sessions
+    running = engine.add_request(_prompt(1), dict(LONG, session_id="a"))
+    engine.step()
+    start = engine.add_request(_prompt(2), dict(GREEDY, session_id="b"))
+    assert sessions.behind_s == BEHIND_S and not sessions.starts("b")  # a queue of 96 tokens: far from BEHIND_S
+    first = _admission_steps(engine, [running, start])
+    assert first[start] <= 2  # over the ratio, but the server keeps up: it starts at once
+    running = engine.add_request(_prompt(3), dict(LONG, session_id="c"))
+    engine.step()
+    engine.add_request(_prompt(4), dict(GREEDY, session_id="d"))
+    sessions.prefill_s_per_token = BEHIND_S / 50  # as if each token took that long: a 96-token queue is behind
+    engine.step()
+    assert sessions.starts("d") and [r.rid for r in engine.planner.running] == [running]  # held
+    sessions.prefill_s_per_token = 1e-9  # the queue is short again...
+    now[0] += BEHIND_LATCH_S - 1  # ...but within the latch: still held
+    assert sessions.starts("d")
+    now[0] += 2
+    assert not sessions.starts("d")
+    engine.step()
+    assert len(engine.planner.running) == 2
+    engine.check_integrity()
+
+
+def test_load_control_is_on_by_default_and_a_bad_ratio_is_refused(ckpt):
+    assert ADMISSION_RATIO > 0
+    assert Engine(ckpt, num_threads=1, kv_cache_tokens=320).kv.sessions.admission_ratio == ADMISSION_RATIO
     with pytest.raises(ValueError, match="session_admission_ratio"):
         Engine(ckpt, num_threads=1, session_admission_ratio=-1.0)
