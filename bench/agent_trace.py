@@ -144,7 +144,7 @@ def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_
             "wall_s": wall_s, "turns_per_s": len(records) / wall_s if wall_s else 0.0,
             "pool_slots": stats.get("total_slots"),  # the server's KV pool (None: a peer's, unknown)
             "pins": {k: stats.get(k, 0) for k in ("num_pins_pinned", "num_pins_used", "num_pins_expired",
-                                                   "num_pins_reclaimed", "num_pins_settled")}}
+                                                   "num_pins_reclaimed", "num_pins_settled", "num_starts_held")}}
 
 
 def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str = "auto",
@@ -217,7 +217,7 @@ def markdown(report: dict[str, Any]) -> str:
              "model's dtype's bytes of its share of the working set); each KV dtype's pool holds the tokens "
              "that memory holds in it.", "",
              "| KV budget (MiB) | KV dtype | tokens held | sessions | recomputed | cold | excess | turn p50 / p99 s "
-             "| agent p50 / p99 s | turns/s | busy (arrivals) | pins used / reclaimed / expired "
+             "| agent p50 / p99 s | turns/s | busy (arrivals) | pins used / reclaimed / expired, starts held "
              "| excess: LRU / online / Bélády sim |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -228,7 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
                      f"| {row['busy']:.0%} ({row['busy_arrivals']:.0%}) | {p['num_pins_used']:g} / "
-                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g} "
+                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g}, {p.get('num_starts_held', 0):g} "
                      f"| {' / '.join(format(row['sim'][policy], 'g') for policy in POLICIES)}"
                      f"{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"

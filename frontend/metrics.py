@@ -28,6 +28,8 @@ _ENGINE_METRICS = (
     ("num_sessions", "sessions_open", "gauge", "Sessions open."),
     ("num_pins_used", "session_pins_used_total", "counter", "Session pins a next turn arrived in time for."),
     ("num_pins_reclaimed", "session_pins_reclaimed_total", "counter", "Session pins dropped for admission."),
+    ("num_starts_held", "session_starts_held_total", "counter",
+     "Sessions whose first request load control held while the started ones' histories exceeded the pool."),
     ("num_tool_returns", "session_tool_returns_total", "counter",
      "Sessions back after a turn that called a named tool (its return gaps then predict the next return)."),
     ("cache_hit_rate", "cache_hit_rate", "gauge", "Cached prompt tokens / prompt tokens since start."),

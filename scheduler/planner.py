@@ -197,6 +197,7 @@ class Planner:
                 if self.running and self.kv.sessions.starts(req.params.session_id):
                     load = self._load() if load is None else load
                     if load + req.seq_len > self.kv.sessions.admission_ratio * self.kv.total_slots:
+                        self.kv.sessions.hold(req.params.session_id)
                         continue  # a new program would thrash the started ones' histories: it waits for one to end
                 tenant = tenant_of(req)
                 if req.params.priority >= IDLE_PRIORITY and not self._idle():

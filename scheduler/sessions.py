@@ -85,7 +85,8 @@ class Sessions:
         self.enabled = enabled  # off: sessions open and close, but no path is kept (so none is demoted or ranked)
         self.admission_ratio = admission_ratio  # load control (`starts`); 0: off
         self._admitted: set[str] = set()  # open sessions a request of which was admitted
-        self._starting: dict[str, float] = {}  # session -> when load control first saw its start waiting
+        self._starting: dict[str, float] = {}  # session -> when load control first held its start
+        self.starts_held = 0  # sessions whose start load control held, since the engine started
         self.behind_s = BEHIND_S
         self._behind_at = float("-inf")  # when the waiting queue's prefill last took behind_s or more
         self._last_seen: dict[str, float] = {}  # open sessions -> the time of their last request
@@ -142,7 +143,13 @@ class Sessions:
         now = self._clock()
         if now - self._behind_at > BEHIND_LATCH_S:
             return False
-        return now - self._starting.setdefault(session_id, now) < MAX_START_WAIT_S
+        return now - self._starting.get(session_id, now) < MAX_START_WAIT_S
+
+    def hold(self, session_id: str) -> None:
+        """The planner holds the start of `session_id` (`starts`, over the load): its wait counts from the first."""
+        if session_id not in self._starting:
+            self._starting[session_id] = self._clock()
+            self.starts_held += 1
 
     def observe_backlog(self, num_tokens: int) -> None:
         """The waiting queue needs `num_tokens` uncached tokens computed (each step): at the measured prefill cost,
@@ -355,6 +362,7 @@ class Sessions:
     def stats(self) -> dict[str, int]:
         return {"num_sessions": len(self._last_seen), "num_pins": len(self._pins),
                 "pinned_slots": self._tree.pinned_size, "num_tool_returns": self.gaps.named,
+                "num_starts_held": self.starts_held,
                 **{f"num_pins_{name}": value for name, value in self.counts.items()}}
 
     def drop_all(self) -> None:

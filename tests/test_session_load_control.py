@@ -58,6 +58,7 @@ def test_a_start_waits_while_the_running_and_returning_exceed_the_ratio(ckpt):
     first = _admission_steps(engine, [running, start, plain])
     finished_a = first[running] + 1 + 24  # "a" admitted, then one step per output token
     assert first[plain] <= 2 and first[start] >= finished_a - 1
+    assert engine.stats()["num_starts_held"] == 1  # held over many steps, counted once
     engine.check_integrity()
 
 
@@ -143,7 +144,7 @@ def test_a_server_that_keeps_up_holds_no_start_and_one_behind_holds_them_for_the
     start = engine.add_request(_prompt(2), dict(GREEDY, session_id="b"))
     assert sessions.behind_s == BEHIND_S and not sessions.starts("b")  # a queue of 96 tokens: far from BEHIND_S
     first = _admission_steps(engine, [running, start])
-    assert first[start] <= 2  # over the ratio, but the server keeps up: it starts at once
+    assert first[start] <= 2 and sessions.starts_held == 0  # over the ratio, but the server keeps up: it starts
     running = engine.add_request(_prompt(3), dict(LONG, session_id="c"))
     engine.step()
     engine.add_request(_prompt(4), dict(GREEDY, session_id="d"))
