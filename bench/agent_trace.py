@@ -228,7 +228,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {row['turn_p50_s']:.2f} / {row['turn_p99_s']:.2f} | {row['agent_p50_s']:.1f} / "
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
                      f"| {row['busy']:.0%} ({row['busy_arrivals']:.0%}) | {p['num_pins_used']:g} / "
-                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g}, {p.get('num_starts_held', 0):g} "
+                     f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g}, {p['num_starts_held']:g} "
                      f"| {' / '.join(format(row['sim'][policy], 'g') for policy in POLICIES)}"
                      f"{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"
