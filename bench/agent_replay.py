@@ -4,7 +4,9 @@ A dev tool for the retention and eviction rules of scheduler/sessions.py. The tr
 (`make_plan`: the same seeded agents, apps, tool results and tool latencies); instead of a server and the wall
 clock, an in-process `Engine` (the tiny bench model: outputs' values do not matter, only their lengths) steps on a
 virtual clock. Each step advances it by a modelled step time (`StepModel`: a fixed cost plus a cost per token the
-step computes); tools take their trace latencies; when nothing runs the clock jumps to the next arrival. The
+step computes; `STEP_COSTS` holds the costs measured for models S and L, `--costs`), or with `--wall-steps` by the
+step's measured wall time (then `--model` should be the model whose latencies are wanted: the run is as slow as the
+engine); tools take their trace latencies; when nothing runs the clock jumps to the next arrival. The
 sessions' clock (pins, return gaps, pressure) and their prefill cost are the virtual ones, so a run's counts do not
 depend on the machine or its load. Per seed it calibrates the budget like agent_trace (the realised peak working set
 of a run whose pool never evicts, sessions off), then per budget runs sessions on and off and replays each run's
@@ -25,6 +27,7 @@ import heapq
 import json
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -34,12 +37,21 @@ from .output import BenchOutput, bench_parser, parse_args, percentile
 
 @dataclass(frozen=True)
 class StepModel:
-    """Virtual seconds per engine step: `base_s` + `per_token_s` x the tokens it computes (prefill and decode)."""
+    """Virtual seconds per engine step: `base_s` + `per_token_s` x the tokens it computes (prefill and decode); with
+    `wall`, the step's measured wall time instead (and the sessions measure their prefill cost themselves)."""
     base_s: float = 0.004
     per_token_s: float = 6e-5
+    wall: bool = False
 
     def seconds(self, num_tokens: int) -> float:
         return self.base_s + self.per_token_s * num_tokens
+
+
+# Step costs fitted to the engine's steps on the Intel Xeon of bench/results/*_xeon_* (2 cores, one engine thread):
+# model S decodes ~7 running requests of ~2k context in 11-13 ms and computes a 512-token chunk at 2k context in
+# 73-92 ms; model L's from its agent-trace runs. With S's costs the replay's turn p50 / p99 land within ~10% of
+# agent_trace's over HTTP (bench/results/agent_replay_S_p99_xeon_s43.md); "fast" is the historic default.
+STEP_COSTS = {"fast": StepModel(), "S": StepModel(0.010, 1.45e-4), "L": StepModel(0.05, 1.06e-3)}
 
 
 class _Clock:
@@ -60,8 +72,9 @@ def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, st
                     max_running_requests=min(cfg.agents, 64), num_threads=1, disable_agent_cache=not sessions)
     sessions = engine.kv.sessions
     sessions._clock = clock
-    measured = sessions.observe_prefill
-    sessions.observe_prefill = lambda n, _s: measured(n, step.seconds(n))  # the model's cost, not the machine's
+    if not step.wall:
+        measured = sessions.observe_prefill
+        sessions.observe_prefill = lambda n, _s: measured(n, step.seconds(n))  # the model's cost, not the machine's
     schedule = engine.planner.schedule
 
     def stamped(step_index: int):
@@ -103,8 +116,9 @@ def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
             clock.now = due[0][0]
             continue
         before = engine.metrics.num_forward_tokens
+        started = time.perf_counter()
         deltas = engine.step()
-        took = step.seconds(engine.metrics.num_forward_tokens - before)
+        took = time.perf_counter() - started if step.wall else step.seconds(engine.metrics.num_forward_tokens - before)
         busy += took
         busy_arrivals += max(min(clock.now + took, last_arrival) - clock.now, 0.0)
         clock.now += took
@@ -195,8 +209,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.5, 1.0])
     p.add_argument("--agents", type=int, default=48)
     p.add_argument("--arrivals-per-s", type=float, default=4.5)
-    p.add_argument("--step-base-s", type=float, default=StepModel.base_s)
-    p.add_argument("--step-per-token-s", type=float, default=StepModel.per_token_s)
+    p.add_argument("--costs", choices=sorted(STEP_COSTS), default="fast",
+                   help="a measured model's step costs (STEP_COSTS); --step-base-s / --step-per-token-s override")
+    p.add_argument("--step-base-s", type=float)
+    p.add_argument("--step-per-token-s", type=float)
+    p.add_argument("--wall-steps", action="store_true",
+                   help="advance the clock by each step's measured wall time (use the model of interest)")
     p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
     p.add_argument("--name-tools", action="store_true",
                    help="tell the engine (and the online yardstick) which tool each turn called, as chat does")
@@ -209,7 +227,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         rows = merge(args.merge)
         _write(args, rows)
         return rows
-    step = StepModel(args.step_base_s, args.step_per_token_s)
+    costs = STEP_COSTS[args.costs]
+    step = StepModel(costs.base_s if args.step_base_s is None else args.step_base_s,
+                     costs.per_token_s if args.step_per_token_s is None else args.step_per_token_s, args.wall_steps)
     model_path = bench_model_path(args.model)
     rows = []
     for seed in args.seeds:

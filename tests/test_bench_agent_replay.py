@@ -1,6 +1,7 @@
 """bench/agent_replay.py: agent_trace's trace against an in-process engine on a virtual clock, counted."""
 import dataclasses
 import json
+import time
 
 import pytest
 
@@ -34,6 +35,16 @@ def test_a_run_is_counted_on_the_virtual_clock(model):
         assert all(b.sent_s >= a.sent_s + a.latency_s for a, b in zip(turns, turns[1:]))
         assert turns[1].prompt_ids[:len(turns[0].prompt_ids) + 8] == turns[0].prompt_ids + turns[0].output_ids
     assert out["pins"]["num_pins_pinned"] > 0
+
+
+def test_wall_steps_advance_the_clock_by_the_measured_step_time(model):
+    """--wall-steps: the clock moves by each step's wall time, not the model's cost (10 s a step here, which would
+    put the run's busy time far beyond its wall time)."""
+    started = time.perf_counter()
+    out = run(model, CFG, 240, True, StepModel(base_s=10.0, per_token_s=0.0, wall=True))
+    elapsed = time.perf_counter() - started
+    assert len(out["records"]) == 6 * 3 and 0 < out["busy_s"] <= elapsed
+    assert all(0 < r.latency_s < elapsed for r in out["records"])
 
 
 def test_named_tools_reach_the_engine_and_the_records(model):
