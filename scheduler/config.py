@@ -136,7 +136,7 @@ class EngineConfig:
                "and no program-level scheduling; sessions still open and close")
     session_admission_ratio: float = option(
         ADMISSION_RATIO, "load control of sessions (0: off): once the server is behind (its waiting queue's prefill "
-                         "would take 2 s, within the last 30 s), a request that starts a session waits, 120 s at "
+                         "would take 5 s, within the last 30 s), a request that starts a session waits, 120 s at "
                          "most, while the histories of the started sessions coming back, the running requests and "
                          "its own prompt exceed this many KV pools (scheduler/sessions.py); off with "
                          "--disable-agent-cache")
