@@ -8,7 +8,7 @@ step computes; `STEP_COSTS` holds the costs measured for models S and L, `--cost
 step's measured wall time (then `--model` should be the model whose latencies are wanted: the run is as slow as the
 engine); tools take their trace latencies; when nothing runs the clock jumps to the next arrival. The
 sessions' clock (pins, return gaps, pressure) and their prefill cost are the virtual ones, so a run's counts do not
-depend on the machine or its load. Per seed it calibrates the budget like agent_trace (the realised peak working set
+depend on the machine or its load (except with --wall-steps). Per seed it calibrates the budget like agent_trace (the realised peak working set
 of a run whose pool never evicts, sessions off), then per budget runs sessions on and off and replays each run's
 realised trace through bench/cache_sim.py's LRU and Bélády at the engine's capacity. The target of issue 38:
 excess(on) <= Bélády + 0.25 x (excess(off) - Bélády), Bélády on the sessions-on run's trace.
@@ -227,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         rows = merge(args.merge)
         _write(args, rows)
         return rows
-    costs = STEP_COSTS[args.costs]
-    step = StepModel(costs.base_s if args.step_base_s is None else args.step_base_s,
-                     costs.per_token_s if args.step_per_token_s is None else args.step_per_token_s, args.wall_steps)
+    given = {"base_s": args.step_base_s, "per_token_s": args.step_per_token_s}
+    step = dataclasses.replace(STEP_COSTS[args.costs], wall=args.wall_steps,
+                               **{name: value for name, value in given.items() if value is not None})
     model_path = bench_model_path(args.model)
     rows = []
     for seed in args.seeds:
