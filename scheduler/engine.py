@@ -174,10 +174,11 @@ class Engine:
         if self._loop.running:
             return self._loop.generate_blocking(prompt_list, params_list)
         rids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
+        wanted = set(rids)  # requests added before run alongside; their deltas are not this call's to return
         results: dict[str, GenerateResult] = {}
         while len(results) < len(rids):
             for delta in self.step():
-                if delta.finished and delta.result is not None:
+                if delta.finished and delta.result is not None and delta.rid in wanted:
                     results[delta.rid] = delta.result
         return [results[r] for r in rids]
 

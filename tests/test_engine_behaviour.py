@@ -222,6 +222,17 @@ def test_generate_with_one_bad_prompt_queues_nothing(ckpt):
     assert engine.step() == []
 
 
+def test_generate_returns_its_own_results_beside_requests_added_before(ckpt):
+    """A request added with add_request that finishes during generate() is not mistaken for one of its results."""
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=1024)
+    params = dict(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request([5, 6, 7], params, rid="before")
+    result, = engine.generate([[8, 9, 10]], dict(params, max_new_tokens=6))
+    assert len(result.output_ids) == 6
+    assert not engine.has_unfinished()
+    engine.check_integrity()
+
+
 def test_rid_stays_taken_until_its_final_delta_is_dispatched(ckpt):
     """Between a step finishing a request and the loop dispatching its final delta, the rid must
     not be reusable: the old final delta would end the new request's stream."""
