@@ -21,7 +21,8 @@ Admission order, most significant first:
      Under memory pressure (the planner sets `las` off while admissions evict cached paths: scheduler/sessions.py
      `under_pressure`) the levels are set aside: serving the least attained first keeps the most programs alive at
      once, and their histories, a working set larger than the pool, push each other out of the cache (thrashing);
-     the cache-aware order then decides, which admits the continuations whose histories are cached first. At any
+     the cache-aware order then decides, which admits the continuations whose histories are cached first (a request
+     overtaken once goes first: policy.py). At any
      time a continuation whose history is held (`held`: pinned or still cached) goes at level 0. A waiting request
      is not starved: once the engine has served others
      STARVATION_RATIO times its program's attained service since it joined the queue, it goes at level 0

@@ -70,8 +70,11 @@ class Planner:
     def schedule(self, step: int) -> tuple[Batch, list[Req]]:
         """Plan one step. Returns the batch and the requests admitted for the first time."""
         self._step_order = None
-        if self.policy.share is not None:  # program levels yield to the cache under memory pressure (fair_share.py)
-            self.policy.share.las = self.kv.agent_cache and not self.kv.sessions.under_pressure()
+        # Under memory pressure program levels yield to the cache (fair_share.py), and the cache to arrival order
+        # once a request is overtaken (policy.py: `pressed`); both are program scheduling (the agent cache's flag).
+        self.policy.pressed = self.kv.agent_cache and self.kv.sessions.under_pressure()
+        if self.policy.share is not None:
+            self.policy.share.las = self.kv.agent_cache and not self.policy.pressed
         budget, lead_tenant = self._prefill_budget(step)
         self._preempt(step, budget)
         self.kv.hint(self.waiting)  # new arrivals and retracted requests: what they will match is evicted last

@@ -10,6 +10,12 @@ Policies:
                (cached tokens x waiting requests), plus in-batch prefix dedup and an
                anti-starvation rule (see PolicyConfig).
 
+Under memory pressure with program scheduling on (the planner's `pressed`: admissions evict cached paths,
+scheduler/sessions.py `under_pressure`), the overtake rule's ratio is 0: a request overtaken once goes first. There
+the cache-aware order feeds on itself: a continuation whose history was evicted falls behind the cached ones and
+waits while their admissions evict more; those turns are the tail of turn latency. Requests that arrive in the
+same step still go in cache order.
+
 Common to all: retracted requests go first (they already streamed tokens and hold cached
 prefixes); with the radix cache disabled every policy is fcfs.
 
@@ -49,6 +55,7 @@ class SchedulePolicy:
         self._groups: tuple | None = None  # (config, window, claims, PrefixGroups) of the last tree
         self._ordered: tuple | None = None  # (groups, epoch, walk order) of the last tree walk
         self.num_urgent = 0  # requests promoted by the starvation rule (for tests and stats)
+        self.pressed = False  # memory under pressure, program scheduling on: overtaken once goes first (planner's)
         # Tenants, priorities and programs order what the policy ordered (scheduler/fair_share.py).
         self.share: FairShare | None = FairShare() if self.config.fair_share else None
 
@@ -178,6 +185,7 @@ class SchedulePolicy:
             # Overtakes of r = fresh requests admitted that arrived in a later step than r. The
             # head is in arrival order, so one pass over the per-step counts serves all of it.
             counts = sorted(self._admitted_by_step.items())
+            ratio = 0.0 if self.pressed else cfg.overtake_ratio
             remaining = sum(n for _, n in counts)
             idx = 0
             urgent = []
@@ -185,7 +193,7 @@ class SchedulePolicy:
                 while idx < len(counts) and counts[idx][0] <= req.arrival_step:
                     remaining -= counts[idx][1]
                     idx += 1
-                if remaining >= max(1.0, cfg.overtake_ratio * self._ahead.get(req.rid, 0)):
+                if remaining >= max(1.0, ratio * self._ahead.get(req.rid, 0)):
                     urgent.append(req)
         self.num_urgent += len(urgent)
         return urgent

@@ -104,5 +104,25 @@ def test_the_agent_cache_flag_turns_look_ahead_and_program_levels_off(ckpt):
     assert engine.planner.waiting and engine.planner.waiting[0].hint_node is None
     assert engine.kv.tree.match_prefix(_prompt(1), record_hit=False)[1].hint_ref == 0
     assert engine.policy.share.las is False
+    for seed in (4, 5):  # admissions that evict cached paths: memory under pressure, but program scheduling is off
+        _cache(engine, _prompt(seed))
+    engine.add_request(_prompt(6), dict(GREEDY, max_new_tokens=1), rid="after")
+    engine.step()
+    assert engine.kv.sessions.under_pressure() and engine.policy.pressed is False
     assert engine.open_session("s") == "s" and engine.close_session("s")
+    _run_until_done(engine)
+
+
+def test_under_memory_pressure_program_levels_yield_and_the_overtake_bound_tightens(ckpt):
+    """With the agent cache on, an admission that evicts cached paths sets program levels aside and makes the
+    policy admit a request overtaken once first (scheduler/policy.py `pressed`); without pressure neither."""
+    engine = Engine(ckpt, num_threads=1, kv_cache_tokens=256, max_running_requests=1)
+    _cache(engine, _prompt(1))
+    assert engine.policy.pressed is False and engine.policy.share.las is True
+    for seed in (2, 3):  # 100-token prompts in a 256-slot pool: the second evicts the first
+        _cache(engine, _prompt(seed))
+    engine.add_request(_prompt(4), dict(GREEDY, max_new_tokens=1), rid="next")
+    engine.step()
+    assert engine.kv.sessions.under_pressure()
+    assert engine.policy.pressed is True and engine.policy.share.las is False
     _run_until_done(engine)

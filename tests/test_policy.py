@@ -141,6 +141,35 @@ def test_overtake_rule_promotes_a_starving_request(kv):
     assert pol.num_urgent >= 1
 
 
+def _miss_admitted_at(kv, pol):
+    """The step at which a request that misses the cache goes first, behind 5 older ones and a stream of hits."""
+    hot = list(range(300, 364))
+    cache(kv, hot)
+    waiting = [make_req(hot + [900 + i], step=0) for i in range(5)]
+    miss = make_req(list(range(1000, 1064)), step=1)
+    waiting.append(miss)
+    for step in range(1, 40):
+        waiting.append(make_req(hot + [step], step=step))
+        out = pol.order(waiting, step)
+        if out[0] is miss:
+            return step
+        admit(waiting, out[0])
+    return None
+
+
+@pytest.mark.parametrize("pressed, agent_cache, expected", [(False, True, 12), (True, True, 8), (True, False, 12)])
+def test_under_memory_pressure_a_request_overtaken_once_goes_first(pressed, agent_cache, expected):
+    kv = PrefixKV(50_000, 1, False, "lru-reuse", agent_cache=agent_cache)
+    if pressed:
+        kv.sessions.note_eviction()  # an admission just evicted cached paths
+    planner_view = agent_cache and kv.sessions.under_pressure()  # what the planner sets each step
+    pol = SchedulePolicy("cache-aware", kv, PolicyConfig(overtake_ratio=1.0))
+    pol.pressed = planner_view
+    # Unpressed: as in test_overtake_rule_promotes_a_starving_request (five overtakes, then first). Pressed: steps
+    # 1-5 the older ones, 6 its same-step peer, 7 one later arrival overtakes it, step 8 it goes first.
+    assert _miss_admitted_at(kv, pol) == expected
+
+
 def test_without_a_starvation_rule_the_miss_waits_for_the_stream(kv):
     hot = list(range(300, 364))
     cache(kv, hot)
