@@ -174,7 +174,7 @@ class Engine:
         if self._loop.running:
             return self._loop.generate_blocking(prompt_list, params_list)
         rids = [self.add_request(p, sp) for p, sp in zip(prompt_list, params_list)]
-        wanted = set(rids)  # requests added before run alongside; their deltas are not this call's to return
+        wanted = set(rids)  # requests added earlier with add_request may finish meanwhile: not this call's
         results: dict[str, GenerateResult] = {}
         while len(results) < len(rids):
             for delta in self.step():
