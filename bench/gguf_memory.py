@@ -54,8 +54,8 @@ def model_bytes(model: Any) -> dict[str, int]:
             return x.numel() * x.element_size()
         if hasattr(x, "nbytes"):  # quant.PackedQuant
             return x.nbytes
-        return sum(size(t) for t in (x.quant, x.tiles, x.weight, x.bias) if t is not None) if hasattr(x, "quant") \
-            else 0
+        return sum(size(t) for t in (x.quant, x.tiles, x.packed, x.weight, x.bias) if t is not None) \
+            if hasattr(x, "quant") else 0
 
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     streamed = sum(size(lin) for lin in linears) + size(model.lm_head)
@@ -64,18 +64,24 @@ def model_bytes(model: Any) -> dict[str, int]:
     return {"streamed_per_token": streamed, "held": streamed + norms + (0 if shared_head else size(model.embed))}
 
 
-def child(path: str, kv_tokens: int, threads: int) -> None:
-    """Loads the file, reports, then serves single-stream runs on the commands read from stdin."""
+def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequantize: bool = False) -> None:
+    """Loads the file, reports, then serves single-stream runs on the commands read from stdin. With `dequantize`
+    the block tensors are dequantized to the engine's dtype at load, as where no quantized kernel runs."""
     from ._llamacpp import single_ours
     from .harness import warm_up
     from ..kernels import quant
+    from ..kernels import runner as runner_module
     from ..scheduler import Engine
 
+    if dequantize:
+        runner_module.keeps_blocks = lambda *_: False
     start = time.perf_counter()
-    engine = Engine(path, dtype="bfloat16", num_threads=threads, kv_cache_tokens=kv_tokens, context_length=kv_tokens,
+    engine = Engine(path, dtype=dtype, num_threads=threads, kv_cache_tokens=kv_tokens, context_length=kv_tokens,
                     max_running_requests=4)
     runner = engine.runner
-    loaded = {"load_s": time.perf_counter() - start, "after_load": vm_status(), "kernel": quant.kernel(),
+    kernel = None if dequantize else quant.kernel(runner.dtype)
+    loaded = {"load_s": time.perf_counter() - start, "after_load": vm_status(), "kernel": kernel,
+              "dtype": str(runner.dtype).removeprefix("torch."),
               "kv_pool_bytes": runner.k_cache.nbytes + runner.v_cache.nbytes, **model_bytes(runner.model)}
     print(json.dumps(loaded), flush=True)
     warm_up(engine)
@@ -91,10 +97,11 @@ def child(path: str, kv_tokens: int, threads: int) -> None:
 
 
 class Child:
-    def __init__(self, path: str, kv_tokens: int, threads: int) -> None:
+    def __init__(self, path: str, kv_tokens: int, threads: int, dtype: str, dequantize: bool) -> None:
         code = ("import sys; from radixserve.bench.gguf_memory import child; "
-                "child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, path, str(kv_tokens), str(threads)],
+                "child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == '1')")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, path, str(kv_tokens), str(threads), dtype,
+                                      str(int(dequantize))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
 
     def reply(self) -> dict[str, Any]:
@@ -138,7 +145,7 @@ def run(args) -> dict[str, Any]:
         os.makedirs(os.path.dirname(os.path.abspath(args.gguf)), exist_ok=True)
         write_random_gguf(args.gguf, SHAPES[args.shape], "Q4_0")
     llama = args.llama_bench if os.path.isfile(args.llama_bench) else None
-    ours = Child(args.gguf, args.kv_cache_tokens, args.threads)
+    ours = Child(args.gguf, args.kv_cache_tokens, args.threads, args.dtype, args.dequantize)
     loaded, runs = ours.reply(), []
     try:
         for rep, order in enumerate(alternation(["radixserve", "llama.cpp"] if llama else ["radixserve"], args.runs)):
@@ -171,8 +178,9 @@ def report(r: dict[str, Any]) -> str:
     floor_ours = r["read_gbs"] * 1e9 / r["streamed_per_token"]
     floor_file = r["read_gbs"] * 1e9 / r["llama_streamed_per_token"]
     lines = [f"# GGUF memory and decode: {os.path.basename(r['gguf'])}", "",
-             f"File {gb(r['file_bytes'])}, KV pool {gb(r['kv_pool_bytes'])} ({r['kv_cache_tokens']} tokens, bf16); "
-             f"kernel {r['kernel']}, {r['threads']} threads, load average {r['load']:.1f} at the end.", "",
+             f"File {gb(r['file_bytes'])}, KV pool {gb(r['kv_pool_bytes'])} ({r['kv_cache_tokens']} tokens, "
+             f"{r.get('dtype', 'bfloat16')}); quantized kernel {r['kernel'] or 'none (blocks dequantized at load)'}, "
+             f"{r['threads']} threads, load average {r['load']:.1f} at the end.", "",
              "| measure | value |", "|---|---|",
              f"| weights held by the engine | {gb(r['held'])} ({r['held'] / r['file_bytes']:.2f}x the file) |",
              f"| peak RSS after load (VmHWM) | {gb(r['after_load']['VmHWM'])} |",
@@ -196,13 +204,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", help="the engine's --dtype (auto: float32 without bf16 flags)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="dequantize the block tensors at load (what runs where no quantized kernel does)")
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--stream-gib", type=float, default=1.0, help="the bandwidth measurement's buffer")
     parser.add_argument("--llama-bench", default=LLAMA_BENCH, help="llama.cpp's llama-bench (skipped if absent)")
     args = parse_args(parser, argv)
     out = BenchOutput("gguf_memory", args.out)
     result = run(args)
-    stem = "gguf_memory_" + os.path.basename(args.gguf).removesuffix(".gguf")
+    stem = "gguf_memory_" + os.path.basename(args.gguf).removesuffix(".gguf") + (
+        "" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_dequantized" if args.dequantize else "")
     table = report(result)
     out.write_report(stem, result, table)
     out.finish(table)

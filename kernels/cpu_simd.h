@@ -62,6 +62,22 @@ RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact
 RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+RS_INLINE vf vf_load_u8(const uint8_t *p) { /* 16 uint8 widened to fp32 (exact) */
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+RS_INLINE vf vf_set1_pair(const float *p) { /* p[0], p[1], p[0], p[1], ... */
+    double d;
+    memcpy(&d, p, sizeof d);
+    return _mm512_castpd_ps(_mm512_set1_pd(d));
+}
+RS_INLINE vf vf_load_f16(const uint16_t *p) { /* 16 fp16 widened to fp32 (exact) */
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+RS_INLINE void vf_dup_pairs(vf v, vf *lo, vf *hi) { /* lo = v0, v0, v1, v1, .., v7, v7; hi the same of v8..v15 */
+    const __m512i idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    *lo = _mm512_permutexvar_ps(idx, v);
+    *hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), v);
+}
 RS_INLINE vi vi_load(const int32_t *p) { return _mm512_load_si512(p); } /* 64-byte aligned */
 RS_INLINE vi vi_set1(int32_t s) { return _mm512_set1_epi32(s); }
 RS_INLINE vi vi_iota(int32_t j) { /* j, j + 1, ..., j + 15 */
@@ -173,6 +189,19 @@ RS_INLINE vf vf_load_bf16(const uint16_t *p) { /* 16 bf16 widened to fp32 (exact
     }
     return x;
 }
+#if defined(__AVX2__) /* GCC widens byte vectors lane by lane (a scalar convert each): by intrinsic here */
+#include <immintrin.h>
+RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
+    vf x;
+    EACH(i) x.p[i] = (vn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + VW * i))));
+    return x;
+}
+RS_INLINE vf vf_load_u8(const uint8_t *p) { /* 16 uint8 widened to fp32 (exact) */
+    vf x;
+    EACH(i) x.p[i] = (vn)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + VW * i))));
+    return x;
+}
+#else
 typedef int8_t vq8 __attribute__((vector_size(VW)));
 RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
     vf x;
@@ -181,6 +210,61 @@ RS_INLINE vf vf_load_i8(const int8_t *p) { /* 16 int8 widened to fp32 (exact) */
         memcpy(&q, p + VW * i, sizeof q);
         x.p[i] = __builtin_convertvector(q, vn);
     }
+    return x;
+}
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+RS_INLINE vf vf_load_u8(const uint8_t *p) { /* 16 uint8 widened to fp32 (exact) */
+    vf x;
+    EACH(i) {
+        vu8 q;
+        memcpy(&q, p + VW * i, sizeof q);
+        x.p[i] = __builtin_convertvector(q, vn);
+    }
+    return x;
+}
+#endif
+RS_INLINE vni widen_u16(const uint16_t *p) { /* VW uint16 zero-extended */
+#if defined(__AVX2__)
+    return (vni)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+#else
+    int32_t lanes[VW];
+    for (int i = 0; i < VW; ++i) lanes[i] = p[i];
+    vni x;
+    memcpy(&x, lanes, sizeof x);
+    return x;
+#endif
+}
+RS_INLINE vf vf_load_f16(const uint16_t *p) { /* 16 fp16 widened to fp32 (exact), without branches */
+    vf x;
+    EACH(i) {
+        const vni h = widen_u16(p + VW * i), e = h & 0x7c00, m = h & 0x3ff, sign = (h & 0x8000) << 16;
+        const vni sub = (vni)(__builtin_convertvector(m, vn) * 0x1p-24f); /* exponent 0: m * 2^-24 (exact) */
+        const vni normal = ((h & 0x7fff) << 13) + (112 << 23), special = 0x7f800000 | (m << 13); /* inf, NaN */
+        const vni is_special = e == 0x7c00, is_normal = (e != 0) & ~is_special;
+        x.p[i] = (vn)(sign | (is_special & special) | (is_normal & normal) | (~(is_special | is_normal) & sub));
+    }
+    return x;
+}
+RS_INLINE void vf_dup_pairs(vf v, vf *lo, vf *hi) { /* lo = v0, v0, v1, v1, .., v7, v7; hi the same of v8..v15 */
+#if defined(__AVX2__)
+    const __m256i first = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0), second = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+    lo->p[0] = (vn)_mm256_permutevar8x32_ps((__m256)v.p[0], first);
+    lo->p[1] = (vn)_mm256_permutevar8x32_ps((__m256)v.p[0], second);
+    hi->p[0] = (vn)_mm256_permutevar8x32_ps((__m256)v.p[1], first);
+    hi->p[1] = (vn)_mm256_permutevar8x32_ps((__m256)v.p[1], second);
+#else
+    float in[16], out[32];
+    vf_storeu(in, v);
+    for (int c = 0; c < 16; ++c) out[2 * c] = out[2 * c + 1] = in[c];
+    *lo = vf_loadu(out), *hi = vf_loadu(out + 16);
+#endif
+}
+typedef double vnd __attribute__((vector_size(4 * VW)));
+RS_INLINE vf vf_set1_pair(const float *p) { /* p[0], p[1], p[0], p[1], ... */
+    double d;
+    memcpy(&d, p, sizeof d);
+    vf x;
+    EACH(i) x.p[i] = (vn)(d - (vnd){0});
     return x;
 }
 RS_INLINE vm vf_ge(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] >= b.p[i]; return m; }

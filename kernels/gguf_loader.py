@@ -74,12 +74,14 @@ class DequantReport:
 
 
 def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether block tensors stay quantized: on a CPU where a native quantized kernel runs (quant.kernel(): AMX
-    tiles or AVX512-BF16), in bf16 (that kernel is at least as exact as the bf16 linear on the bf16-rounded
-    dequantized weights; elsewhere quant.linear would dequantize the weights at every call)."""
+    """Whether block tensors stay quantized: on a CPU where a native quantized kernel runs for the model's dtype
+    (quant.kernel(dtype)): in bf16 the AMX tiles or AVX512-BF16 (at least as exact as the bf16 linear on the
+    bf16-rounded dequantized weights) or the fp32 kernel; in fp32 the fp32 kernel (the fp32 model of the
+    dequantized weights up to the order of its sums), in every build of the library, AVX2 and portable ones too.
+    Elsewhere quant.linear would dequantize the weights at every call."""
     from .quant import kernel
 
-    return device.type == "cpu" and dtype == torch.bfloat16 and kernel() is not None
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernel(dtype) is not None
 
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,

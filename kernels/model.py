@@ -47,9 +47,10 @@ class CausalLM:
         self.config = config
         embed = take(state, "model.embed_tokens.weight")  # [vocab, hidden]; a GGUF file's may stay quantized
         self.embed = quant.pack(embed) if isinstance(embed, quant.QuantWeight) else embed  # or given packed
-        self.dtype = torch.bfloat16 if isinstance(self.embed, quant.PackedQuant) else self.embed.dtype
-        self.layers = [_layer_weights(config, state, i, self.dtype) for i in range(config.num_layers)]
         self.final_norm = take(state, "model.norm.weight")
+        # a kept table has no float dtype: the norm's is the model's (bf16, or fp32 on the fp32 quantized kernel)
+        self.dtype = self.final_norm.dtype if isinstance(self.embed, quant.PackedQuant) else self.embed.dtype
+        self.layers = [_layer_weights(config, state, i, self.dtype) for i in range(config.num_layers)]
         lm_head = state.pop("lm_head.weight", None)
         tied = lm_head is None
         if tied:

@@ -31,8 +31,9 @@ to 16 rows (decode) with groups of 32 or more it multiplies the integer values t
 scales each group's sums in fp32 (adding min times the group's input sum), so the weights are never rounded;
 otherwise it rounds each dequantized weight to bf16 (nearest even) and equals the bf16 tile linear on
 ``dequantize(...).bfloat16()`` bit for bit. Without tiles, up to 16 rows take the same values-then-scale arithmetic
-on vdpbf16ps; more rows a bf16 matmul (torch) over the weights dequantized to bf16 a column chunk at a time. Where
-neither kernel runs, ``linear`` dequantizes per call and uses F.linear (correct, slow).
+on vdpbf16ps; more rows a bf16 matmul (torch) over the weights dequantized to bf16 a column chunk at a time. fp32
+activations, and bf16 ones where neither runs, take cpu_quant_f32.c (every build: AVX2-only CPUs too), fp32 sums
+throughout. Only without the native library does ``linear`` dequantize per call and use F.linear (correct, slow).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from .quant_spec import QuantSpec
 logger = logging.getLogger(__name__)
 KINDS = ("int8", "int4")
 SCALE_DTYPES = (torch.float16, torch.float32)
-DEQUANT_CHUNK_BYTES = 32 << 20  # a many-row linear without tiles dequantizes this much bf16 at a time
+DEQUANT_CHUNK_BYTES = 32 << 20  # a many-row linear without tiles dequantizes this many bytes at a time
 LINEAR_WEIGHT = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$|^lm_head\.weight$")
 
 
@@ -268,14 +269,18 @@ def pack(w: QuantWeight) -> PackedQuant:
     return PackedQuant(w.kind, n, k, w.group, data, _block_cols(w.scales), mins)
 
 
-def kernel() -> str | None:
-    """The native quantized kernel that runs here: "tiles" (AMX, cpu_quant.c), "avx512-bf16" (cpu_quant_vec.c),
-    or None (linear dequantizes per call)."""
+def kernel(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """The native quantized kernel that runs here for activations in `dtype`: in bf16 "tiles" (AMX, cpu_quant.c)
+    or "avx512-bf16" (cpu_quant_vec.c) where the CPU has them; else "fp32" (cpu_quant_f32.c, in every build of the
+    library: fp32 activations, and bf16 ones on CPUs with neither); None without the library (linear dequantizes
+    per call)."""
     from . import native
 
-    if native.tiles_ready():
+    if dtype == torch.bfloat16 and native.tiles_ready():
         return "tiles"
-    return "avx512-bf16" if native.load() is not None and native._use_dpbf16() else None
+    if native.load() is None:
+        return None
+    return "avx512-bf16" if dtype == torch.bfloat16 and native._use_dpbf16() else "fp32"
 
 
 def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
@@ -284,12 +289,14 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
     are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow)."""
     from . import native
 
-    path = kernel() if x.device.type == "cpu" else None
+    path = kernel(x.dtype) if x.device.type == "cpu" else None
     if path is None:
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
-    xb = x.to(torch.bfloat16).contiguous()
-    if xb.dim() != 2 or xb.shape[1] != w.k:
+    if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"a quantized linear takes x [M, {w.k}], got {tuple(x.shape)}")
+    if path == "fp32":
+        return _linear_f32(x, w, bias).to(x.dtype)
+    xb = x.to(torch.bfloat16).contiguous()
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
     if path != "tiles" and xb.shape[0] > 16:
         return _dequantized_matmul(xb, w, bias).to(x.dtype)
@@ -304,6 +311,33 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _linear_f32(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+    """cpu_quant_f32.c: up to 16 rows on the packed weights; more, per chunk of columns the weights dequantized to
+    fp32 ([cols, K]) and one fp32 matmul."""
+    from . import native
+
+    lib, threads = native.load(), torch.get_num_threads()
+    xf = x.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
+    if xf.shape[0] <= 16:
+        code = lib.rs_quant_rows_f32(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(),
+                                     _ptr(w.mins), w.n, w.k, w.group, _ptr(bias), out.data_ptr(), threads)
+        if code != 0:
+            raise RuntimeError(f"the fp32 quantized kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        return out
+    cols = max(16, min(w.n, DEQUANT_CHUNK_BYTES // (4 * w.k)) // 16 * 16)
+    part = torch.empty((cols, w.k), dtype=torch.float32)
+    for n0 in range(0, w.n, cols):
+        n1 = min(w.n, n0 + cols)
+        code = lib.rs_quant_dequant_f32(w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n, w.k,
+                                        w.group, n0, n1, part.data_ptr(), threads)
+        if code != 0:
+            raise RuntimeError(f"the fp32 dequantizing kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        out[:, n0:n1] = F.linear(xf, part[:n1 - n0], None if bias is None else bias[n0:n1])
+    return out
 
 
 def _dequantized_matmul(xb: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:

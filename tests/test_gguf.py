@@ -343,7 +343,25 @@ def test_tied_table_kept_quantized_is_the_head_and_as_accurate_as_bf16(tmp_path,
 
 def test_engine_keeps_blocks_where_a_quantized_kernel_runs():
     assert gguf_loader.keeps_blocks(torch.bfloat16, CPU) == (quant.kernel() is not None)
-    assert not gguf_loader.keeps_blocks(torch.float32, CPU)
+    assert gguf_loader.keeps_blocks(torch.float32, CPU) == (quant.kernel(torch.float32) == "fp32")
+    assert not gguf_loader.keeps_blocks(torch.float16, CPU)
+
+
+@pytest.mark.skipif(native.cannot_build() is not None, reason=native.cannot_build() or "")
+@pytest.mark.parametrize("path", [FIXTURE, "Q4_0"])
+def test_kept_quantized_in_float32_is_the_float32_model(path, tmp_path, monkeypatch, caplog):
+    """In fp32 the kept blocks run on the fp32 kernel (every build: AVX2-only CPUs keep a GGUF's blocks too): the
+    logits are the fp32 model's of the dequantized weights, up to the order of fp32 sums, far inside bf16's error."""
+    if path == "Q4_0":
+        path = export_gguf(cached_checkpoint("llama", **TINY), str(tmp_path / "q4_0.gguf"), "Q4_0")
+    exact = prefill_logits(path, "float32", monkeypatch)
+    with caplog.at_level(logging.INFO, logger="radixserve.kernels.gguf_loader"):
+        kept = prefill_logits(path, "float32", monkeypatch, keep=True)
+    assert any(r.getMessage().startswith("GGUF: kept") for r in caplog.records)
+    assert quant.kernel(torch.float32) == "fp32"
+    rounded = prefill_logits(path, "bfloat16", monkeypatch)
+    err, bf16_err = (kept - exact).abs().max().item(), (rounded - exact).abs().max().item()
+    assert err <= 1e-4 * exact.abs().max().item() and err < bf16_err / 50, (err, bf16_err)
 
 
 def test_quantization_flag_applies_to_a_float_gguf_as_to_its_checkpoint(tmp_path):

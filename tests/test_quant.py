@@ -32,7 +32,7 @@ from _engine_helpers import hf_logprobs, hf_model, make_checkpoint
 TILES = native.cannot_build() is None and native.tiles_ready()
 KERNEL = native.cannot_build() is None and quant.kernel() is not None
 VEC = native.cannot_build() is None and native.load() is not None and native._use_dpbf16()
-needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the native library and AMX tiles or AVX512-BF16")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the native library")
 
 
 def _quantized(kind: str, w: torch.Tensor, group: int, half: bool = True) -> quant.QuantWeight:
@@ -45,11 +45,16 @@ def _quantized(kind: str, w: torch.Tensor, group: int, half: bool = True) -> qua
 
 
 def _on(path: str):
-    """Runs quant.linear on `path` ("tiles" or "vec": tiles refused even where they run)."""
-    return mock.patch.object(native, "tiles_ready", lambda: False) if path == "vec" else contextlib.nullcontext()
+    """Runs quant.linear on `path` ("tiles", "vec": tiles refused even where they run, "f32": both refused)."""
+    stack = contextlib.ExitStack()
+    if path in ("vec", "f32"):
+        stack.enter_context(mock.patch.object(native, "tiles_ready", lambda: False))
+    if path == "f32":
+        stack.enter_context(mock.patch.object(native, "_use_dpbf16", lambda: False))
+    return stack
 
 
-PATHS = [p for p, ok in (("tiles", TILES), ("vec", VEC)) if ok]
+PATHS = [p for p, ok in (("tiles", TILES), ("vec", VEC), ("f32", KERNEL)) if ok]
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, b: torch.Tensor | None) -> None:
@@ -59,6 +64,21 @@ def _check(got: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, b: torch.T
     magnitude = torch.nn.functional.linear(x.double().abs(), w.abs(), None if b is None else bias.abs())
     assert got.shape == exact.shape
     assert ((got.double() - exact).abs() <= magnitude * 2**-8 + 1e-30).all()
+
+
+def _check_f32(got: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, b: torch.Tensor | None) -> None:
+    """The fp32 kernel's bound: fp32 sums of K products, each weight exact or rounded once, so |y - y64| <=
+    (K + 4) 2^-24 S, with S the sum of |x| times |q scale| + |min| (one row scales a group's sums of the values, whose
+    terms may cancel: |q scale| and |min| may each exceed |w|) and |bias|."""
+    q, k = qw.q.double(), qw.q.shape[1]
+    scales = qw.scales.double().repeat_interleave(qw.group, dim=1)
+    mins = 0 if qw.mins is None else qw.mins.double().repeat_interleave(qw.group, dim=1)
+    bias = None if b is None else b.double()
+    exact = torch.nn.functional.linear(x.double(), qw.dequantize().double(), bias)
+    terms = (q * scales).abs() + (mins.abs() if qw.mins is not None else 0)
+    magnitude = torch.nn.functional.linear(x.double().abs(), terms, None if b is None else bias.abs())
+    assert got.shape == exact.shape
+    assert ((got.double() - exact).abs() <= magnitude * (k + 4) * 2**-24 + 1e-30).all()
 
 
 kinds_and_groups = st.sampled_from([("int8", 16), ("int8", 32), ("int8", 128), ("int8", 0), ("int4", 32),
@@ -93,6 +113,45 @@ def test_quantized_matmul_matches_float64(kg, m, blocks, kb, bias, threads, half
 
 
 @needs_kernel
+@settings(max_examples=60, deadline=None)
+@given(kg=kinds_and_groups, m=st.integers(1, 40), blocks=st.integers(1, 5), kb=st.integers(1, 6),
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), half=st.booleans(), seed=st.integers(0, 2**16))
+def test_fp32_activations_are_summed_in_fp32(kg, m, blocks, kb, bias, threads, half, seed):
+    """fp32 x takes the fp32 kernel on every CPU (cpu_quant_f32.c): up to 16 rows on the packed weights, more on
+    column chunks dequantized to fp32 (one chunk of 32 columns here, so several); the result is the fp32 linear on
+    the dequantized weights up to fp32 rounding of the sums: |y - y64| <= (K + 4) 2^-24 S, far inside bf16's."""
+    kind, group = kg
+    gen = torch.Generator().manual_seed(seed)
+    n, k = 16 * blocks, max(32, group) * kb
+    qw = _quantized(kind, torch.randn(n, k, generator=gen), group or k, half)
+    x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if bias else None
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(quant, "DEQUANT_CHUNK_BYTES", 4 * k * 32):
+            got = quant.linear(x, quant.pack(qw), b)
+    finally:
+        torch.set_num_threads(1)
+    assert quant.kernel(torch.float32) == "fp32" and got.dtype == torch.float32
+    _check_f32(got, x, qw, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [3, 20])
+def test_fp32_kernel_widens_every_kind_of_fp16_scale(rows):
+    """fp16 scales and mins of every finite class (normal, subnormal down to 2^-24, zero, either sign) widen exactly
+    in the fp32 kernel (cpu_simd.h's vf_load_f16 works bit by bit where the CPU has no conversion instruction)."""
+    gen = torch.Generator().manual_seed(3)
+    n, k, group = 32, 128, 32
+    classes = torch.tensor([1.0, -2.5, 6.1e-5, 3e-6, -5.96e-8, 0.0, 65504.0, 1e-3], dtype=torch.float16)
+    scales = classes[torch.randint(0, 8, (n, k // group), generator=gen)]
+    mins = -classes[torch.randint(0, 8, (n, k // group), generator=gen)]
+    assert (scales.float().abs() < 6.1e-5).any() and (scales == 0).any()  # subnormals and zeros are in
+    qw = quant.QuantWeight("int4", torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scales, mins, group)
+    x = torch.randn(rows, k, generator=gen)
+    _check_f32(quant.linear(x, quant.pack(qw), None), x, qw, None)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_prefill_rows_and_long_rows(kind, monkeypatch):
     """Hundreds of rows (the dequantized panel, rows in pairs of tiles; without tiles, column chunks of the
@@ -108,13 +167,15 @@ def test_prefill_rows_and_long_rows(kind, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows", [20, 3])
-def test_a_wrong_scale_column_or_row_would_show(rows):
-    """Many rows (the dequantizing paths) and a few (the values-then-scale paths)."""
+def test_a_wrong_scale_column_or_row_would_show(rows, path):
+    """Many rows (the dequantizing paths) and a few (the values-then-scale paths), on each kernel this CPU runs."""
     gen = torch.Generator().manual_seed(1)
     qw = quant.quantize_int4(torch.randn(48, 64, generator=gen), 32)
     x = torch.randn(rows, 64, generator=gen).bfloat16()
-    got = quant.linear(x, quant.pack(qw), None)
+    with _on(path):
+        got = quant.linear(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     with pytest.raises(AssertionError):
         _check(got[:, [1, 0, *range(2, 48)]], x, qw, None)
@@ -122,7 +183,7 @@ def test_a_wrong_scale_column_or_row_would_show(rows):
         _check(got[[rows - 1, *range(1, rows - 1), 0]], x, qw, None)
     for swapped in (quant.QuantWeight("int4", qw.q, qw.scales.flip(1).contiguous(), qw.mins, 32),
                     quant.QuantWeight("int4", qw.q, qw.scales, qw.mins.flip(1).contiguous(), 32)):
-        with pytest.raises(AssertionError):
+        with pytest.raises(AssertionError), _on(path):
             _check(quant.linear(x, quant.pack(swapped), None), x, qw, None)
 
 
@@ -177,7 +238,7 @@ def test_linear_falls_back_to_dequantized_float_without_a_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     qw = quant.quantize_int8(torch.randn(32, 64, generator=gen), 32)
     x = torch.randn(3, 64, generator=gen).bfloat16()
-    monkeypatch.setattr(quant, "kernel", lambda: None)  # neither tiles nor AVX512-BF16
+    monkeypatch.setattr(quant, "kernel", lambda dtype=None: None)  # no native library
     layer = Linear(qw, None)
     assert layer.quant is not None and layer.weight is None
     _check(layer(x), x, qw, None)

@@ -27,6 +27,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                          rope_theta=500000.0, tie_word_embeddings=False,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
+    "llama-3.2-1b": dict(vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=131072,
+                         rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
     "tiny": dict(vocab_size=4096, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, max_position_embeddings=2048, tie_word_embeddings=False),
 }
