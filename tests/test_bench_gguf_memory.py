@@ -1,0 +1,31 @@
+"""bench/gguf_memory.py on the tiny shape: a file written where missing, loaded and served in a child process, with
+its blocks kept on the quantized kernel of the engine's dtype or dequantized at load (--dequantize); llama.cpp's
+side skipped where its binary is absent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radixserve.bench import gguf_memory
+from radixserve.kernels import native
+
+
+@pytest.mark.skipif(native.cannot_build() is not None, reason=native.cannot_build() or "")
+def test_kept_blocks_hold_less_than_dequantized_ones(tmp_path):
+    path = str(tmp_path / "tiny-q4_0.gguf")
+    rows = {}
+    for dequantize in (False, True):
+        out = tmp_path / f"out{int(dequantize)}"
+        gguf_memory.main(["--shape", "tiny", "--gguf", path, "--context", "16", "--new-tokens", "2", "--runs", "1",
+                          "--kv-cache-tokens", "256", "--dtype", "float32", "--settle-s", "0", "--stream-gib", "0.01",
+                          "--llama-bench", str(tmp_path / "absent"), "--out", str(out),
+                          *(["--dequantize"] if dequantize else [])])
+        (report,) = out.glob("*.json")
+        assert report.name == ("gguf_memory_tiny-q4_0_float32" + ("_dequantized" if dequantize else "") + ".json")
+        rows[dequantize] = json.loads(report.read_text())
+    kept, dequantized = rows[False], rows[True]
+    assert kept["kernel"] == "fp32" and dequantized["kernel"] is None and kept["dtype"] == "float32"
+    # Q4_0 kept: 5 bits a weight against fp32's 32 (the norms and the tiny model's 1-D tensors are float in both)
+    assert kept["streamed_per_token"] * 4 < dequantized["streamed_per_token"]
+    assert [r["engine"] for r in kept["runs"]] == ["radixserve"] and kept["runs"][0]["decode_tok_s"] > 0
