@@ -11,8 +11,9 @@
  *
  * rs_quant_rows_f32: y [M, N] = x [M, K] W^T + b for up to 16 rows (decode), each tile dequantized once for all
  * rows; a single row skips the tile buffer and scales each group's sums of the integer values instead (as
- * cpu_quant_vec.c does), so its error bound is in terms of |q scale| + |min| rather than |w|. rs_quant_dequant_f32: rows [n0, n1) of dequantize(W) as fp32 [n1 - n0][K], so that a prefill's many rows
- * run as one fp32 matmul (torch). flags as cpu_quant_vec.c's. Both return -1 where the shape cannot run.
+ * cpu_quant_vec.c does), so its error bound is in terms of |q scale| + |min| rather than |w|.
+ * rs_quant_dequant_f32: rows [n0, n1) of dequantize(W) as fp32 [n1 - n0][K], so that a prefill's many rows run as
+ * one fp32 matmul (torch). flags as cpu_quant_vec.c's. Both return -1 where the shape cannot run.
  */
 #include <stdint.h>
 #include <string.h>

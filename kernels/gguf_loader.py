@@ -70,6 +70,10 @@ class DequantReport:
             parts.append(f"dequantized {count(self.tensors)} to {str(self.dtype).removeprefix('torch.')}; max "
                          f"relative error against the float32 dequantized values {self.max_rel_error:.2e} over "
                          f"{self.sampled:,} sampled values")
+        if self.kept:  # which kernel multiplies them (quant.kernel: tiles, avx512-bf16 or fp32)
+            from .quant import kernel
+
+            parts.append(f"quantized kernel {kernel(self.dtype)}")
         return "GGUF: " + ("; ".join(parts) if parts else "no quantized tensors")
 
 
