@@ -18,17 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_qview.h"
 #include "cpu_simd.h"
-
-#define QF_INT4 1
-#define QF_HALF 2
-
-typedef struct {
-    int int4, half;
-    const uint8_t *data;
-    const void *scales, *mins;
-    int64_t K, g;
-} qf32;
 
 /* A group's 16 column scales (or mins) in fp32, spread over the two halves' lanes: lo[2c + j] = s[c], hi[2c + j] =
  * s[8 + c]. */
@@ -36,13 +27,9 @@ static inline void spread16(const void *s, int64_t at, int half, vf *lo, vf *hi)
     vf_dup_pairs(half ? vf_load_f16((const uint16_t *)s + at) : vf_loadu((const float *)s + at), lo, hi);
 }
 
-static int valid(int64_t N, int64_t K, int64_t g, const void *mins, int flags) {
-    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 && (!(flags & QF_INT4) || mins);
-}
-
 /* The 32 values of pair rows p and p + 1 (p even) of the tile whose bytes start at `tile`, unscaled (exact in
  * fp32): v[0..1] row p's halves, v[2..3] row p + 1's. */
-static inline void pair_values(const qf32 *w, const uint8_t *tile, int p, vf *v) {
+static inline void pair_values(const qview *w, const uint8_t *tile, int p, vf *v) {
     if (!w->int4) {
         for (int r = 0; r < 2; ++r)
             for (int h = 0; h < 2; ++h) v[2 * r + h] = vf_load_i8((const int8_t *)tile + 32 * (p + r) + 16 * h);
@@ -60,7 +47,7 @@ static inline void pair_values(const qf32 *w, const uint8_t *tile, int p, vf *v)
 }
 
 /* Block blk's tile at inputs [k, k + 32), dequantized into t[2p + h] (the file comment's order). */
-static void tile_f32(const qf32 *w, int64_t blk, int64_t k, vf *t) {
+static void tile_f32(const qview *w, int64_t blk, int64_t k, vf *t) {
     const int64_t groups = w->K / w->g, bpk = w->int4 ? 8 : 16;
     const uint8_t *src = w->data + (blk * w->K + k) * bpk;
     vf s0 = vf_zero(), s1 = s0, m0 = s0, m1 = s0, v[4];
@@ -78,7 +65,7 @@ static void tile_f32(const qf32 *w, int64_t blk, int64_t k, vf *t) {
 
 /* One row (single-stream decode) x block blk's 16 columns into y: no tile buffer; each group's products of the
  * integer values (exact in fp32) are summed, then scaled in fp32: acc += scale * sum + min * the group's inputs. */
-static void block_row1_f32(const float *x, const qf32 *w, int64_t blk, const float *b, float *y) {
+static void block_row1_f32(const float *x, const qview *w, int64_t blk, const float *b, float *y) {
     const int64_t K = w->K, g = w->g, groups = K / g, bpk = w->int4 ? 8 : 16;
     vf a0 = vf_zero(), a1 = a0;
     for (int64_t gi = 0; gi < groups; ++gi) {
@@ -103,7 +90,7 @@ static void block_row1_f32(const float *x, const qf32 *w, int64_t blk, const flo
 }
 
 /* Rows [0, M <= 16) x block blk's 16 columns into y (acc + bias). */
-static void block_rows_f32(const float *x, int M, const qf32 *w, int64_t blk, const float *b, float *y, int64_t N) {
+static void block_rows_f32(const float *x, int M, const qview *w, int64_t blk, const float *b, float *y, int64_t N) {
     float acc[16][32] __attribute__((aligned(64)));
     vf t[32];
     memset(acc, 0, sizeof(acc[0]) * (size_t)M);
@@ -127,8 +114,8 @@ static void block_rows_f32(const float *x, int M, const qf32 *w, int64_t blk, co
 
 int rs_quant_rows_f32(const float *x, int64_t M, int flags, const uint8_t *data, const void *scales,
                       const void *mins, int64_t N, int64_t K, int64_t g, const float *b, float *y, int num_threads) {
-    if (M < 0 || M > 16 || !valid(N, K, g, mins, flags)) return -1;
-    const qf32 w = {flags & QF_INT4, (flags & QF_HALF) != 0, data, scales, (flags & QF_INT4) ? mins : NULL, K, g};
+    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags)) return -1;
+    const qview w = qview_of(flags, data, scales, mins, K, g);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (N > 16)
     for (int64_t blk = 0; blk < N / 16; ++blk) {
         if (M == 1) block_row1_f32(x, &w, blk, b, y);
@@ -139,8 +126,8 @@ int rs_quant_rows_f32(const float *x, int64_t M, int flags, const uint8_t *data,
 
 int rs_quant_dequant_f32(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t N, int64_t K,
                          int64_t g, int64_t n0, int64_t n1, float *out, int num_threads) {
-    if (!valid(N, K, g, mins, flags) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N || n1 <= n0) return -1;
-    const qf32 w = {flags & QF_INT4, (flags & QF_HALF) != 0, data, scales, (flags & QF_INT4) ? mins : NULL, K, g};
+    if (!qview_valid(N, K, g, mins, flags) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N || n1 <= n0) return -1;
+    const qview w = qview_of(flags, data, scales, mins, K, g);
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t blk = n0 / 16; blk < n1 / 16; ++blk) {
         vf t[32];

@@ -17,20 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_qview.h"
 #include "cpu_simd.h"
-
-#define QF_INT4 1
-#define QF_HALF 2
 
 #if defined(__AVX512F__)
 #define PREFETCH_INPUTS 128 /* inputs ahead that a block asks the weight stream for */
-
-typedef struct {
-    int int4, half;
-    const uint8_t *data;
-    const void *scales, *mins;
-    int64_t K, g;
-} qview;
 
 /* bf16 of 0..15 (an int4 value's exact bf16 by one word permute), twice over the 32 words of a table */
 static const uint16_t INT4_WORDS[32] __attribute__((aligned(64))) = {
@@ -162,16 +153,13 @@ DP_TARGET static void dequant_tile_t(const qview *w, int64_t blk, int64_t k, uin
     }
 }
 
-static int valid(int64_t N, int64_t K, int64_t g, const void *mins, int flags) {
-    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 && (!(flags & QF_INT4) || mins);
-}
 #endif
 
 int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, const void *scales, const void *mins,
                   int64_t N, int64_t K, int64_t g, const uint16_t *b, uint16_t *y, int num_threads) {
 #if defined(__AVX512F__)
-    if (M < 0 || M > 16 || !valid(N, K, g, mins, flags)) return -1;
-    const qview w = {flags & QF_INT4, (flags & QF_HALF) != 0, data, scales, (flags & QF_INT4) ? mins : NULL, K, g};
+    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags)) return -1;
+    const qview w = qview_of(flags, data, scales, mins, K, g);
     float *xsum = w.mins ? malloc(sizeof(float) * (size_t)(M * (K / g) + 1)) : NULL;
     if (w.mins && !xsum) return -2;
     if (xsum) group_sums(x, M, K, g, xsum);
@@ -189,8 +177,8 @@ int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, 
 int rs_quant_dequant_t(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t N, int64_t K,
                        int64_t g, int64_t n0, int64_t n1, uint16_t *out, int num_threads) {
 #if defined(__AVX512F__)
-    if (!valid(N, K, g, mins, flags) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N || n1 <= n0) return -1;
-    const qview w = {flags & QF_INT4, (flags & QF_HALF) != 0, data, scales, (flags & QF_INT4) ? mins : NULL, K, g};
+    if (!qview_valid(N, K, g, mins, flags) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N || n1 <= n0) return -1;
+    const qview w = qview_of(flags, data, scales, mins, K, g);
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int64_t blk = n0 / 16; blk < n1 / 16; ++blk)
         for (int64_t k = 0; k < K; k += 32) dequant_tile_t(&w, blk, k, out + (blk * 16 - n0), n1 - n0);

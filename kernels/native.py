@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_linear_dp.c",
-                             "cpu_quant.c", "cpu_quant_vec.c", "cpu_quant_f32.c", "cpu_simd.h", "cpu_tiles.h",
-                             "cpu_amx.h", "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h", "cpu_pointwise.c"))
+                             "cpu_quant.c", "cpu_quant_vec.c", "cpu_quant_f32.c", "cpu_qview.h", "cpu_simd.h",
+                             "cpu_tiles.h", "cpu_amx.h", "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h",
+                             "cpu_pointwise.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
 DTYPES = (torch.float32, torch.bfloat16)  # of q, K and V alike (the model's dtype), or of q over an int8 pool

@@ -304,13 +304,23 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
     fn = native.load().rs_linear_quant if path == "tiles" else native.load().rs_quant_rows
     code = fn(xb.data_ptr(), xb.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n, w.k,
               w.group, _ptr(bias), out.data_ptr(), torch.get_num_threads())
-    if code != 0:
-        raise RuntimeError(f"the quantized linear kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+    _accepted(code, "the quantized linear kernel", w)
     return out.to(x.dtype)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _accepted(code: int, what: str, w: PackedQuant) -> None:
+    """RuntimeError naming the kernel and the weight where a native call returned nonzero."""
+    if code != 0:
+        raise RuntimeError(f"{what} refused [{w.n}, {w.k}] group {w.group} (code {code})")
+
+
+def _chunk_cols(w: PackedQuant, element_bytes: int) -> int:
+    """Columns a many-row linear dequantizes at a time: DEQUANT_CHUNK_BYTES of weights, whole 16-column blocks."""
+    return max(16, min(w.n, DEQUANT_CHUNK_BYTES // (element_bytes * w.k)) // 16 * 16)
 
 
 def _linear_f32(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
@@ -325,17 +335,15 @@ def _linear_f32(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> t
     if xf.shape[0] <= 16:
         code = lib.rs_quant_rows_f32(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(),
                                      _ptr(w.mins), w.n, w.k, w.group, _ptr(bias), out.data_ptr(), threads)
-        if code != 0:
-            raise RuntimeError(f"the fp32 quantized kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        _accepted(code, "the fp32 quantized kernel", w)
         return out
-    cols = max(16, min(w.n, DEQUANT_CHUNK_BYTES // (4 * w.k)) // 16 * 16)
+    cols = _chunk_cols(w, 4)
     part = torch.empty((cols, w.k), dtype=torch.float32)
     for n0 in range(0, w.n, cols):
         n1 = min(w.n, n0 + cols)
         code = lib.rs_quant_dequant_f32(w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n, w.k,
                                         w.group, n0, n1, part.data_ptr(), threads)
-        if code != 0:
-            raise RuntimeError(f"the fp32 dequantizing kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        _accepted(code, "the fp32 dequantizing kernel", w)
         out[:, n0:n1] = F.linear(xf, part[:n1 - n0], None if bias is None else bias[n0:n1])
     return out
 
@@ -346,15 +354,14 @@ def _dequantized_matmul(xb: torch.Tensor, w: PackedQuant, bias: torch.Tensor | N
     from . import native
 
     out = torch.empty((xb.shape[0], w.n), dtype=torch.bfloat16)
-    cols = max(16, min(w.n, DEQUANT_CHUNK_BYTES // (2 * w.k)) // 16 * 16)
+    cols = _chunk_cols(w, 2)
     wt = torch.empty((w.k, cols), dtype=torch.bfloat16)
     for n0 in range(0, w.n, cols):
         n1 = min(w.n, n0 + cols)
         part = wt if n1 - n0 == cols else torch.empty((w.k, n1 - n0), dtype=torch.bfloat16)
         code = native.load().rs_quant_dequant_t(w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n,
                                                 w.k, w.group, n0, n1, part.data_ptr(), torch.get_num_threads())
-        if code != 0:
-            raise RuntimeError(f"the dequantizing kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
+        _accepted(code, "the dequantizing kernel", w)
         out[:, n0:n1] = xb @ part if bias is None else torch.addmm(bias[n0:n1], xb, part)
     return out
 
