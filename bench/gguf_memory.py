@@ -64,9 +64,11 @@ def model_bytes(model: Any) -> dict[str, int]:
     return {"streamed_per_token": streamed, "held": streamed + norms + (0 if shared_head else size(model.embed))}
 
 
-def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequantize: bool = False) -> None:
+def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequantize: bool = False,
+          activations: str = "auto") -> None:
     """Loads the file, reports, then serves single-stream runs on the commands read from stdin. With `dequantize`
-    the block tensors are dequantized to the engine's dtype at load, as where no quantized kernel runs."""
+    the block tensors are dequantized to the engine's dtype at load, as where no quantized kernel runs;
+    `activations` is the engine's quantized_activations."""
     from ._llamacpp import single_ours
     from .harness import warm_up
     from ..kernels import quant
@@ -77,10 +79,11 @@ def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequ
         runner_module.keeps_blocks = lambda *_: False
     start = time.perf_counter()
     engine = Engine(path, dtype=dtype, num_threads=threads, kv_cache_tokens=kv_tokens, context_length=kv_tokens,
-                    max_running_requests=4)
+                    max_running_requests=4, quantized_activations=activations)
     runner = engine.runner
     kernel = None if dequantize else quant.kernel(runner.dtype)
     loaded = {"load_s": time.perf_counter() - start, "after_load": vm_status(), "kernel": kernel,
+              "int8_activations": runner.int8_activations,
               "dtype": str(runner.dtype).removeprefix("torch."),
               "kv_pool_bytes": runner.k_cache.nbytes + runner.v_cache.nbytes, **model_bytes(runner.model)}
     print(json.dumps(loaded), flush=True)
@@ -97,11 +100,11 @@ def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequ
 
 
 class Child:
-    def __init__(self, path: str, kv_tokens: int, threads: int, dtype: str, dequantize: bool) -> None:
+    def __init__(self, path: str, kv_tokens: int, threads: int, dtype: str, dequantize: bool, activations: str) -> None:
         code = ("import sys; from radixserve.bench.gguf_memory import child; "
-                "child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == '1')")
+                "child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == '1', sys.argv[6])")
         self.proc = subprocess.Popen([sys.executable, "-c", code, path, str(kv_tokens), str(threads), dtype,
-                                      str(int(dequantize))],
+                                      str(int(dequantize)), activations],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
 
     def reply(self) -> dict[str, Any]:
@@ -145,23 +148,35 @@ def run(args) -> dict[str, Any]:
         os.makedirs(os.path.dirname(os.path.abspath(args.gguf)), exist_ok=True)
         write_random_gguf(args.gguf, SHAPES[args.shape], "Q4_0")
     llama = args.llama_bench if os.path.isfile(args.llama_bench) else None
-    ours = Child(args.gguf, args.kv_cache_tokens, args.threads, args.dtype, args.dequantize)
-    loaded, runs = ours.reply(), []
-    try:
-        for rep, order in enumerate(alternation(["radixserve", "llama.cpp"] if llama else ["radixserve"], args.runs)):
+    ours, loaded, runs = {}, {}, []
+    try:  # one child per --quantized-activations value, loaded one after the other, all kept for the alternation
+        for value in args.quantized_activations.split(","):
+            name = engine_name(value, args.quantized_activations)
+            ours[name] = Child(args.gguf, args.kv_cache_tokens, args.threads, args.dtype, args.dequantize, value)
+            loaded[name] = ours[name].reply()
+        engines = [*ours, "llama.cpp"] if llama else list(ours)
+        for rep, order in enumerate(alternation(engines, args.runs)):
             for name in order:
                 time.sleep(args.settle_s)
-                rates = (ours.ask(f"run {args.context} {args.new_tokens} {rep}") if name == "radixserve" else
+                rates = (ours[name].ask(f"run {args.context} {args.new_tokens} {rep}") if name in ours else
                          llama_decode(llama, args.gguf, args.context, args.new_tokens, args.threads))
                 runs.append({"engine": name, "rep": rep, **rates})
-        served = ours.ask("quit")
+        served = {name: child.ask("quit") for name, child in ours.items()}
     finally:
-        ours.proc.kill() if ours.proc.poll() is None else None
+        for child in ours.values():
+            child.proc.kill() if child.proc.poll() is None else None
+    first = next(iter(ours))  # the memory figures are the first child's (each engine is its own process)
     bandwidth = roofline.measure_stream_gbs(int(args.stream_gib * 2**30 / 4), args.threads)
     return {"gguf": args.gguf, "file_bytes": os.path.getsize(args.gguf), "context": args.context,
             "new_tokens": args.new_tokens, "threads": args.threads, "kv_cache_tokens": args.kv_cache_tokens,
-            **loaded, **served, "runs": runs, "read_gbs": bandwidth,
+            **loaded[first], **served[first], "engines": {n: {**loaded[n], **served[n]} for n in ours},
+            "runs": runs, "read_gbs": bandwidth,
             "llama_streamed_per_token": file_bytes_streamed(args.gguf), "load": os.getloadavg()[0]}
+
+
+def engine_name(value: str, values: str) -> str:
+    """radixserve's name in the runs: plain with one --quantized-activations value, else tagged with it."""
+    return "radixserve" if "," not in values else f"radixserve ({value})"
 
 
 def median(values: Sequence[float]) -> float:
@@ -173,8 +188,8 @@ def report(r: dict[str, Any]) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     budget = r["file_bytes"] + r["kv_pool_bytes"]
     peak = max(r["after_load"]["VmHWM"], r["after_serve"]["VmHWM"])
-    decode = {e: median([x["decode_tok_s"] for x in r["runs"] if x["engine"] == e])
-              for e in ("radixserve", "llama.cpp")}
+    names = list(dict.fromkeys(x["engine"] for x in r["runs"]))
+    decode = {e: median([x["decode_tok_s"] for x in r["runs"] if x["engine"] == e]) for e in names}
     floor_ours = r["read_gbs"] * 1e9 / r["streamed_per_token"]
     floor_file = r["read_gbs"] * 1e9 / r["llama_streamed_per_token"]
     lines = [f"# GGUF memory and decode: {os.path.basename(r['gguf'])}", "",
@@ -187,8 +202,8 @@ def report(r: dict[str, Any]) -> str:
              f"| peak RSS after serving | {gb(r['after_serve']['VmHWM'])} |",
              f"| peak / (file + KV pool) | **{peak / budget:.2f}x** (target <= {TARGET}x) |",
              f"| load time | {r['load_s']:.0f} s |",
-             f"| decode tok/s at {r['context']} context, radixserve | {decode['radixserve']:.2f} |",
-             f"| decode tok/s, llama.cpp (same file) | {decode['llama.cpp']:.2f} |",
+             *(f"| decode tok/s at {r['context']} context, {e}{' (same file)' if e == 'llama.cpp' else ''} | "
+               f"{decode[e]:.2f} |" for e in names),
              f"| floor: read {r['read_gbs']:.1f} GB/s / our {gb(r['streamed_per_token'])} per token | "
              f"{floor_ours:.2f} tok/s |",
              f"| floor: read / the file's {gb(r['llama_streamed_per_token'])} per token | {floor_file:.2f} tok/s |"]
@@ -207,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the engine's --dtype (auto: float32 without bf16 flags)")
     parser.add_argument("--dequantize", action="store_true",
                         help="dequantize the block tensors at load (what runs where no quantized kernel does)")
+    parser.add_argument("--quantized-activations", default="auto",
+                        help="the engine's --quantized-activations; a comma list runs one engine per value, alternating")
     parser.add_argument("--settle-s", type=float, default=2.0)
     parser.add_argument("--stream-gib", type=float, default=1.0, help="the bandwidth measurement's buffer")
     parser.add_argument("--llama-bench", default=LLAMA_BENCH, help="llama.cpp's llama-bench (skipped if absent)")
@@ -214,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     out = BenchOutput("gguf_memory", args.out)
     result = run(args)
     stem = "gguf_memory_" + os.path.basename(args.gguf).removesuffix(".gguf") + (
-        "" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_dequantized" if args.dequantize else "")
+        "" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_dequantized" if args.dequantize else "") + (
+        "" if args.quantized_activations == "auto" else "_act-" + args.quantized_activations.replace(",", "-"))
     table = report(result)
     out.write_report(stem, result, table)
     out.finish(table)

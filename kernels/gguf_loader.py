@@ -49,6 +49,7 @@ class DequantReport:
     kept: dict[str, int] = field(default_factory=dict)  # kept quantized, per type
     max_rel_error: float = 0.0
     sampled: int = 0
+    int8_activations: bool = False  # the kept weights take int8 activations at decode (quant_act.py)
 
     def add(self, kind: str, exact: torch.Tensor, cast: torch.Tensor) -> None:
         self.tensors[kind] = self.tensors.get(kind, 0) + 1
@@ -73,7 +74,8 @@ class DequantReport:
         if self.kept:  # which kernel multiplies them (quant.kernel: tiles, avx512-bf16 or fp32)
             from .quant import kernel
 
-            parts.append(f"quantized kernel {kernel(self.dtype)}")
+            parts.append(f"quantized kernel {kernel(self.dtype)}"
+                         + (", int8 activations at decode (--quantized-activations)" if self.int8_activations else ""))
         return "GGUF: " + ("; ".join(parts) if parts else "no quantized tensors")
 
 
@@ -90,14 +92,15 @@ def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
 
 def load_gguf_state_dict(path: str, dtype: torch.dtype, device: torch.device,
                          transform: Callable[[str, torch.Tensor], Any] | None = None,
-                         keep_quantized: bool = False) -> "GGUFState":
+                         keep_quantized: bool = False, int8_activations: bool = False) -> "GGUFState":
     """The weights of the GGUF file, keyed by HF name (model.CausalLM takes them), each read when taken (GGUFState).
     With `keep_quantized`, linear weights and the embedding table of a type gguf_quant maps without loss stay
     quantized (quant.QuantWeight, on the CPU: the model looks rows up from it, and a tied LM head is the same packed
     weight) instead of being dequantized to `dtype`;
     `transform(name, tensor)` (quant.load_transform, --quantization) may replace any other tensor, given in
-    float32 (a block type dequantized first)."""
-    return GGUFState(open_gguf(path), dtype, device, transform, keep_quantized)
+    float32 (a block type dequantized first). `int8_activations` is for the report line only (the runner marks the
+    packed weights)."""
+    return GGUFState(open_gguf(path), dtype, device, transform, keep_quantized, int8_activations)
 
 
 class GGUFState(Mapping):
@@ -107,7 +110,8 @@ class GGUFState(Mapping):
     last is taken the report line is logged."""
 
     def __init__(self, header: GGUFHeader, dtype: torch.dtype, device: torch.device,
-                 transform: Callable[[str, torch.Tensor], Any] | None, keep_quantized: bool) -> None:
+                 transform: Callable[[str, torch.Tensor], Any] | None, keep_quantized: bool,
+                 int8_activations: bool = False) -> None:
         self.header, self.dtype, self.device, self.transform = header, dtype, device, transform
         arch = gguf_field(header, "general.architecture")
         heads = int(gguf_field(header, f"{arch}.attention.head_count"))
@@ -115,7 +119,7 @@ class GGUFState(Mapping):
                                                              or heads)} if arch == "llama" else {}
         self._infos = {name: t for t in header.tensors if (name := hf_tensor_name(t.name)) is not None}
         self._kept = _kept_names(self._infos) if keep_quantized else set()
-        self.report = DequantReport(dtype)
+        self.report = DequantReport(dtype, int8_activations=int8_activations and keep_quantized)
         self._bar = tqdm(total=sum(t.n_bytes for t in self._infos.values()), desc="loading GGUF weights",
                          unit="B", unit_scale=True, disable=None)
 

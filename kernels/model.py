@@ -76,6 +76,12 @@ class CausalLM:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
+    def quantized_weights(self) -> list[quant.PackedQuant]:
+        """The packed quantized weights its linears multiply, each once (a tied head's is the table's)."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        found = {id(lin.quant): lin.quant for lin in (*linears, self.lm_head) if lin.quant is not None}
+        return list(found.values())
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens] int64

@@ -43,8 +43,8 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("cpu_kernels.c", "cpu_argmax.c", "cpu_linear.c", "cpu_linear_amx.c", "cpu_linear_dp.c",
-                             "cpu_quant.c", "cpu_quant_vec.c", "cpu_quant_f32.c", "cpu_qview.h", "cpu_simd.h",
-                             "cpu_tiles.h", "cpu_amx.h", "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h",
+                             "cpu_quant.c", "cpu_quant_vec.c", "cpu_quant_f32.c", "cpu_quant_i8.c", "cpu_qview.h",
+                             "cpu_simd.h", "cpu_tiles.h", "cpu_amx.h", "cpu_attn_few.c", "cpu_attn.h", "cpu_attn_dp.h",
                              "cpu_pointwise.c"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 MAX_HEAD_DIM = 128  # DMAX in the source; head_dim must also be a multiple of 32
@@ -191,7 +191,8 @@ def _open(path: Path, isa: Isa) -> ctypes.CDLL:
     lib.rs_quant_dequant_t.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_int]
     lib.rs_quant_dequant_t.restype = ctypes.c_int
-    for name, like in (("rs_quant_rows_f32", lib.rs_quant_rows), ("rs_quant_dequant_f32", lib.rs_quant_dequant_t)):
+    for name, like in (("rs_quant_rows_f32", lib.rs_quant_rows), ("rs_quant_rows_i8", lib.rs_quant_rows),
+                       ("rs_quant_dequant_f32", lib.rs_quant_dequant_t)):
         getattr(lib, name).argtypes, getattr(lib, name).restype = like.argtypes, ctypes.c_int  # fp32 x, y, out
     lib.rs_isa.argtypes, lib.rs_isa.restype = [], ctypes.c_char_p
     lib.rs_amx_ready.argtypes, lib.rs_amx_ready.restype = [], ctypes.c_int

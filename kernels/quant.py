@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from . import quant_act
 from .quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class PackedQuant:
     data: torch.Tensor  # int8 [N/16, K/32, 16, 32] or uint8 [N/16, K/32, 8, 32]
     scales: torch.Tensor  # [N/16, K/group, 16] float16 or float32
     mins: torch.Tensor | None
+    int8_activations: bool = False  # decode rows quantized to int8 (quant_act.py; the runner sets it)
 
     @property
     def nbytes(self) -> int:
@@ -286,7 +288,8 @@ def kernel(dtype: torch.dtype = torch.bfloat16) -> str | None:
 def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ dequantize(w)^T + bias, in x's dtype, on the native kernel (``kernel()``): x and bias rounded
     to bf16, fp32 sums, the output rounded to bf16 and cast to x's dtype (the module docstring says where weights
-    are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow)."""
+    are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow). A weight marked
+    ``int8_activations`` takes decode-sized x on cpu_quant_i8.c instead (quant_act.py)."""
     from . import native
 
     path = kernel(x.dtype) if x.device.type == "cpu" else None
@@ -294,6 +297,8 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"a quantized linear takes x [M, {w.k}], got {tuple(x.shape)}")
+    if w.int8_activations and quant_act.takes(x, w.kind):
+        return quant_act.linear(x, w, bias).to(x.dtype)
     if path == "fp32":
         return _linear_f32(x, w, bias).to(x.dtype)
     xb = x.to(torch.bfloat16).contiguous()

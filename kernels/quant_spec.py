@@ -1,11 +1,12 @@
-"""The --quantization setting (torch-free: the HTTP process validates it): its choices and what each names.
-The formats, packing and kernels are kernels/quant.py's."""
+"""The --quantization and --quantized-activations settings (torch-free: the HTTP process validates them): their
+choices and what each names. The formats, packing and kernels are kernels/quant.py's (activations: quant_act.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 # int8: one scale per output channel, int8-g32 per 32 inputs; int4: affine, scale and min per 32 inputs (-g128: 128)
 QUANTIZATIONS = ("none", "int8", "int8-g32", "int4", "int4-g128")
+QUANTIZED_ACTIVATIONS = ("auto", "none", "int8")  # quant_act.resolve says what each does
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import native as native_lib
+from . import quant_act
 from .attention import ATTENTION_BACKENDS
 from .attention.base import AttentionBackend, AttentionMetadata, SharedPrefix
 from .attention.metadata import HostCounters, build_metadata, gather_rows, host_tensor
@@ -91,7 +92,7 @@ class ModelRunner:
                  context_length: int | None = None, max_running_requests: int = 64,
                  num_threads: int | None = None, retain_host_memory: bool = True,
                  native_kernels: bool = True, quantization: str | None = None,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", quantized_activations: str = "auto") -> None:
         for name, value in (("num_slots", 1 if num_slots is None else num_slots), ("max_running_requests", max_running_requests),
                             ("page_size", page_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -122,12 +123,17 @@ class ModelRunner:
         native = native_kernels and native_lib.supports(self.dtype, config.head_dim, self.device)
         self.native_sampling = native_kernels  # greedy argmax through the native library where it applies
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
-        if is_gguf_path(model_path):  # block tensors kept quantized where the quantized kernel runs
+        gguf = is_gguf_path(model_path)
+        # decode rows of the quantized linears in int8 (quant_act.py: auto for a GGUF file on the fp32 kernel)
+        self.int8_activations = quant_act.resolve(quantized_activations, gguf, self.dtype, self.device)
+        if gguf:  # block tensors kept quantized where the quantized kernel runs
             state = load_gguf_state_dict(model_path, self.dtype, self.device, load_transform(spec),
-                                         keeps_blocks(self.dtype, self.device))
+                                         keeps_blocks(self.dtype, self.device), self.int8_activations)
         else:
             state = load_state_dict(model_path, self.dtype, self.device, load_transform(spec))
         self.model = CausalLM(self.config, state, self.device, spec)
+        for weight in self.model.quantized_weights():
+            weight.int8_activations = self.int8_activations
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.kv_cache_dtype = kv_cache_dtype  # auto: tensors in the model's dtype; int8: kv_int8.Int8KV pools
         self.k_cache, self.v_cache = make_pool(kv_shape, kv_cache_dtype, self.dtype, self.device)

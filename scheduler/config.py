@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from ..kernels.attention import ATTENTION_BACKENDS
 from ..kernels.kv_budget import CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, KV_CACHE_DTYPES
-from ..kernels.quant_spec import QUANTIZATIONS
+from ..kernels.quant_spec import QUANTIZATIONS, QUANTIZED_ACTIVATIONS
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, EVICTION_POLICIES
 from .checks import check_choice, check_int, check_number
 from .sessions import ADMISSION_RATIO
@@ -95,6 +95,11 @@ class EngineConfig:
     quantization: str = option(
         "none", "weight-only quantization at load (kernels/quant.py): int8 one scale per output channel, int8-g32 "
                 "per 32 inputs, int4 affine (scale and min) per 32 inputs, int4-g128 per 128", choices=QUANTIZATIONS)
+    quantized_activations: str = option(
+        "auto", "quantized weights at decode (kernels/quant_act.py): none keeps the activations in the model's dtype "
+                "(weight-only); int8 quantizes each row per 32 inputs and multiplies with integer dot products "
+                "(x86 with AVX2); auto does that for a GGUF file's weights on the fp32 quantized kernel (CPUs "
+                "without AVX512-BF16, or --dtype float32), as llama.cpp does", choices=QUANTIZED_ACTIVATIONS)
     context_length: int | None = option(None, "cap the model's context length (None: the model's)")
     kv_cache_tokens: int | None = option(
         None, f"KV cache size in token slots (None: {DEFAULT_CPU_KV_TOKENS} on the CPU; on CUDA, "
@@ -160,6 +165,7 @@ class EngineConfig:
         check_number("session_admission_ratio", self.session_admission_ratio, lo=0)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
+        check_choice("quantized_activations", self.quantized_activations, QUANTIZED_ACTIVATIONS)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_cache_dtype != "auto" and self.attention_backend == "triton":
             raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} is read by the torch attention backend only, "

@@ -55,7 +55,8 @@ class Engine:
                                   num_threads=cfg.resolved_num_threads(),
                                   retain_host_memory=not cfg.release_host_memory,
                                   native_kernels=not cfg.disable_native_kernels, quantization=cfg.quantization,
-                                  kv_cache_dtype=cfg.kv_cache_dtype)
+                                  kv_cache_dtype=cfg.kv_cache_dtype,
+                                  quantized_activations=cfg.quantized_activations)
         num_slots = self.runner.num_slots
         self.model_config = self.runner.config
         self.context_length: int = fit_context_to_pool(self.runner.context_length, num_slots, cfg.page_size,

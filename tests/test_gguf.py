@@ -51,7 +51,8 @@ CPU = torch.device("cpu")
 
 
 def greedy(path: str, dtype: str = "float32") -> list[list[int]]:
-    engine = Engine(path, dtype=dtype, num_threads=1, kv_cache_tokens=1024)
+    """Greedy outputs with activations in `dtype` (the weights' loading is what these tests compare)."""
+    engine = Engine(path, dtype=dtype, num_threads=1, kv_cache_tokens=1024, quantized_activations="none")
     try:
         return [r.output_ids for r in engine.generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))]
     finally:
@@ -295,9 +296,10 @@ def test_server_serves_a_gguf_file_over_http(tmp_path):
 
 def prefill_logits(path: str, dtype: str, monkeypatch, keep: bool = False) -> torch.Tensor:
     """The logits of a 12-token prefill by a ModelRunner on `path`, its block tensors kept quantized or not (on a
-    CPU without the quantized tile kernel, kept weights run through quant.linear's dequantizing path)."""
+    CPU without the quantized tile kernel, kept weights run through quant.linear's dequantizing path), activations
+    in the model's dtype (int8 ones: test_quant_act.py)."""
     monkeypatch.setattr(runner_module, "keeps_blocks", lambda dtype, device: keep)
-    runner = ModelRunner(path, num_slots=64, dtype=dtype, num_threads=1)
+    runner = ModelRunner(path, num_slots=64, dtype=dtype, num_threads=1, quantized_activations="none")
     ids = [5, 17, 99, 3, 250, 41, 7, 7, 300, 12, 64, 128]
     seq = SeqInput(input_ids=ids, prefix_len=0, row=0, new_slots=list(range(len(ids))), slot_offset=0,
                    sample=False, new_row=True)
