@@ -132,7 +132,9 @@ class ModelRunner:
         else:
             state = load_state_dict(model_path, self.dtype, self.device, load_transform(spec))
         self.model = CausalLM(self.config, state, self.device, spec)
-        for weight in self.model.quantized_weights():
+        quantized = self.model.quantized_weights()
+        self.int8_activations = self.int8_activations and bool(quantized)  # GGUF blocks dequantized: nothing to mark
+        for weight in quantized:
             weight.int8_activations = self.int8_activations
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.kv_cache_dtype = kv_cache_dtype  # auto: tensors in the model's dtype; int8: kv_int8.Int8KV pools
