@@ -150,10 +150,14 @@ RS_INLINE vf vf_maskz(vm m, vf x) { EACH(i) x.p[i] = (vn)((vni)x.p[i] & m.p[i]);
 RS_INLINE vm vf_gt(vf a, vf b) { vm m; EACH(i) m.p[i] = a.p[i] > b.p[i]; return m; }
 RS_INLINE vf vf_max(vf a, vf b) { return vf_blend(vf_gt(a, b), a, b); } /* b where either is NaN, as maxps */
 RS_INLINE float vf_lane(vf x, int i) { return x.p[i / VW][i % VW]; }
-RS_INLINE float vf_hsum(vf x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; ++i) s += vf_lane(x, i);
-    return s;
+RS_INLINE float vf_hsum(vf x) { /* a tree (lanes VW apart, then halves): 4 dependent adds, not 15 in a row */
+    vn s = x.p[0];
+    for (int i = 1; i < 16 / VW; ++i) s += x.p[i];
+    float l[VW];
+    memcpy(l, &s, sizeof l);
+    for (int w = VW / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; ++i) l[i] += l[i + w];
+    return l[0];
 }
 RS_INLINE float vf_hmax(vf x) {
     float m = vf_lane(x, 0);
