@@ -18,11 +18,15 @@ AVX512-BF16, or --dtype float32), as llama.cpp computes those files, and keeps w
 from __future__ import annotations
 
 import platform
+from typing import TYPE_CHECKING
 
 import torch
 
 from .loader import cpu_flags
 from .quant_spec import QUANTIZED_ACTIVATIONS as CHOICES
+
+if TYPE_CHECKING:
+    from .quant import PackedQuant
 
 MAX_ROWS = {"int4": 16, "int8": 2}  # at more rows the exact kernels were as fast (int8 values from 3-4 rows on)
 NEEDS = ("avx2", "fma", "f16c")
@@ -51,11 +55,9 @@ def ready() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and set(NEEDS) <= set(cpu_flags()) and native.load() is not None
 
 
-def resolve(setting: str, gguf: bool, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the model's quantized linears take int8 activations at decode (the module docstring); ValueError
-    for "int8" where the kernel cannot run."""
-    from .quant import kernel
-
+def resolve(setting: str, gguf: bool, exact_kernel: str | None, device: torch.device) -> bool:
+    """Whether the model's quantized linears take int8 activations at decode (the module docstring), given the
+    exact kernel its weights would run on (quant.kernel(dtype)); ValueError for "int8" where the kernel cannot run."""
     if setting not in CHOICES:
         raise ValueError(f"quantized_activations must be one of {', '.join(CHOICES)}, got {setting!r}")
     if setting == "none":
@@ -64,7 +66,7 @@ def resolve(setting: str, gguf: bool, dtype: torch.dtype, device: torch.device) 
     if setting == "int8" and not runs:
         raise ValueError(f"quantized_activations int8 needs the native kernels on an x86-64 CPU with "
                          f"{', '.join(NEEDS)} (this is {device.type}, {platform.machine()}): use none")
-    return runs and (setting == "int8" or (gguf and kernel(dtype) == "fp32"))
+    return runs and (setting == "int8" or (gguf and exact_kernel == "fp32"))
 
 
 def takes(x: torch.Tensor, kind: str) -> bool:
@@ -72,16 +74,16 @@ def takes(x: torch.Tensor, kind: str) -> bool:
     return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_ROWS[kind]
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: "PackedQuant", bias: torch.Tensor | None) -> torch.Tensor:
     """quantize_activations(x) [M, K] @ dequantize(w)^T + bias in float32 (M <= 16; quant.linear calls it)."""
     from . import native
-    from .quant import _accepted, _ptr
 
     xf = x.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
     out = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
     code = native.load().rs_quant_rows_i8(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(),
-                                         _ptr(w.mins), w.n, w.k, w.group, _ptr(bias), out.data_ptr(),
+                                         native._ptr(w.mins), w.n, w.k, w.group, native._ptr(bias), out.data_ptr(),
                                          torch.get_num_threads())
-    _accepted(code, "the int8-activation quantized kernel", w)
+    if code != 0:
+        raise RuntimeError(f"the int8-activation quantized kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
     return out

@@ -55,7 +55,7 @@ from .kv_budget import (CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, default_
 from .gguf_file import is_gguf_path
 from .gguf_loader import keeps_blocks, load_gguf_state_dict
 from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
-from .quant import load_transform
+from .quant import kernel as quant_kernel, load_transform
 from .quant_spec import parse_quantization
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config
@@ -125,7 +125,7 @@ class ModelRunner:
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
         gguf = is_gguf_path(model_path)
         # decode rows of the quantized linears in int8 (quant_act.py: auto for a GGUF file on the fp32 kernel)
-        self.int8_activations = quant_act.resolve(quantized_activations, gguf, self.dtype, self.device)
+        self.int8_activations = quant_act.resolve(quantized_activations, gguf, quant_kernel(self.dtype), self.device)
         if gguf:  # block tensors kept quantized where the quantized kernel runs
             state = load_gguf_state_dict(model_path, self.dtype, self.device, load_transform(spec),
                                          keeps_blocks(self.dtype, self.device), self.int8_activations)

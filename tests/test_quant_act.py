@@ -114,21 +114,21 @@ def test_the_setting_resolves_as_documented(monkeypatch):
     """none: never; int8: wherever the kernel runs, an error where it does not; auto: a GGUF file's weights on the
     fp32 quantized kernel only."""
     monkeypatch.setattr(quant_act, "ready", lambda: True)
-    monkeypatch.setattr(quant, "kernel", lambda dtype=torch.bfloat16: "fp32" if dtype == torch.float32 else "tiles")
-    assert not quant_act.resolve("none", True, torch.float32, CPU)
-    assert quant_act.resolve("int8", False, torch.bfloat16, CPU)
-    assert quant_act.resolve("auto", True, torch.float32, CPU)
-    assert not quant_act.resolve("auto", False, torch.float32, CPU)  # --quantization of a float checkpoint
-    assert not quant_act.resolve("auto", True, torch.bfloat16, CPU)  # the bf16 kernels stay
-    assert not quant_act.resolve("auto", True, torch.float32, torch.device("cuda"))
+    assert not quant_act.resolve("none", True, "fp32", CPU)
+    assert quant_act.resolve("int8", False, "tiles", CPU)
+    assert quant_act.resolve("auto", True, "fp32", CPU)
+    assert not quant_act.resolve("auto", False, "fp32", CPU)  # --quantization of a float checkpoint
+    assert not quant_act.resolve("auto", True, "tiles", CPU)  # the bf16 kernels stay
+    assert not quant_act.resolve("auto", True, "avx512-bf16", CPU)
+    assert not quant_act.resolve("auto", True, "fp32", torch.device("cuda"))
     with pytest.raises(ValueError, match="quantized_activations int8 needs the native kernels"):
-        quant_act.resolve("int8", True, torch.float32, torch.device("cuda"))
+        quant_act.resolve("int8", True, "fp32", torch.device("cuda"))
     monkeypatch.setattr(quant_act, "ready", lambda: False)
-    assert not quant_act.resolve("auto", True, torch.float32, CPU)
+    assert not quant_act.resolve("auto", True, "fp32", CPU)
     with pytest.raises(ValueError, match="x86-64 CPU with avx2, fma, f16c"):
-        quant_act.resolve("int8", True, torch.float32, CPU)
+        quant_act.resolve("int8", True, "fp32", CPU)
     with pytest.raises(ValueError, match="quantized_activations must be one of auto, none, int8"):
-        quant_act.resolve("int4", True, torch.float32, CPU)
+        quant_act.resolve("int4", True, "fp32", CPU)
     with pytest.raises(ValueError, match="quantized_activations"):
         EngineConfig(quantized_activations="fp8")
 
