@@ -71,12 +71,21 @@ RS_INLINE void attend_few_impl(const args_t *a, int b, int h, int r0, const int 
             m[r] = m_new;
             for (int c = 0; c < nd; ++c) o[r][c] = vf_mul(o[r][c], vf_set1(alpha));
         }
-        for (int j = 0; j < nk; ++j) {
-            const void *vr = kv_at(a->vc, (slots ? slots[j0 + j] : j0 + j) * a->kv_ss + h_off, bf16, i8);
-            for (int c = 0; c < nd; ++c) { /* int8: V's scale on the probability (l holds the unscaled sum) */
-                const vf vv = kv_load(vr, 16 * c, bf16, i8);
-                for (int r = 0; r < nr; ++r) o[r][c] = vf_fmadd(vf_set1(i8 ? s[r][j] * vsc[j] : s[r][j]), vv, o[r][c]);
+        for (int c0 = 0; c0 < nd; c0 += FEW_PV_CHUNKS) { /* the chunks of O that fit in registers (cpu_simd.h) */
+            const int nc = nd - c0 < FEW_PV_CHUNKS ? nd - c0 : FEW_PV_CHUNKS;
+            vf oc[FEW][FEW_PV_CHUNKS];
+            for (int r = 0; r < nr; ++r)
+                for (int i = 0; i < nc; ++i) oc[r][i] = o[r][c0 + i];
+            for (int j = 0; j < nk; ++j) {
+                const void *vr = kv_at(a->vc, (slots ? slots[j0 + j] : j0 + j) * a->kv_ss + h_off, bf16, i8);
+                for (int i = 0; i < nc; ++i) { /* int8: V's scale on the probability (l holds the unscaled sum) */
+                    const vf vv = kv_load(vr, 16 * (c0 + i), bf16, i8);
+                    for (int r = 0; r < nr; ++r)
+                        oc[r][i] = vf_fmadd(vf_set1(i8 ? s[r][j] * vsc[j] : s[r][j]), vv, oc[r][i]);
+                }
             }
+            for (int r = 0; r < nr; ++r)
+                for (int i = 0; i < nc; ++i) o[r][c0 + i] = oc[r][i];
         }
     }
     for (int r = 0; r < nr; ++r) {

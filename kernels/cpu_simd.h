@@ -12,6 +12,9 @@
  * register tiles of cpu_kernels.c to the target's register file: AVX-512 has 32 zmm registers,
  * AVX2 16 ymm registers holding half a vf each. FEW_CONST_D: the few-row decode path is compiled
  * once per head dim, its Q and O rows held in registers; where they would not fit, once for all.
+ * FEW_PV_CHUNKS: the 16-float chunks of the few-row path's O rows that one pass over a block's keys
+ * accumulates (each pass re-reads the block's probabilities): all of them on AVX-512, one on AVX2,
+ * whose 16 registers hold 4 rows x one chunk but not 4 rows x d / 16.
  */
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +31,7 @@
 #define QK_NV 2
 #define PV_NV 2
 #define FEW_CONST_D 1
+#define FEW_PV_CHUNKS 8 /* DMAX / 16: every chunk of O in one pass over the keys */
 /* AVX512-BF16 code (vdpbf16ps) inside this build, called only where the CPU has the flag (native.py
  * decides): a function-level target, since the library must also run on AVX-512 CPUs without it. */
 #define DP_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
@@ -116,6 +120,7 @@ RS_INLINE vf exp2_ps(vf t) {
 #define QK_NV 1
 #define PV_NV 1
 #define FEW_CONST_D 0
+#define FEW_PV_CHUNKS 1
 #if defined(__AVX2__)
 #define VW 8 /* floats per hardware vector */
 #else
