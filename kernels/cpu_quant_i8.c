@@ -61,6 +61,15 @@ static inline int32_t pair32(const int8_t *q) {
     return (int32_t)((uint32_t)(uint16_t)(int16_t)q[0] | (uint32_t)(uint16_t)(int16_t)q[1] << 16);
 }
 
+/* Two int4 sums of 16 columns in int16 lanes (low and high nibbles' pair rows), added in int32: columns 0-7 in lo,
+ * 8-15 in hi. */
+I8_INLINE void widen_sum(__m256i a0, __m256i a1, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a0)),
+                           _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a1)));
+    *hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a0, 1)),
+                           _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a1, 1)));
+}
+
 /* Block-of-B sums, int32 per column (lo: columns 0-7, hi: 8-15), of the B inputs from k (tile offset kt within
  * the 32-input tile at `tile`) against row q. */
 I8_INLINE void dot_block(const qview *w, const uint8_t *tile, int64_t kt, int64_t B, const int8_t *q, __m256i *lo,
@@ -74,10 +83,7 @@ I8_INLINE void dot_block(const qview *w, const uint8_t *tile, int64_t kt, int64_
             a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(vl, _mm256_set1_epi16(pair16(q + 4 * r))));
             a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(vh, _mm256_set1_epi16(pair16(q + 4 * r + 2))));
         }
-        *lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a0)),
-                               _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a1)));
-        *hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a0, 1)),
-                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a1, 1)));
+        widen_sum(a0, a1, lo, hi);
         return;
     }
     __m256i a0 = _mm256_setzero_si256(), a1 = a0;
@@ -92,22 +98,21 @@ I8_INLINE void dot_block(const qview *w, const uint8_t *tile, int64_t kt, int64_
 
 /* The B inputs from tile offset kt of the tile at `tile`, unpacked once for several rows: int4 as bytes 0..15,
  * wv[2i] / wv[2i + 1] the pair rows of byte row kt / 4 + i (low / high nibbles); int8 widened to int16, wv[2i] /
- * wv[2i + 1] columns 0-7 / 8-15 of pair row kt / 2 + i. Returns how many vectors it wrote. */
-I8_INLINE int unpack_block(const qview *w, const uint8_t *tile, int64_t kt, int64_t B, __m256i *wv) {
+ * wv[2i + 1] columns 0-7 / 8-15 of pair row kt / 2 + i. */
+I8_INLINE void unpack_block(const qview *w, const uint8_t *tile, int64_t kt, int64_t B, __m256i *wv) {
     if (w->int4) {
         const __m256i mask = _mm256_set1_epi8(15);
         for (int64_t i = 0; i < B / 4; ++i) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 32 * (kt / 4 + i)));
             wv[2 * i] = _mm256_and_si256(v, mask), wv[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         }
-        return (int)(B / 2);
+        return;
     }
     for (int64_t i = 0; i < B / 2; ++i) {
         const __m128i *row = (const __m128i *)(tile + 32 * (kt / 2 + i));
         wv[2 * i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(row));
         wv[2 * i + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(row + 1));
     }
-    return (int)B;
 }
 
 /* dot_block over unpacked vectors (unpack_block's), q at the block's first input. */
@@ -118,10 +123,7 @@ I8_INLINE void dot_unpacked(const qview *w, const __m256i *wv, int64_t B, const 
             a0 = _mm256_add_epi16(a0, _mm256_maddubs_epi16(wv[2 * i], _mm256_set1_epi16(pair16(q + 4 * i))));
             a1 = _mm256_add_epi16(a1, _mm256_maddubs_epi16(wv[2 * i + 1], _mm256_set1_epi16(pair16(q + 4 * i + 2))));
         }
-        *lo = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(a0)),
-                               _mm256_cvtepi16_epi32(_mm256_castsi256_si128(a1)));
-        *hi = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(a0, 1)),
-                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(a1, 1)));
+        widen_sum(a0, a1, lo, hi);
         return;
     }
     __m256i a0 = _mm256_setzero_si256(), a1 = a0;

@@ -289,7 +289,7 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
     """x [M, K] @ dequantize(w)^T + bias, in x's dtype, on the native kernel (``kernel()``): x and bias rounded
     to bf16, fp32 sums, the output rounded to bf16 and cast to x's dtype (the module docstring says where weights
     are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow). A weight marked
-    ``int8_activations`` takes decode-sized x on cpu_quant_i8.c instead (quant_act.py)."""
+    ``int8_activations`` takes up to quant_act.MAX_ROWS rows on cpu_quant_i8.c instead (``linear_int8``)."""
     from . import native
 
     path = kernel(x.dtype) if x.device.type == "cpu" else None
@@ -297,8 +297,8 @@ def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"a quantized linear takes x [M, {w.k}], got {tuple(x.shape)}")
-    if w.int8_activations and quant_act.takes(x, w.kind):
-        return quant_act.linear(x, w, bias).to(x.dtype)
+    if w.int8_activations and x.shape[0] <= quant_act.MAX_ROWS[w.kind]:
+        return linear_int8(x, w, bias).to(x.dtype)
     if path == "fp32":
         return _linear_f32(x, w, bias).to(x.dtype)
     xb = x.to(torch.bfloat16).contiguous()
@@ -328,20 +328,37 @@ def _chunk_cols(w: PackedQuant, element_bytes: int) -> int:
     return max(16, min(w.n, DEQUANT_CHUNK_BYTES // (element_bytes * w.k)) // 16 * 16)
 
 
+def _rows(fn: Callable[..., int], what: str, x: torch.Tensor, w: PackedQuant,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """Up to 16 rows of x on a row kernel of the packed weights in fp32 (rs_quant_rows_f32, rs_quant_rows_i8)."""
+    xf = x.float().contiguous()
+    bias = None if bias is None else bias.float().contiguous()
+    out = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
+    code = fn(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(), _ptr(w.mins), w.n, w.k,
+              w.group, _ptr(bias), out.data_ptr(), torch.get_num_threads())
+    _accepted(code, what, w)
+    return out
+
+
+def linear_int8(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+    """quant_act.quantize_activations(x) [M <= 16, K] @ dequantize(w)^T + bias in fp32, on cpu_quant_i8.c (where
+    quant_act.ready())."""
+    from . import native
+
+    return _rows(native.load().rs_quant_rows_i8, "the int8-activation quantized kernel", x, w, bias)
+
+
 def _linear_f32(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
     """cpu_quant_f32.c: up to 16 rows on the packed weights; more, per chunk of columns the weights dequantized to
     fp32 ([cols, K]) and one fp32 matmul."""
     from . import native
 
     lib, threads = native.load(), torch.get_num_threads()
+    if x.shape[0] <= 16:
+        return _rows(lib.rs_quant_rows_f32, "the fp32 quantized kernel", x, w, bias)
     xf = x.float().contiguous()
     bias = None if bias is None else bias.float().contiguous()
     out = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
-    if xf.shape[0] <= 16:
-        code = lib.rs_quant_rows_f32(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(),
-                                     _ptr(w.mins), w.n, w.k, w.group, _ptr(bias), out.data_ptr(), threads)
-        _accepted(code, "the fp32 quantized kernel", w)
-        return out
     cols = _chunk_cols(w, 4)
     part = torch.empty((cols, w.k), dtype=torch.float32)
     for n0 in range(0, w.n, cols):

@@ -1,4 +1,5 @@
-"""int8 activations for quantized linears at decode (cpu_quant_i8.c): llama.cpp's arithmetic on its own files.
+"""int8 activations for quantized linears at decode (cpu_quant_i8.c, called by quant.linear_int8): llama.cpp's
+arithmetic on its own files; this module holds the rules (which calls, where, the activations' definition).
 
 A decode step's rows (at most ``MAX_ROWS[kind]``) are quantized to int8 per block of 32 inputs (16 where the
 weight's group is not a multiple of 32) and multiply the packed weight's integer values in integer dot products
@@ -18,15 +19,11 @@ AVX512-BF16, or --dtype float32), as llama.cpp computes those files, and keeps w
 from __future__ import annotations
 
 import platform
-from typing import TYPE_CHECKING
 
 import torch
 
 from .loader import cpu_flags
 from .quant_spec import QUANTIZED_ACTIVATIONS as CHOICES
-
-if TYPE_CHECKING:
-    from .quant import PackedQuant
 
 MAX_ROWS = {"int4": 16, "int8": 2}  # at more rows the exact kernels were as fast (int8 values from 3-4 rows on)
 NEEDS = ("avx2", "fma", "f16c")
@@ -67,23 +64,3 @@ def resolve(setting: str, gguf: bool, exact_kernel: str | None, device: torch.de
         raise ValueError(f"quantized_activations int8 needs the native kernels on an x86-64 CPU with "
                          f"{', '.join(NEEDS)} (this is {device.type}, {platform.machine()}): use none")
     return runs and (setting == "int8" or (gguf and exact_kernel == "fp32"))
-
-
-def takes(x: torch.Tensor, kind: str) -> bool:
-    """Whether a call of `x`'s rows runs on the int8 kernel (decode-sized, on the CPU)."""
-    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= MAX_ROWS[kind]
-
-
-def linear(x: torch.Tensor, w: "PackedQuant", bias: torch.Tensor | None) -> torch.Tensor:
-    """quantize_activations(x) [M, K] @ dequantize(w)^T + bias in float32 (M <= 16; quant.linear calls it)."""
-    from . import native
-
-    xf = x.float().contiguous()
-    bias = None if bias is None else bias.float().contiguous()
-    out = torch.empty((xf.shape[0], w.n), dtype=torch.float32)
-    code = native.load().rs_quant_rows_i8(xf.data_ptr(), xf.shape[0], w.flags, w.data.data_ptr(), w.scales.data_ptr(),
-                                         native._ptr(w.mins), w.n, w.k, w.group, native._ptr(bias), out.data_ptr(),
-                                         torch.get_num_threads())
-    if code != 0:
-        raise RuntimeError(f"the int8-activation quantized kernel refused [{w.n}, {w.k}] group {w.group} (code {code})")
-    return out

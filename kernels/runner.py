@@ -125,17 +125,17 @@ class ModelRunner:
         self.backend: AttentionBackend = _make_backend(attention_backend, self.device, native)
         gguf = is_gguf_path(model_path)
         # decode rows of the quantized linears in int8 (quant_act.py: auto for a GGUF file on the fp32 kernel)
-        self.int8_activations = quant_act.resolve(quantized_activations, gguf, quant_kernel(self.dtype), self.device)
+        int8 = quant_act.resolve(quantized_activations, gguf, quant_kernel(self.dtype), self.device)
         if gguf:  # block tensors kept quantized where the quantized kernel runs
             state = load_gguf_state_dict(model_path, self.dtype, self.device, load_transform(spec),
-                                         keeps_blocks(self.dtype, self.device), self.int8_activations)
+                                         keeps_blocks(self.dtype, self.device), int8)
         else:
             state = load_state_dict(model_path, self.dtype, self.device, load_transform(spec))
         self.model = CausalLM(self.config, state, self.device, spec)
         quantized = self.model.quantized_weights()
-        self.int8_activations = self.int8_activations and bool(quantized)  # GGUF blocks dequantized: nothing to mark
+        self.int8_activations = int8 and bool(quantized)  # GGUF blocks dequantized at load: nothing takes them
         for weight in quantized:
-            weight.int8_activations = self.int8_activations
+            weight.int8_activations = int8
         kv_shape = (config.num_layers, num_slots, config.num_kv_heads, config.head_dim)
         self.kv_cache_dtype = kv_cache_dtype  # auto: tensors in the model's dtype; int8: kv_int8.Int8KV pools
         self.k_cache, self.v_cache = make_pool(kv_shape, kv_cache_dtype, self.dtype, self.device)

@@ -64,7 +64,7 @@ def test_int8_rows_match_their_definition(kg, m, blocks, kb, bias, half, threads
     b = torch.randn(16 * blocks, generator=g) if bias else None
     torch.set_num_threads(threads)
     try:
-        got = quant_act.linear(x, quant.pack(qw), b)
+        got = quant.linear_int8(x, quant.pack(qw), b)
     finally:
         torch.set_num_threads(1)
     _check(got, x, qw, b)
@@ -82,7 +82,7 @@ def test_ties_round_to_even_and_zero_blocks_stay_zero(kind):
     qx = quant_act.quantize_activations(x, 32)
     assert qx[0, :6].tolist() == [127.0, 0.0, 2.0, 2.0, 0.0, -2.0] and not qx[0, 32:].any()
     qw = _weight(kind, 16, 64, 32, True, 3)
-    got = quant_act.linear(x, quant.pack(qw), None)
+    got = quant.linear_int8(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     away = x.clone()
     away[0, 1:6] = torch.tensor([1.0, 2.0, 3.0, -1.0, -2.0])  # what rounding half away from zero would compute
@@ -103,7 +103,7 @@ def test_marked_weights_take_int8_rows_up_to_their_limit(kind):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
         got, exact = quant.linear(x, marked, None), quant.linear(x, plain, None)
         if rows <= limit:
-            assert torch.equal(got, quant_act.linear(x, marked, None)) and not torch.equal(got, exact)
+            assert torch.equal(got, quant.linear_int8(x, marked, None)) and not torch.equal(got, exact)
         else:
             assert torch.equal(got, exact)
     bf = torch.randn(1, 128, dtype=torch.bfloat16)
