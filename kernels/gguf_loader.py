@@ -167,15 +167,14 @@ class GGUFState(Mapping):
 
 def _kept_names(infos: dict[str, Any]) -> set[str]:
     """The weights that stay quantized: those _keeps allows, less the parts of a fusion (q / k / v, gate / up, one
-    linear each in the forward) whose parts differ in kind or group, e.g. a Q4_K_M file's Q6_K v beside Q4_K q / k,
-    which are all dequantized."""
+    linear each in the forward) of which some part is not kept (all are dequantized). Parts in different formats
+    stay quantized (a Q4_K_M file's Q6_K v beside Q4_K q / k: quant.cat_rows stacks them)."""
     kept = {name for name, t in infos.items() if _keeps(name, t)}
     layers = {name.split(".")[2] for name in infos if name.startswith("model.layers.")}
     for idx in layers:
         for module, *parts in (("self_attn", "q_proj", "k_proj", "v_proj"), ("mlp", "gate_proj", "up_proj")):
             names = [f"model.layers.{idx}.{module}.{part}.weight" for part in parts]
-            kinds = {LOSSLESS[infos[n].tensor_type.name] if n in kept else None for n in names if n in infos}
-            if len(kinds) > 1:
+            if len({n in kept for n in names if n in infos}) > 1:
                 kept.difference_update(names)
     return kept
 

@@ -28,16 +28,18 @@ class Linear:
     row kernel (``native.linear_bf16``) for a step of at most ``NATIVE_MAX_ROWS`` rows, where it
     streams the weight faster than ``F.linear`` (and beyond which it falls behind); otherwise
     ``F.linear``. A quantized weight (``quant.QuantWeight``, from ``--quantization``) is packed for the
-    quantized tile kernel (``quant.pack`` / ``quant.linear``)."""
+    quantized tile kernel (``quant.pack`` / ``quant.linear``); a list of them (``quant.cat_rows``: a fusion's parts in
+    different formats) becomes a ``quant.QuantStack``."""
 
     __slots__ = ("weight", "bias", "tiles", "packed", "native", "quant")
 
-    def __init__(self, weight: torch.Tensor | quant.QuantWeight, bias: torch.Tensor | None, pack: bool = True, tiles: bool = True) -> None:
+    def __init__(self, weight: torch.Tensor | quant.QuantWeight | list[quant.QuantWeight], bias: torch.Tensor | None, pack: bool = True, tiles: bool = True) -> None:
         """``tiles=False`` packs for oneDNN even where the tile kernel could run (bench/decode_floor.py's
         side-by-side)."""
         self.bias = bias
         self.quant = quant.pack(weight) if isinstance(weight, quant.QuantWeight) else (
-            weight if isinstance(weight, quant.PackedQuant) else None)  # a packed one: a quantized tied table
+            quant.QuantStack(tuple(quant.pack(p) for p in weight)) if isinstance(weight, list) else (
+                weight if isinstance(weight, quant.PackedQuant) else None))  # a packed one: a quantized tied table
         if self.quant is not None:
             self.tiles = self.packed = self.weight = None
             self.native = False

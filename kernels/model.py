@@ -79,7 +79,7 @@ class CausalLM:
     def quantized_weights(self) -> list[quant.PackedQuant]:
         """The packed quantized weights its linears multiply, each once (a tied head's is the table's)."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        found = {id(lin.quant): lin.quant for lin in (*linears, self.lm_head) if lin.quant is not None}
+        found = {id(w): w for lin in (*linears, self.lm_head) for w in quant.packed_parts(lin.quant)}
         return list(found.values())
 
     def forward(

@@ -231,6 +231,33 @@ class PackedQuant:
         return QuantWeight(self.kind, q.contiguous(), cols(self.scales), cols(self.mins), self.group)
 
 
+@dataclass
+class QuantStack:
+    """The weight of a fused linear (q / k / v, gate / up) whose parts are in different formats, e.g. a Q4_K_M file's
+    Q6_K v (int8, group 16) beside Q4_K q / k (int4, group 32): each run of parts in one format packed on its own
+    (``cat_rows``), ``linear`` puts their outputs side by side. The parts stay quantized rather than all of them
+    dequantized to the engine's dtype."""
+
+    parts: tuple[PackedQuant, ...]
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def packed_parts(w: "PackedQuant | QuantStack | None") -> tuple[PackedQuant, ...]:
+    """The PackedQuants a layer's quantized weight multiplies (none, one, or a stack's)."""
+    return () if w is None else w.parts if isinstance(w, QuantStack) else (w,)
+
+
 def packable(shape: tuple[int, int] | torch.Size) -> bool:
     """Whether a weight of this [N, K] shape packs: N a multiple of 16 and K of 32 (the tile shape)."""
     return shape[0] % 16 == 0 and shape[1] % 32 == 0
@@ -285,13 +312,18 @@ def kernel(dtype: torch.dtype = torch.bfloat16) -> str | None:
     return "avx512-bf16" if dtype == torch.bfloat16 and native._use_dpbf16() else "fp32"
 
 
-def linear(x: torch.Tensor, w: PackedQuant, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: "PackedQuant | QuantStack", bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ dequantize(w)^T + bias, in x's dtype, on the native kernel (``kernel()``): x and bias rounded
     to bf16, fp32 sums, the output rounded to bf16 and cast to x's dtype (the module docstring says where weights
     are rounded to bf16). Elsewhere F.linear on weights dequantized for the call (correct, slow). A weight marked
-    ``int8_activations`` takes up to quant_act.MAX_ROWS rows on cpu_quant_i8.c instead (``linear_int8``)."""
+    ``int8_activations`` takes up to quant_act.MAX_ROWS rows on cpu_quant_i8.c instead (``linear_int8``). A
+    QuantStack multiplies each part and concatenates the outputs."""
     from . import native
 
+    if isinstance(w, QuantStack):
+        ends = torch.tensor([p.n for p in w.parts]).cumsum(0).tolist()
+        biases = [None if bias is None else bias[end - p.n:end] for p, end in zip(w.parts, ends)]
+        return torch.cat([linear(x, p, b) for p, b in zip(w.parts, biases)], dim=1)
     path = kernel(x.dtype) if x.device.type == "cpu" else None
     if path is None:
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
@@ -419,19 +451,31 @@ def load_transform(spec: QuantSpec | None) -> Callable[[str, torch.Tensor], torc
     return transform
 
 
-def cat_rows(parts: list[torch.Tensor | QuantWeight | None]) -> torch.Tensor | QuantWeight:
-    """Row-wise concatenation of fused projections' weights (q / k / v, gate / up): quantized where every part is
-    (of one kind and group), else float (any quantized part dequantized)."""
+def cat_rows(parts: list[torch.Tensor | QuantWeight | None]) -> torch.Tensor | QuantWeight | list[QuantWeight]:
+    """Row-wise concatenation of fused projections' weights (q / k / v, gate / up): quantized where every part is,
+    one QuantWeight where they share a format (kind and group), else a list of one QuantWeight per run of parts in
+    one format (a QuantStack once packed); float where any part is (every quantized part dequantized)."""
     if all(isinstance(p, QuantWeight) for p in parts):
-        return QuantWeight.cat(parts)
+        runs: list[list[QuantWeight]] = []
+        for p in parts:
+            if runs and (runs[-1][0].kind, runs[-1][0].group) == (p.kind, p.group):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        stacked = [QuantWeight.cat(run) for run in runs]
+        return stacked[0] if len(stacked) == 1 else stacked
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
     return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts])
 
 
-def linear_weight(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> torch.Tensor | QuantWeight:
-    """What layers.Linear gets: a QuantWeight whose shape packs, else a float tensor in `dtype`."""
-    if not isinstance(w, QuantWeight) or packable(w.shape):
+def linear_weight(w: torch.Tensor | QuantWeight | list[QuantWeight],
+                  dtype: torch.dtype) -> torch.Tensor | QuantWeight | list[QuantWeight]:
+    """What layers.Linear gets: quantized weights (one, or cat_rows' list) whose shapes pack, else a float tensor in
+    `dtype` (a list whose parts do not all pack dequantized whole)."""
+    parts = w if isinstance(w, list) else [w]
+    if not isinstance(parts[0], QuantWeight) or all(packable(p.shape) for p in parts):
         return w
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
     logger.warning("a quantized weight of shape %s does not pack (N a multiple of 16, K of 32): dequantized to %s",
-                   tuple(w.shape), dtype)
-    return w.dequantize().to(dtype)
+                   shape, dtype)
+    return torch.cat([p.dequantize().to(dtype) for p in parts])

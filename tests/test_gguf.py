@@ -322,9 +322,18 @@ def check_kept_quantized(path: str, monkeypatch, caplog, kept_line: str) -> None
 
 def test_q4_k_m_fixture_kept_quantized_is_as_accurate_as_bf16(monkeypatch, caplog):
     """The fixture's block tensors kept as QuantWeights (q / k / v and gate / up fused; layer 1's v is Q6_K beside
-    Q4_K q / k, so that fusion is dequantized; the embedding table is kept, its rows looked up)."""
-    check_kept_quantized(FIXTURE, monkeypatch, caplog, "kept Q4_K (10 tensors), Q5_0 (1 tensors), Q6_K (1 tensors), "
-                         "Q8_0 (1 tensors) quantized, without loss; dequantized Q4_K (2 tensors), Q6_K (1 tensors)")
+    Q4_K q / k: that fusion stays quantized as a QuantStack of an int4 [q; k] and an int8 v, nothing is dequantized;
+    the embedding table is kept, its rows looked up)."""
+    check_kept_quantized(FIXTURE, monkeypatch, caplog, "kept Q4_K (12 tensors), Q5_0 (1 tensors), Q6_K (2 tensors), "
+                         "Q8_0 (1 tensors) quantized, without loss; quantized kernel")
+    monkeypatch.setattr(runner_module, "keeps_blocks", lambda dtype, device: True)
+    model = ModelRunner(FIXTURE, num_slots=64, dtype="float32", num_threads=1, quantized_activations="none").model
+    stack = model.layers[1].qkv.quant
+    assert isinstance(stack, quant.QuantStack) and [(p.kind, p.group) for p in stack.parts] == [("int4", 32),
+                                                                                               ("int8", 16)]
+    assert stack.n == model.q_size + 2 * model.kv_size and stack.parts[1].n == model.kv_size
+    assert isinstance(model.layers[0].qkv.quant, quant.PackedQuant)
+    assert set(map(id, stack.parts)) <= set(map(id, model.quantized_weights()))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])

@@ -362,3 +362,29 @@ def test_scales_are_fp16_unless_out_of_its_range(kind):
     for qw, scale in ((small, 1), (big, 1e7)):
         step = qw.scales.float().repeat_interleave(32, dim=1)
         assert ((qw.dequantize() - w * scale).abs() <= step / 2 * (1 + 1e-5) + 1e-6 * scale).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_a_fusion_of_formats_is_a_stack_of_its_runs(rows, path):
+    """cat_rows keeps parts in different formats quantized (a Q4_K_M file's Q6_K v beside Q4_K q / k): one
+    QuantWeight per run of one format, a QuantStack once packed, whose output is each run's beside the others'
+    (bias split by rows), each within its kernel's bound; a run of parts in one format is one weight."""
+    gen = torch.Generator().manual_seed(11)
+    w = [torch.randn(n, 64, generator=gen) for n in (32, 16, 16, 48)]
+    parts = [_quantized("int4", w[0], 32), _quantized("int4", w[1], 32), _quantized("int8", w[2], 16),
+             _quantized("int4", w[3], 32)]
+    runs = quant.cat_rows(parts)
+    assert [(r.kind, r.shape[0]) for r in runs] == [("int4", 48), ("int8", 16), ("int4", 48)]
+    assert isinstance(quant.cat_rows(parts[:2]), quant.QuantWeight)
+    layer = Linear(quant.linear_weight(runs, torch.float32), torch.randn(112, generator=gen))
+    assert isinstance(layer.quant, quant.QuantStack) and layer.quant.n == 112
+    assert layer.quant.nbytes == sum(quant.pack(r).nbytes for r in runs)
+    for dtype, check in ((torch.float32, _check_f32), (torch.bfloat16, _check)):  # bf16: the output rounded
+        x = torch.randn(rows, 64, generator=gen).to(dtype)
+        with _on(path):
+            got = layer(x).float()
+        ends = [0, 48, 64, 112]
+        for r, a, b in zip(runs, ends, ends[1:]):
+            check(got[:, a:b], x.float(), r, layer.bias[a:b].to(dtype).float())
