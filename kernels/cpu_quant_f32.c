@@ -21,10 +21,14 @@
 #include "cpu_qview.h"
 #include "cpu_simd.h"
 
-/* A group's 16 column scales (or mins) in fp32, spread over the two halves' lanes: lo[2c + j] = s[c], hi[2c + j] =
- * s[8 + c]. */
-static inline void spread16(const void *s, int64_t at, int half, vf *lo, vf *hi) {
-    vf_dup_pairs(half ? vf_load_f16((const uint16_t *)s + at) : vf_loadu((const float *)s + at), lo, hi);
+/* Group gi of block blk's 16 column scales (or mins, s) in fp32 (cpu_qview.h's qview_group), spread over the two
+ * halves' lanes: lo[2c + j] = s[c], hi[2c + j] = s[8 + c]. */
+static inline void spread16(const qview *w, const void *s, int64_t blk, int64_t gi, vf *lo, vf *hi) {
+    const uint16_t *factors;
+    const void *p = qview_group(w, s, blk, gi, &factors);
+    const vf v = factors ? vf_mul(vf_load_f16(factors), vf_load_i8((const int8_t *)p))
+                         : w->half ? vf_load_f16((const uint16_t *)p) : vf_loadu((const float *)p);
+    vf_dup_pairs(v, lo, hi);
 }
 
 /* The 32 values of pair rows p and p + 1 (p even) of the tile whose bytes start at `tile`, unscaled (exact in
@@ -48,14 +52,13 @@ static inline void pair_values(const qview *w, const uint8_t *tile, int p, vf *v
 
 /* Block blk's tile at inputs [k, k + 32), dequantized into t[2p + h] (the file comment's order). */
 static void tile_f32(const qview *w, int64_t blk, int64_t k, vf *t) {
-    const int64_t groups = w->K / w->g, bpk = w->int4 ? 8 : 16;
+    const int64_t bpk = w->int4 ? 8 : 16;
     const uint8_t *src = w->data + (blk * w->K + k) * bpk;
     vf s0 = vf_zero(), s1 = s0, m0 = s0, m1 = s0, v[4];
     for (int p = 0; p < 16; p += 2) {
         if (p == 0 || (k + 2 * p) % w->g == 0) { /* a group of 16 starts mid-tile (at p = 8) */
-            const int64_t at = (blk * groups + (k + 2 * p) / w->g) * 16;
-            spread16(w->scales, at, w->half, &s0, &s1);
-            if (w->mins) spread16(w->mins, at, w->half, &m0, &m1);
+            spread16(w, w->scales, blk, (k + 2 * p) / w->g, &s0, &s1);
+            if (w->mins) spread16(w, w->mins, blk, (k + 2 * p) / w->g, &m0, &m1);
         }
         pair_values(w, src, p, v);
         for (int i = 0; i < 4; ++i)
@@ -77,10 +80,10 @@ static void block_row1_f32(const float *x, const qview *w, int64_t blk, const fl
             p0 = vf_fmadd(v[2], x1, p0), p1 = vf_fmadd(v[3], x1, p1);
             if (w->mins) xs = vf_add(xs, vf_add(x0, x1));
         }
-        spread16(w->scales, (blk * groups + gi) * 16, w->half, &s0, &s1);
+        spread16(w, w->scales, blk, gi, &s0, &s1);
         a0 = vf_fmadd(p0, s0, a0), a1 = vf_fmadd(p1, s1, a1);
         if (w->mins) {
-            spread16(w->mins, (blk * groups + gi) * 16, w->half, &s0, &s1);
+            spread16(w, w->mins, blk, gi, &s0, &s1);
             a0 = vf_fmadd(xs, s0, a0), a1 = vf_fmadd(xs, s1, a1);
         }
     }

@@ -44,14 +44,23 @@ static void quantize_row(const float *x, int64_t K, int64_t B, int8_t *q, float 
     }
 }
 
-/* A group's 16 column scales (or mins) in fp32: columns 0-7 in lo, 8-15 in hi. */
-I8_INLINE void load16(const void *s, int64_t at, int half, __m256 *lo, __m256 *hi) {
-    if (half) {
-        const uint16_t *h = (const uint16_t *)s + at;
+/* Group gi of block blk's 16 column scales (or mins, s) in fp32 (cpu_qview.h's qview_group): columns 0-7 in lo,
+ * 8-15 in hi. */
+I8_INLINE void load16(const qview *w, const void *s, int64_t blk, int64_t gi, __m256 *lo, __m256 *hi) {
+    const uint16_t *factors;
+    const void *p = qview_group(w, s, blk, gi, &factors);
+    if (factors) {
+        const __m128i sub = _mm_loadu_si128((const __m128i *)p);
+        *lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)factors)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sub)));
+        *hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(factors + 8))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sub, 8))));
+    } else if (w->half) {
+        const uint16_t *h = (const uint16_t *)p;
         *lo = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
         *hi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)));
     } else {
-        *lo = _mm256_loadu_ps((const float *)s + at), *hi = _mm256_loadu_ps((const float *)s + at + 8);
+        *lo = _mm256_loadu_ps((const float *)p), *hi = _mm256_loadu_ps((const float *)p + 8);
     }
 }
 
@@ -161,8 +170,8 @@ I8_INLINE void block_rows(const qview *w, int64_t blk, int M, int64_t B, const i
             }
         }
         __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
-        load16(w->scales, (blk * groups + gi) * 16, w->half, &s0, &s1);
-        if (w->mins) load16(w->mins, (blk * groups + gi) * 16, w->half, &m0, &m1);
+        load16(w, w->scales, blk, gi, &s0, &s1);
+        if (w->mins) load16(w, w->mins, blk, gi, &m0, &m1);
         for (int m = 0; m < M; ++m) {
             acc[m][0] = _mm256_fmadd_ps(gacc[m][0], s0, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(gacc[m][1], s1, acc[m][1]);

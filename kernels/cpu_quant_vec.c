@@ -158,7 +158,7 @@ DP_TARGET static void dequant_tile_t(const qview *w, int64_t blk, int64_t k, uin
 int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, const void *scales, const void *mins,
                   int64_t N, int64_t K, int64_t g, const uint16_t *b, uint16_t *y, int num_threads) {
 #if defined(__AVX512F__)
-    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags)) return -1;
+    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags) || (flags & QF_TWO_LEVEL)) return -1; /* one level */
     const qview w = qview_of(flags, data, scales, mins, K, g);
     float *xsum = w.mins ? malloc(sizeof(float) * (size_t)(M * (K / g) + 1)) : NULL;
     if (w.mins && !xsum) return -2;
@@ -177,7 +177,9 @@ int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, 
 int rs_quant_dequant_t(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t N, int64_t K,
                        int64_t g, int64_t n0, int64_t n1, uint16_t *out, int num_threads) {
 #if defined(__AVX512F__)
-    if (!qview_valid(N, K, g, mins, flags) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N || n1 <= n0) return -1;
+    if (!qview_valid(N, K, g, mins, flags) || (flags & QF_TWO_LEVEL) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N ||
+        n1 <= n0)
+        return -1;
     const qview w = qview_of(flags, data, scales, mins, K, g);
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)
     for (int64_t blk = n0 / 16; blk < n1 / 16; ++blk)

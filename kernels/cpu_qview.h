@@ -7,22 +7,44 @@
 
 #define QF_INT4 1 /* int4 affine (values 0..15, a scale and a min per group), else int8 */
 #define QF_HALF 2 /* scales and mins fp16, else fp32 */
+#define QF_TWO_LEVEL 4 /* two-level scales and mins (kernels/quant_levels.py): per QV_SUPER inputs of a 16-column
+                        * block, the 16 columns' fp16 factors, then each group's 16 int8 sub-scales */
+#define QV_SUPER 256
 
 typedef struct {
-    int int4, half;
+    int int4, half, two;
     const uint8_t *data;
     const void *scales, *mins; /* [N / 16][K / g][16]; mins only for int4 */
     int64_t K, g;
 } qview;
 
-/* N in 16-column blocks, K in 32-input tiles, groups of a multiple of 16 that divide K; int4 needs its mins. */
+/* N in 16-column blocks, K in 32-input tiles, groups of a multiple of 16 that divide K (two-level: QV_SUPER
+ * divides K and the group QV_SUPER); int4 needs its mins. */
 static inline int qview_valid(int64_t N, int64_t K, int64_t g, const void *mins, int flags) {
-    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 && (!(flags & QF_INT4) || mins);
+    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 && (!(flags & QF_INT4) || mins) &&
+           (!(flags & QF_TWO_LEVEL) || (K % QV_SUPER == 0 && QV_SUPER % g == 0));
 }
 
 static inline qview qview_of(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t K,
                              int64_t g) {
-    const qview w = {flags & QF_INT4, (flags & QF_HALF) != 0, data, scales, (flags & QF_INT4) ? mins : NULL, K, g};
+    const qview w = {flags & QF_INT4, (flags & QF_HALF) != 0, (flags & QF_TWO_LEVEL) != 0, data, scales,
+                     (flags & QF_INT4) ? mins : NULL, K, g};
     return w;
+}
+
+/* Where group gi of column block blk keeps its 16 scales (or mins, s the one or the other): one level, at element
+ * (blk K / g + gi) 16 of an fp16 (half) or fp32 array, *factors NULL; two-level, the returned 16 int8 sub-scales
+ * times the 16 fp16 *factors of the group's QV_SUPER inputs. */
+static inline const void *qview_group(const qview *w, const void *s, int64_t blk, int64_t gi,
+                                      const uint16_t **factors) {
+    if (!w->two) {
+        const int64_t at = (blk * (w->K / w->g) + gi) * 16;
+        *factors = NULL;
+        return w->half ? (const void *)((const uint16_t *)s + at) : (const void *)((const float *)s + at);
+    }
+    const int64_t per = QV_SUPER / w->g;
+    const uint8_t *b = (const uint8_t *)s + (blk * (w->K / QV_SUPER) + gi / per) * (32 + 16 * per);
+    *factors = (const uint16_t *)b;
+    return b + 32 + 16 * (gi % per);
 }
 #endif

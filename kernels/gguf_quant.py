@@ -10,7 +10,9 @@ mins) the file stores, in the unpacked form the quantized linears take.
 
 Every scale and min is exact in float32 (a float16 times an integer of at most 8 bits), and those of Q8_0, Q5_0,
 Q4_1 and Q4_0 in float16 (the file's own fp16; -8 d is exact too, unless it overflows), so those keep fp16 scales
-(HALF_SCALES: quant.py's compact form, 1 bit per weight for scale and min). The scales are read from
+(HALF_SCALES: quant.py's compact form, 1 bit per weight for scale and min). Q6_K and Q4_K keep d (and -dmin) and
+their integer sub-scales as two-level scales (TWO_LEVEL, quant_levels.py), or, for the bf16 kernels, the products
+in fp32 (``two_level=False``). The scales are read from
 the blocks' bytes; so are Q8_0's and Q4_0 / Q4_1's integers (plain bytes and nibbles); the others' (high bits and
 6-bit layouts) are recovered from the gguf package's float32 dequantization, q = (x - min) / scale rounded (exact:
 x carries at most one rounding of a value whose q is an integer of 4-6 bits), so those layouts are decoded in one
@@ -27,34 +29,37 @@ from .quant import PackedQuant, QuantWeight, pack
 LOSSLESS = {"Q8_0": ("int8", 32), "Q5_0": ("int8", 32), "Q6_K": ("int8", 16), "Q4_0": ("int4", 32),
             "Q4_1": ("int4", 32), "Q4_K": ("int4", 32)}
 HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")  # scales and mins exactly fp16
+TWO_LEVEL = ("Q6_K", "Q4_K")  # scales (and mins) an fp16 factor per 256 values times integer sub-scales
 
 
-def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20) -> QuantWeight:
+def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20, two_level: bool = True) -> QuantWeight:
     """The QuantWeight [rows, row length] of a 2-D GGUF block tensor of a LOSSLESS type (raw bytes [rows, bytes per
     row] as gguf_header.GGUFHeader.data gives them), converted a few rows at a time (about `block_elements` values:
-    one block's float32 transient) into tensors of the whole weight."""
+    one block's float32 transient) into tensors of the whole weight. A TWO_LEVEL type keeps its factors and
+    sub-scales (quant_levels.py) unless `two_level` is False (one fp32 scale and min per group)."""
     from gguf import GGML_QUANT_SIZES
 
-    kind, group = LOSSLESS[qtype.name]
     block, block_bytes = GGML_QUANT_SIZES[qtype]
     rows, row_len = data.shape[0], data.shape[1] // block_bytes * block
-    q = torch.empty((rows, row_len), dtype=torch.int8 if kind == "int8" else torch.uint8)
-    scales = torch.empty((rows, row_len // group), dtype=torch.float16 if qtype.name in HALF_SCALES else torch.float32)
-    mins = torch.empty_like(scales) if kind == "int4" else None
+    fields = ("q", "scales", "mins", "super_scales", "super_mins")
+    out: dict[str, torch.Tensor | None] = {}
     step = max(1, block_elements // row_len)
     for start in range(0, rows, step):
-        part = slice(start, start + step)
-        q[part], part_scales, part_mins = _rows(np.asarray(data[part]), qtype, kind, group)
-        if scales.dtype == torch.float16 and not all(_exact_half(t) for t in (part_scales, part_mins) if t is not None):
-            scales, mins = scales.float(), None if mins is None else mins.float()  # fp16 widens exactly
-        scales[part] = part_scales
-        if mins is not None:
-            mins[part] = part_mins
-    return QuantWeight(kind, q, scales, mins, group)
+        part = _rows(np.asarray(data[start:start + step]), qtype, two_level)
+        if not out:
+            out = {f: None if (t := getattr(part, f)) is None else torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
+                   for f in fields}
+        if part.scales.dtype == torch.float32 and out["scales"].dtype == torch.float16:  # fp16 widens exactly
+            out["scales"], out["mins"] = out["scales"].float(), None if out["mins"] is None else out["mins"].float()
+        for f in fields:
+            if out[f] is not None:
+                out[f][start:start + step] = getattr(part, f)
+    return QuantWeight(part.kind, out["q"], out["scales"], out["mins"], part.group, out["super_scales"],
+                       out["super_mins"])
 
 
-def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22) -> PackedQuant:
-    """quant.pack(quant_weight(data, qtype)) made a block of rows (a multiple of 16, about `block_elements` values)
+def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, two_level: bool = True) -> PackedQuant:
+    """quant.pack(quant_weight(data, qtype, two_level=two_level)) made a block of rows (a multiple of 16, about `block_elements` values)
     at a time straight into the packed tensors: the unpacked values (a byte per weight) of one block exist at a time,
     not of the whole tensor (525 MB for an 8B model's embedding or head)."""
     from gguf import GGML_QUANT_SIZES
@@ -63,7 +68,7 @@ def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22) -> Pac
     rows, row_len, out = data.shape[0], data.shape[1] // block_bytes * block, None
     step = max(16, block_elements // row_len // 16 * 16)
     for start in range(0, rows, step):
-        part = pack(quant_weight(data[start:start + step], qtype))
+        part = pack(quant_weight(data[start:start + step], qtype, two_level=two_level))
         if out is None:
             empty = lambda t: None if t is None else torch.empty((rows // 16, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
             out = PackedQuant(part.kind, rows, part.k, part.group, empty(part.data), empty(part.scales),
@@ -77,18 +82,20 @@ def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22) -> Pac
     return out
 
 
-def _exact_half(t: torch.Tensor) -> bool:
-    return bool(torch.isfinite(t.half()).all())  # the file's fp16 values widened: exact unless -8 d overflowed
-
-
-def _rows(data: np.ndarray, qtype, kind: str, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(values, scales, mins or None) of some rows of a block tensor."""
+def _rows(data: np.ndarray, qtype, two_level: bool) -> QuantWeight:
+    """The QuantWeight of some rows of a block tensor: fp16 scales where the type's are exactly fp16 (HALF_SCALES,
+    unless -8 d overflows), a TWO_LEVEL type's factors and sub-scales where `two_level`, else fp32 scales."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
+    kind, group = LOSSLESS[qtype.name]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    scales, mins = _scales(qtype.name, blocks)  # [blocks, values per block // group]
+    levels = _levels(qtype.name, blocks)  # [blocks, 1] factors, [blocks, groups per block] sub-scales
+    if levels is not None:
+        scales, mins = (None if f is None else f.astype(np.float32) * sub for f, sub in (levels[:2], levels[2:]))
+    else:
+        scales, mins = _scales(qtype.name, blocks)  # [blocks, groups per block]
     scales, mins = scales.reshape(rows, -1), None if mins is None else mins.reshape(rows, -1)
     q = _direct_values(qtype.name, blocks)
     if q is None:  # from the gguf package's dequantization
@@ -99,8 +106,16 @@ def _rows(data: np.ndarray, qtype, kind: str, group: int) -> tuple[torch.Tensor,
         if q.size and (q.min() < lo or q.max() > hi):
             raise ValueError(f"{qtype.name} values outside {lo}..{hi}: not a lossless {kind} mapping")
         q = q.astype(np.int8 if kind == "int8" else np.uint8)
-    as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a, np.float32))  # noqa: E731
-    return torch.from_numpy(q.reshape(rows, -1)), as_tensor(scales), as_tensor(mins)
+    q = torch.from_numpy(q.reshape(rows, -1))
+    tensor = lambda a, dtype: None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype))  # noqa: E731
+    if levels is not None and two_level:
+        factors, sub, min_factors, min_sub = levels
+        return QuantWeight(kind, q, tensor(sub, np.int8), tensor(min_sub, np.int8), group,
+                           tensor(factors, np.float16), tensor(min_factors, np.float16))
+    scales, mins = tensor(scales, np.float32), tensor(mins, np.float32)
+    if qtype.name in HALF_SCALES and all(bool(torch.isfinite(t.half()).all()) for t in (scales, mins) if t is not None):
+        scales, mins = scales.half(), None if mins is None else mins.half()  # the file's fp16 values: exact
+    return QuantWeight(kind, q, scales, mins, group)
 
 
 def _direct_values(kind: str, blocks: np.ndarray) -> np.ndarray | None:
@@ -115,7 +130,7 @@ def _direct_values(kind: str, blocks: np.ndarray) -> np.ndarray | None:
 
 
 def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Per-group float32 scales (and mins, for int4) of each block, [blocks, groups per block]."""
+    """Per-group float32 scales (and mins, for int4) of each block of a one-level type, [blocks, groups per block]."""
     f16 = lambda lo: blocks[:, lo:lo + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731
     if kind in ("Q8_0", "Q5_0"):
         return f16(0), None
@@ -123,13 +138,19 @@ def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
         return f16(0), -8 * f16(0)
     if kind == "Q4_1":
         return f16(0), f16(2)
+    raise ValueError(f"{kind} has no lossless quantized form")
+
+
+def _levels(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    """A TWO_LEVEL type's (factors [blocks, 1] fp16, sub-scales [blocks, groups per block] int8) for its scales and
+    (Q4_K) its mins (None, None for Q6_K): the group's scale is factor * sub-scale; None for other types."""
+    f16 = lambda lo: blocks[:, lo:lo + 2].copy().view(np.float16)  # noqa: E731
     if kind == "Q6_K":  # ql 128, qh 64, 16 int8 sub-scales, d
-        sub = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
-        return f16(208) * sub, None
-    if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit sub-scales and mins, qs 128
+        return f16(208), blocks[:, 192:208].copy().view(np.int8), None, None
+    if kind == "Q4_K":  # d, dmin, 12 bytes of 6-bit sub-scales and mins (0..63), qs 128
         from gguf.quants import Q4_K
 
         sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-        sc, m = sc.reshape(len(blocks), 8).astype(np.float32), m.reshape(len(blocks), 8).astype(np.float32)
-        return f16(0) * sc, -(f16(2) * m)
-    raise ValueError(f"{kind} has no lossless quantized form")
+        sc, m = sc.reshape(len(blocks), 8).astype(np.int8), m.reshape(len(blocks), 8).astype(np.int8)
+        return f16(0), sc, -f16(2), m
+    return None

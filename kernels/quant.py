@@ -10,9 +10,12 @@ Two formats, each a lossless target for the block types of GGUF files (kernels' 
   scale = d * sc, min = -dmin * m).
 
 Scales and mins are fp16 where that is exact (GGUF's Q8_0 / Q5_0 / Q4_0 / Q4_1 store fp16 scales; the quantizers
-here round their scale up and min down to fp16 and quantize against those), else fp32 (Q4_K's and Q6_K's products of
-an fp16 and an integer; a scale past fp16's range). At group 32 fp16 scales cost 0.5 bit per weight (int4: 1 with
-its mins), fp32 twice that: Q4_0 (4.5 bits) kept as int4 takes 5 bits per weight, not 6. The unpacked form is
+here round their scale up and min down to fp16 and quantize against those), else fp32 (a scale past fp16's range).
+At group 32 fp16 scales cost 0.5 bit per weight (int4: 1 with its mins), fp32 twice that: Q4_0 (4.5 bits) kept as
+int4 takes 5 bits per weight, not 6. Q4_K and Q6_K keep their files' two levels (quant_levels.py: an fp16 factor per
+256 inputs times int8 sub-scales, whose products are the scales), read by cpu_quant_f32.c and cpu_quant_i8.c;
+``linear`` takes them there whatever the activations' dtype, and the GGUF loader gives one-level scales (the exact
+fp32 products) where the bf16 kernels would run. A fused linear whose parts differ in format is a ``QuantStack``. The unpacked form is
 ``QuantWeight``: values [N, K] one per byte, scales / mins [N, K / g]. It is what ``quantize_int8`` /
 ``quantize_int4`` (from a float tensor) and a GGUF mapping produce, what the loader concatenates
 (q / k / v, gate / up) and reorders (rotary pairs) row-wise, and what ``pack`` turns into the kernel's layout:
@@ -45,7 +48,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import quant_act
+from . import quant_act, quant_levels as levels
 from .quant_spec import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -63,13 +66,16 @@ def check_group(k: int, group: int) -> None:
 
 @dataclass
 class QuantWeight:
-    """A quantized [N, K] weight, unpacked (the module docstring): q int8 (int8) or uint8 0..15 (int4)."""
+    """A quantized [N, K] weight, unpacked (the module docstring): q int8 (int8) or uint8 0..15 (int4); with
+    ``super_scales`` its scales (and mins) are two-level (quant_levels.py): int8 sub-scales times fp16 factors."""
 
     kind: str
     q: torch.Tensor  # [N, K]
-    scales: torch.Tensor  # [N, K / group] float16 or float32
+    scales: torch.Tensor  # [N, K / group] float16 or float32 (two-level: int8)
     mins: torch.Tensor | None  # [N, K / group] scales' dtype (int4), None (int8)
     group: int
+    super_scales: torch.Tensor | None = None  # two-level: [N, K / SUPER] float16
+    super_mins: torch.Tensor | None = None  # two-level int4: [N, K / SUPER] float16
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -77,12 +83,20 @@ class QuantWeight:
         want = (torch.int8, None) if self.kind == "int8" else (torch.uint8, torch.float32)
         if self.kind not in KINDS or self.q.dtype != want[0]:
             raise ValueError(f"{self.kind} weights need values of dtype {want[0]}, got {self.kind} / {self.q.dtype}")
-        for name, t in (("scales", self.scales), ("mins", self.mins)):
-            if (t is None) != (name == "mins" and self.kind == "int8"):
+        two = self.two_level
+        if two:
+            levels.check(k, self.group)
+        dtypes = (torch.int8,) if two else SCALE_DTYPES
+        for name, t, cols in (("scales", self.scales, k // self.group), ("mins", self.mins, k // self.group),
+                              ("super_scales", self.super_scales, k // levels.SUPER),
+                              ("super_mins", self.super_mins, k // levels.SUPER)):
+            needed = (name.startswith("super") <= two) and (not name.endswith("mins") or self.kind == "int4")
+            if (t is None) == needed:
                 raise ValueError(f"{self.kind} weights {'take no' if t is not None else 'need'} {name}")
-            if t is not None and (t.dtype not in SCALE_DTYPES or t.dtype != self.scales.dtype
-                                  or tuple(t.shape) != (n, k // self.group)):
-                raise ValueError(f"{name} must be float16 or float32 (scales' dtype) [{n}, {k // self.group}], got "
+            allowed = (torch.float16,) if name.startswith("super") else dtypes
+            if t is not None and (t.dtype not in allowed or (name == "mins" and t.dtype != self.scales.dtype)
+                                  or tuple(t.shape) != (n, cols)):
+                raise ValueError(f"{name} must be {' or '.join(str(d)[6:] for d in allowed)} [{n}, {cols}], got "
                                  f"{t.dtype} {tuple(t.shape)}")
         if self.kind == "int4" and self.q.numel() and int(self.q.max()) > 15:
             raise ValueError("int4 values must lie in 0..15")
@@ -91,24 +105,43 @@ class QuantWeight:
     def shape(self) -> torch.Size:
         return self.q.shape
 
+    @property
+    def two_level(self) -> bool:
+        return self.super_scales is not None
+
+    @property
+    def format(self) -> tuple[str, int, bool]:
+        """What weights must share to be concatenated into one: kind, group, two-level scales or not."""
+        return self.kind, self.group, self.two_level
+
+    def one_level(self) -> "QuantWeight":
+        """The same weight with one scale (and min) per group (two-level ones' exact float32 products)."""
+        if not self.two_level:
+            return self
+        mins = None if self.mins is None else levels.product(self.super_mins, self.mins, self.group)
+        return QuantWeight(self.kind, self.q, levels.product(self.super_scales, self.scales, self.group), mins,
+                           self.group)
+
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weights this stands for (the definition the kernel matches)."""
-        return dequantize_values(self.q, self.scales, self.mins, self.group)
+        w = self.one_level()
+        return dequantize_values(w.q, w.scales, w.mins, w.group)
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
         """The weight with its rows reordered / selected (rows are independent in every format)."""
         pick = lambda t: None if t is None else t[index].contiguous()  # noqa: E731
-        return QuantWeight(self.kind, pick(self.q), pick(self.scales), pick(self.mins), self.group)
+        return QuantWeight(self.kind, pick(self.q), pick(self.scales), pick(self.mins), self.group,
+                           pick(self.super_scales), pick(self.super_mins))
 
     @staticmethod
     def cat(parts: "list[QuantWeight]") -> "QuantWeight":
-        """Row-wise concatenation (fused q / k / v, gate / up) of weights of one kind and group."""
+        """Row-wise concatenation (fused q / k / v, gate / up) of weights of one format."""
         first = parts[0]
-        if any(p.kind != first.kind or p.group != first.group for p in parts):
-            raise ValueError("only quantized weights of one kind and group concatenate")
-        mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-        return QuantWeight(first.kind, torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), mins,
-                           first.group)
+        if any(p.format != first.format for p in parts):
+            raise ValueError("only quantized weights of one kind, group and scale levels concatenate")
+        cat = lambda name: None if getattr(first, name) is None else torch.cat([getattr(p, name) for p in parts])  # noqa: E731
+        return QuantWeight(first.kind, cat("q"), cat("scales"), cat("mins"), first.group, cat("super_scales"),
+                           cat("super_mins"))
 
 
 def dequantize_values(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int) -> torch.Tensor:
@@ -190,7 +223,7 @@ class PackedQuant:
     k: int
     group: int
     data: torch.Tensor  # int8 [N/16, K/32, 16, 32] or uint8 [N/16, K/32, 8, 32]
-    scales: torch.Tensor  # [N/16, K/group, 16] float16 or float32
+    scales: torch.Tensor  # [N/16, K/group, 16] float16 or float32; two-level: uint8 quant_levels.blob
     mins: torch.Tensor | None
     int8_activations: bool = False  # decode rows quantized to int8 (quant_act.py; the runner sets it)
 
@@ -203,9 +236,22 @@ class PackedQuant:
         return torch.Size((self.n, self.k))
 
     @property
+    def two_level(self) -> bool:
+        return self.scales.dtype == torch.uint8
+
+    @property
     def flags(self) -> int:
-        """The kernels' format flags: 1 int4 (else int8), 2 fp16 scales and mins (else fp32)."""
-        return int(self.kind == "int4") | 2 * int(self.scales.dtype == torch.float16)
+        """The kernels' format flags (cpu_qview.h): 1 int4 (else int8), 2 fp16 scales and mins (else fp32), 4
+        two-level scales and mins (quant_levels.py)."""
+        return int(self.kind == "int4") | 2 * int(self.scales.dtype == torch.float16) | 4 * int(self.two_level)
+
+    def _group_scales(self, t: torch.Tensor | None, blk: torch.Tensor, col: torch.Tensor) -> torch.Tensor | None:
+        """The per-group scales (or mins) [n, K / group] of columns blk * 16 + col (one level)."""
+        if t is None or not self.two_level:
+            return None if t is None else t[blk, :, col]
+        factors, sub = levels.split(t[blk], self.group)  # only the blocks gathered
+        picked = torch.arange(len(blk))
+        return levels.product(factors[picked, :, col], sub[picked, :, col], self.group)
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight, in `dtype` (an embedding lookup: only those rows dequantized)."""
@@ -216,8 +262,8 @@ class PackedQuant:
         else:  # bytes [n, K/32, 8, 2]: low nibbles pair row 2r, high 2r + 1
             raw = self.data.view(self.n // 16, self.k // 32, 8, 16, 2)[blk, :, :, col]
             q = torch.stack((raw & 15, raw >> 4), dim=3)
-        pick = lambda t: None if t is None else t[blk, :, col]  # noqa: E731  [n, K / group]
-        w = dequantize_values(q.reshape(len(ids), self.k), pick(self.scales), pick(self.mins), self.group)
+        w = dequantize_values(q.reshape(len(ids), self.k), self._group_scales(self.scales, blk, col),
+                              self._group_scales(self.mins, blk, col), self.group)
         return w.to(dtype)
 
     def unpack(self) -> QuantWeight:
@@ -228,7 +274,11 @@ class PackedQuant:
             tiles = torch.stack((raw & 15, raw >> 4), dim=3).reshape(*raw.shape[:2], 16, 32)
         q = tiles.reshape(self.n // 16, self.k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(self.n, self.k)
         cols = lambda t: None if t is None else t.permute(0, 2, 1).reshape(self.n, -1).contiguous()  # noqa: E731
-        return QuantWeight(self.kind, q.contiguous(), cols(self.scales), cols(self.mins), self.group)
+        if not self.two_level:
+            return QuantWeight(self.kind, q.contiguous(), cols(self.scales), cols(self.mins), self.group)
+        (fs, ss), (fm, sm) = (levels.split(t, self.group) if t is not None else (None, None)
+                              for t in (self.scales, self.mins))
+        return QuantWeight(self.kind, q.contiguous(), cols(ss), cols(sm), self.group, cols(fs), cols(fm))
 
 
 @dataclass
@@ -294,8 +344,12 @@ def pack(w: QuantWeight) -> PackedQuant:
     for i in range(0, n, step):
         tiles = _tile_order(w.q[i:i + step])
         data[i // 16:(i + step) // 16] = tiles if w.kind == "int8" else tiles[:, :, 0::2] | (tiles[:, :, 1::2] << 4)
-    mins = None if w.mins is None else _block_cols(w.mins)
-    return PackedQuant(w.kind, n, k, w.group, data, _block_cols(w.scales), mins)
+    if w.two_level:
+        scales, mins = (None if sub is None else levels.blob(_block_cols(f), _block_cols(sub), w.group)
+                        for f, sub in ((w.super_scales, w.scales), (w.super_mins, w.mins)))
+    else:
+        scales, mins = _block_cols(w.scales), None if w.mins is None else _block_cols(w.mins)
+    return PackedQuant(w.kind, n, k, w.group, data, scales, mins)
 
 
 def kernel(dtype: torch.dtype = torch.bfloat16) -> str | None:
@@ -325,6 +379,8 @@ def linear(x: torch.Tensor, w: "PackedQuant | QuantStack", bias: torch.Tensor | 
         biases = [None if bias is None else bias[end - p.n:end] for p, end in zip(w.parts, ends)]
         return torch.cat([linear(x, p, b) for p, b in zip(w.parts, biases)], dim=1)
     path = kernel(x.dtype) if x.device.type == "cpu" else None
+    if path is not None and w.two_level:
+        path = "fp32"  # the bf16 kernels (cpu_quant.c, cpu_quant_vec.c) take one-level scales only
     if path is None:
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
     if x.dim() != 2 or x.shape[1] != w.k:
@@ -458,7 +514,7 @@ def cat_rows(parts: list[torch.Tensor | QuantWeight | None]) -> torch.Tensor | Q
     if all(isinstance(p, QuantWeight) for p in parts):
         runs: list[list[QuantWeight]] = []
         for p in parts:
-            if runs and (runs[-1][0].kind, runs[-1][0].group) == (p.kind, p.group):
+            if runs and runs[-1][0].format == p.format:
                 runs[-1].append(p)
             else:
                 runs.append([p])

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached
 from radixserve.kernels import ModelRunner, SeqInput, gguf_loader, native, quant
 from radixserve.kernels import runner as runner_module
 from radixserve.kernels.gguf_file import hf_tensor_name
-from radixserve.kernels.gguf_quant import LOSSLESS, packed_weight, quant_weight
+from radixserve.kernels.gguf_quant import LOSSLESS, TWO_LEVEL, packed_weight, quant_weight
 from radixserve.kernels.loader import load_state_dict
 from radixserve.kernels.model_config import load_model_config
 from radixserve.kernels.quant import PackedQuant, QuantWeight, pack
@@ -222,16 +223,18 @@ def test_tensor_names_outside_the_forward_are_refused():
 
 def test_block_tensors_map_onto_quant_weights_without_loss(tmp_path):
     """Q8_0, Q5_0, Q6_K (int8, groups 32 / 32 / 16) and Q4_0, Q4_1, Q4_K (affine int4, group 32) stand for exactly
-    the values the gguf package dequantizes, rows split into blocks and Llama's q / k rows reordered as floats are."""
+    the values the gguf package dequantizes, with two-level scales (Q4_K, Q6_K) or one-level ones, rows split into
+    blocks and Llama's q / k rows reordered as floats are."""
     reader = GGUFReader(FIXTURE)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 256)).astype(np.float32)
     cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS]
     cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
     assert {q.name for _, q in cases} == set(LOSSLESS)
-    for data, qtype in cases:
-        qw = quant_weight(data, qtype, block_elements=5000)
+    for (data, qtype), two_level in itertools.product(cases, (True, False)):
+        qw = quant_weight(data, qtype, block_elements=5000, two_level=two_level)
         assert (qw.kind, qw.group) == LOSSLESS[qtype.name]
+        assert qw.two_level == (two_level and qtype.name in TWO_LEVEL)  # Q4_K, Q6_K: fp16 factors, int8 sub-scales
         want = torch.from_numpy(np.array(dequantize(data, qtype), dtype=np.float32))
         assert torch.equal(qw.dequantize(), want), qtype.name
     floats = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
@@ -254,8 +257,9 @@ def test_packing_in_row_blocks_as_read_changes_nothing():
     cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS and t.data.ndim == 2
              and t.data.shape[0] % 16 == 0]
     cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
-    for data, qtype in cases:
-        whole, blocks = pack(quant_weight(data, qtype)), packed_weight(data, qtype, block_elements=3000)
+    for (data, qtype), two_level in itertools.product(cases, (True, False)):
+        whole = pack(quant_weight(data, qtype, two_level=two_level))
+        blocks = packed_weight(data, qtype, block_elements=3000, two_level=two_level)
         assert all(torch.equal(a, b) for a, b in ((whole.data, blocks.data), (whole.scales, blocks.scales))), qtype
         assert whole.mins is None or torch.equal(whole.mins, blocks.mins)
 
@@ -332,6 +336,7 @@ def test_q4_k_m_fixture_kept_quantized_is_as_accurate_as_bf16(monkeypatch, caplo
     assert isinstance(stack, quant.QuantStack) and [(p.kind, p.group) for p in stack.parts] == [("int4", 32),
                                                                                                ("int8", 16)]
     assert stack.n == model.q_size + 2 * model.kv_size and stack.parts[1].n == model.kv_size
+    assert all(p.two_level for p in stack.parts)  # the fp32 kernel reads Q4_K / Q6_K's factors and sub-scales
     assert isinstance(model.layers[0].qkv.quant, quant.PackedQuant)
     assert set(map(id, stack.parts)) <= set(map(id, model.quantized_weights()))
 
