@@ -16,6 +16,7 @@ typedef struct {
     const uint8_t *data;
     const void *scales, *mins; /* [N / 16][K / g][16]; mins only for int4 */
     int64_t K, g;
+    int64_t groups, supers, per_log2; /* K / g, K / QV_SUPER, log2(QV_SUPER / g): what qview_group indexes by */
 } qview;
 
 /* N in 16-column blocks, K in 32-input tiles, groups of a multiple of 16 that divide K (two-level: QV_SUPER
@@ -27,8 +28,10 @@ static inline int qview_valid(int64_t N, int64_t K, int64_t g, const void *mins,
 
 static inline qview qview_of(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t K,
                              int64_t g) {
+    int64_t per_log2 = 0;
+    while ((g << per_log2) < QV_SUPER) ++per_log2; /* exact where two-level (g divides QV_SUPER, both powers of 2) */
     const qview w = {flags & QF_INT4, (flags & QF_HALF) != 0, (flags & QF_TWO_LEVEL) != 0, data, scales,
-                     (flags & QF_INT4) ? mins : NULL, K, g};
+                     (flags & QF_INT4) ? mins : NULL, K, g, K / g, K / QV_SUPER, per_log2};
     return w;
 }
 
@@ -38,13 +41,13 @@ static inline qview qview_of(int flags, const uint8_t *data, const void *scales,
 static inline const void *qview_group(const qview *w, const void *s, int64_t blk, int64_t gi,
                                       const uint16_t **factors) {
     if (!w->two) {
-        const int64_t at = (blk * (w->K / w->g) + gi) * 16;
+        const int64_t at = (blk * w->groups + gi) * 16;
         *factors = NULL;
         return w->half ? (const void *)((const uint16_t *)s + at) : (const void *)((const float *)s + at);
     }
-    const int64_t per = QV_SUPER / w->g;
-    const uint8_t *b = (const uint8_t *)s + (blk * (w->K / QV_SUPER) + gi / per) * (32 + 16 * per);
+    const int64_t per = (int64_t)1 << w->per_log2; /* shifts, not divisions: this runs once per group */
+    const uint8_t *b = (const uint8_t *)s + (blk * w->supers + (gi >> w->per_log2)) * (32 + 16 * per);
     *factors = (const uint16_t *)b;
-    return b + 32 + 16 * (gi % per);
+    return b + 32 + 16 * (gi & (per - 1));
 }
 #endif

@@ -243,15 +243,19 @@ RS_INLINE vni widen_u16(const uint16_t *p) { /* VW uint16 zero-extended */
     return x;
 #endif
 }
-RS_INLINE vf vf_load_f16(const uint16_t *p) { /* 16 fp16 widened to fp32 (exact), without branches */
+RS_INLINE vf vf_load_f16(const uint16_t *p) { /* 16 fp16 widened to fp32 (exact) */
     vf x;
-    EACH(i) {
+#if defined(__F16C__) && VW == 8
+    EACH(i) x.p[i] = (vn)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + VW * i)));
+#else
+    EACH(i) { /* without branches */
         const vni h = widen_u16(p + VW * i), e = h & 0x7c00, m = h & 0x3ff, sign = (h & 0x8000) << 16;
         const vni sub = (vni)(__builtin_convertvector(m, vn) * 0x1p-24f); /* exponent 0: m * 2^-24 (exact) */
         const vni normal = ((h & 0x7fff) << 13) + (112 << 23), special = 0x7f800000 | (m << 13); /* inf, NaN */
         const vni is_special = e == 0x7c00, is_normal = (e != 0) & ~is_special;
         x.p[i] = (vn)(sign | (is_special & special) | (is_normal & normal) | (~(is_special | is_normal) & sub));
     }
+#endif
     return x;
 }
 RS_INLINE void vf_dup_pairs(vf v, vf *lo, vf *hi) { /* lo = v0, v0, v1, v1, .., v7, v7; hi the same of v8..v15 */

@@ -65,7 +65,7 @@ class Isa:
 ISAS = (  # best first
     Isa("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma")),
-    Isa("avx2", ("avx2", "fma"), ("-mavx2", "-mfma")),
+    Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),  # every AVX2 CPU has F16C
     Isa("portable", (), ()),  # the compiler's baseline for the target (SSE2 on x86-64)
 )
 ISA_NAMES = tuple(isa.name for isa in ISAS)

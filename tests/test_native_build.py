@@ -40,8 +40,9 @@ def _fake_cc(folder, body: str) -> str:
 def test_the_variant_follows_the_cpu_flags_and_the_env(monkeypatch):
     monkeypatch.delenv(native.ISA_ENV, raising=False)
     assert native.chosen_isa(AVX512).name == "avx512"
-    assert native.chosen_isa({"avx2", "fma", "avx512f"}).name == "avx2"  # AVX-512F alone is not enough
-    assert native.chosen_isa({"avx2"}).name == "portable"  # AVX2 without FMA
+    assert native.chosen_isa({"avx2", "fma", "f16c", "avx512f"}).name == "avx2"  # AVX-512F alone is not enough
+    assert native.chosen_isa({"avx2", "f16c"}).name == "portable"  # AVX2 without FMA
+    assert native.chosen_isa({"avx2", "fma"}).name == "portable"  # nor without F16C (fp16 scales widened by it)
     assert native.chosen_isa(set()).name == "portable"
     monkeypatch.setenv(native.ISA_ENV, "Portable")
     assert native.chosen_isa(AVX512).name == "portable"
