@@ -293,7 +293,7 @@ int rs_linear_quant(const uint16_t *x, int64_t M, int flags, const uint8_t *data
 #if HAVE_AMX
     const int int4 = flags & 1;
     if (!amx_ready() || N % 16 != 0 || K % 32 != 0 || g <= 0 || g % 16 != 0 || K % g != 0 || (int4 && !mins) ||
-        (flags & 4)) /* one-level scales only (quant.linear takes two-level ones to cpu_quant_f32.c) */
+        (flags & 12)) /* neither two-level scales nor implied mins (quant.linear takes those to cpu_quant_f32.c) */
         return -1;
     const qweight w = {int4, (flags & 2) != 0, data, scales, int4 ? mins : NULL, K, g};
     return M > 0 ? linear_quant(x, M, &w, N, b, y, num_threads) : 0;

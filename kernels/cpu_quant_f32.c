@@ -31,6 +31,12 @@ static inline void spread16(const qview *w, const void *s, int64_t blk, int64_t 
     vf_dup_pairs(v, lo, hi);
 }
 
+/* Group gi's 16 mins spread as its scales s0, s1 are: int4's own, or -8 times the scales (QF_SYM; exact). */
+static inline void spread_mins(const qview *w, int64_t blk, int64_t gi, vf s0, vf s1, vf *m0, vf *m1) {
+    if (w->mins) spread16(w, w->mins, blk, gi, m0, m1);
+    else *m0 = vf_mul(s0, vf_set1(-8.0f)), *m1 = vf_mul(s1, vf_set1(-8.0f));
+}
+
 /* The 32 values of pair rows p and p + 1 (p even) of the tile whose bytes start at `tile`, unscaled (exact in
  * fp32): v[0..1] row p's halves, v[2..3] row p + 1's. */
 static inline void pair_values(const qview *w, const uint8_t *tile, int p, vf *v) {
@@ -58,11 +64,11 @@ static void tile_f32(const qview *w, int64_t blk, int64_t k, vf *t) {
     for (int p = 0; p < 16; p += 2) {
         if (p == 0 || (k + 2 * p) % w->g == 0) { /* a group of 16 starts mid-tile (at p = 8) */
             spread16(w, w->scales, blk, (k + 2 * p) / w->g, &s0, &s1);
-            if (w->mins) spread16(w, w->mins, blk, (k + 2 * p) / w->g, &m0, &m1);
+            if (w->int4) spread_mins(w, blk, (k + 2 * p) / w->g, s0, s1, &m0, &m1);
         }
         pair_values(w, src, p, v);
         for (int i = 0; i < 4; ++i)
-            t[2 * p + i] = w->mins ? vf_fmadd(v[i], i % 2 ? s1 : s0, i % 2 ? m1 : m0) : vf_mul(v[i], i % 2 ? s1 : s0);
+            t[2 * p + i] = w->int4 ? vf_fmadd(v[i], i % 2 ? s1 : s0, i % 2 ? m1 : m0) : vf_mul(v[i], i % 2 ? s1 : s0);
     }
 }
 
@@ -78,13 +84,14 @@ static void block_row1_f32(const float *x, const qview *w, int64_t blk, const fl
             pair_values(w, w->data + (blk * K + k / 32 * 32) * bpk, (int)(k % 32) / 2, v);
             p0 = vf_fmadd(v[0], x0, p0), p1 = vf_fmadd(v[1], x0, p1);
             p0 = vf_fmadd(v[2], x1, p0), p1 = vf_fmadd(v[3], x1, p1);
-            if (w->mins) xs = vf_add(xs, vf_add(x0, x1));
+            if (w->int4) xs = vf_add(xs, vf_add(x0, x1));
         }
         spread16(w, w->scales, blk, gi, &s0, &s1);
         a0 = vf_fmadd(p0, s0, a0), a1 = vf_fmadd(p1, s1, a1);
-        if (w->mins) {
-            spread16(w, w->mins, blk, gi, &s0, &s1);
-            a0 = vf_fmadd(xs, s0, a0), a1 = vf_fmadd(xs, s1, a1);
+        if (w->int4) {
+            vf m0, m1;
+            spread_mins(w, blk, gi, s0, s1, &m0, &m1);
+            a0 = vf_fmadd(xs, m0, a0), a1 = vf_fmadd(xs, m1, a1);
         }
     }
     float acc[32] __attribute__((aligned(64)));

@@ -172,10 +172,12 @@ I8_INLINE void block_rows(const qview *w, int64_t blk, int M, int64_t B, const i
         __m256 s0, s1, m0 = _mm256_setzero_ps(), m1 = m0;
         load16(w, w->scales, blk, gi, &s0, &s1);
         if (w->mins) load16(w, w->mins, blk, gi, &m0, &m1);
+        else if (w->int4) /* QF_SYM: -8 times the scales (exact) */
+            m0 = _mm256_mul_ps(s0, _mm256_set1_ps(-8.0f)), m1 = _mm256_mul_ps(s1, _mm256_set1_ps(-8.0f));
         for (int m = 0; m < M; ++m) {
             acc[m][0] = _mm256_fmadd_ps(gacc[m][0], s0, acc[m][0]);
             acc[m][1] = _mm256_fmadd_ps(gacc[m][1], s1, acc[m][1]);
-            if (w->mins) {
+            if (w->int4) {
                 const __m256 xv = _mm256_set1_ps(xsum[m]);
                 acc[m][0] = _mm256_fmadd_ps(m0, xv, acc[m][0]), acc[m][1] = _mm256_fmadd_ps(m1, xv, acc[m][1]);
             }

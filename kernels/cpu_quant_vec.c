@@ -11,7 +11,7 @@
  * even), transposed: out [K][n1 - n0], so that a prefill's many rows run as one bf16 matmul (torch's oneDNN).
  *
  * flags: QF_INT4 (int4 affine, else int8), QF_HALF (scales and mins fp16, else fp32); scales (and mins)
- * [N / 16][K / g][16]. Both return -1 where this build or the shape cannot run them, -2 out of memory.
+ * [N / 16][K / g][16]; the compact forms (QF_TWO_LEVEL, QF_SYM: cpu_qview.h) are cpu_quant_f32.c's, refused here. Both return -1 where this build or the shape cannot run them, -2 out of memory.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -158,7 +158,7 @@ DP_TARGET static void dequant_tile_t(const qview *w, int64_t blk, int64_t k, uin
 int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, const void *scales, const void *mins,
                   int64_t N, int64_t K, int64_t g, const uint16_t *b, uint16_t *y, int num_threads) {
 #if defined(__AVX512F__)
-    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags) || (flags & QF_TWO_LEVEL)) return -1; /* one level */
+    if (M < 0 || M > 16 || !qview_valid(N, K, g, mins, flags) || (flags & (QF_TWO_LEVEL | QF_SYM))) return -1;
     const qview w = qview_of(flags, data, scales, mins, K, g);
     float *xsum = w.mins ? malloc(sizeof(float) * (size_t)(M * (K / g) + 1)) : NULL;
     if (w.mins && !xsum) return -2;
@@ -177,8 +177,8 @@ int rs_quant_rows(const uint16_t *x, int64_t M, int flags, const uint8_t *data, 
 int rs_quant_dequant_t(int flags, const uint8_t *data, const void *scales, const void *mins, int64_t N, int64_t K,
                        int64_t g, int64_t n0, int64_t n1, uint16_t *out, int num_threads) {
 #if defined(__AVX512F__)
-    if (!qview_valid(N, K, g, mins, flags) || (flags & QF_TWO_LEVEL) || n0 % 16 || n1 % 16 || n0 < 0 || n1 > N ||
-        n1 <= n0)
+    if (!qview_valid(N, K, g, mins, flags) || (flags & (QF_TWO_LEVEL | QF_SYM)) || n0 % 16 || n1 % 16 || n0 < 0 ||
+        n1 > N || n1 <= n0)
         return -1;
     const qview w = qview_of(flags, data, scales, mins, K, g);
 #pragma omp parallel for num_threads(num_threads) schedule(static) collapse(2)

@@ -10,6 +10,7 @@
 #define QF_TWO_LEVEL 4 /* two-level scales and mins (kernels/quant_levels.py): per QV_SUPER inputs of a 16-column
                         * block, the 16 columns' fp16 factors, then each group's 16 int8 sub-scales */
 #define QV_SUPER 256
+#define QF_SYM 8 /* int4 without mins: a group's min is -8 times its scale (GGUF's Q4_0) */
 
 typedef struct {
     int int4, half, two;
@@ -20,9 +21,10 @@ typedef struct {
 } qview;
 
 /* N in 16-column blocks, K in 32-input tiles, groups of a multiple of 16 that divide K (two-level: QV_SUPER
- * divides K and the group QV_SUPER); int4 needs its mins. */
+ * divides K and the group QV_SUPER); int4 needs its mins unless symmetric (QF_SYM), and then has none. */
 static inline int qview_valid(int64_t N, int64_t K, int64_t g, const void *mins, int flags) {
-    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 && (!(flags & QF_INT4) || mins) &&
+    return N % 16 == 0 && K % 32 == 0 && g > 0 && g % 16 == 0 && K % g == 0 &&
+           (!(flags & QF_INT4) || (mins != NULL) != ((flags & QF_SYM) != 0)) &&
            (!(flags & QF_TWO_LEVEL) || (K % QV_SUPER == 0 && QV_SUPER % g == 0));
 }
 

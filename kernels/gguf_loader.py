@@ -119,11 +119,11 @@ class GGUFState(Mapping):
                                                              or heads)} if arch == "llama" else {}
         self._infos = {name: t for t in header.tensors if (name := hf_tensor_name(t.name)) is not None}
         self._kept = _kept_names(self._infos) if keep_quantized else set()
-        # K-quants keep their two-level scales for the kernel that reads them (quant.linear: cpu_quant_f32.c and
-        # cpu_quant_i8.c), one-level ones for the bf16 kernels, which take those only
+        # the compact forms (two-level K-quant scales, Q4_0 without mins) for the kernels that read them
+        # (cpu_quant_f32.c, cpu_quant_i8.c), not for the bf16 ones
         from .quant import kernel
 
-        self._two_level = keep_quantized and kernel(dtype) == "fp32"
+        self._compact = keep_quantized and kernel(dtype) == "fp32"
         self.report = DequantReport(dtype, int8_activations=int8_activations and keep_quantized)
         self._bar = tqdm(total=sum(t.n_bytes for t in self._infos.values()), desc="loading GGUF weights",
                          unit="B", unit_scale=True, disable=None)
@@ -134,7 +134,7 @@ class GGUFState(Mapping):
             self.report.keep(t.tensor_type.name)
             # one linear of its own (not fused, rows in order): packed a block of rows at a time
             convert = packed_weight if STANDALONE.search(name) else quant_weight
-            weight = convert(self.header.data(t), t.tensor_type, two_level=self._two_level)
+            weight = convert(self.header.data(t), t.tensor_type, compact=self._compact)
         elif self.transform is not None:
             weight = tensor_weight(self.header.data(t), t.tensor_type, torch.float32, self.report)
             kept = self.transform(name, weight)

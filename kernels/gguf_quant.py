@@ -10,9 +10,10 @@ mins) the file stores, in the unpacked form the quantized linears take.
 
 Every scale and min is exact in float32 (a float16 times an integer of at most 8 bits), and those of Q8_0, Q5_0,
 Q4_1 and Q4_0 in float16 (the file's own fp16; -8 d is exact too, unless it overflows), so those keep fp16 scales
-(HALF_SCALES: quant.py's compact form, 1 bit per weight for scale and min). Q6_K and Q4_K keep d (and -dmin) and
-their integer sub-scales as two-level scales (TWO_LEVEL, quant_levels.py), or, for the bf16 kernels, the products
-in fp32 (``two_level=False``). The scales are read from
+(HALF_SCALES: 1 bit per weight for scale and min). For the fp32 kernels (``compact``) Q6_K and Q4_K keep d (and
+-dmin) and their integer sub-scales as two-level scales (TWO_LEVEL, quant_levels.py) and Q4_0 drops its mins
+(symmetric int4: -8 d implied); for the bf16 kernels every type has one scale and min per group, K-quants' products
+in fp32 (``compact=False``). The scales are read from
 the blocks' bytes; so are Q8_0's and Q4_0 / Q4_1's integers (plain bytes and nibbles); the others' (high bits and
 6-bit layouts) are recovered from the gguf package's float32 dequantization, q = (x - min) / scale rounded (exact:
 x carries at most one rounding of a value whose q is an integer of 4-6 bits), so those layouts are decoded in one
@@ -32,11 +33,12 @@ HALF_SCALES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")  # scales and mins exactly fp16
 TWO_LEVEL = ("Q6_K", "Q4_K")  # scales (and mins) an fp16 factor per 256 values times integer sub-scales
 
 
-def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20, two_level: bool = True) -> QuantWeight:
+def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20, compact: bool = True) -> QuantWeight:
     """The QuantWeight [rows, row length] of a 2-D GGUF block tensor of a LOSSLESS type (raw bytes [rows, bytes per
     row] as gguf_header.GGUFHeader.data gives them), converted a few rows at a time (about `block_elements` values:
-    one block's float32 transient) into tensors of the whole weight. A TWO_LEVEL type keeps its factors and
-    sub-scales (quant_levels.py) unless `two_level` is False (one fp32 scale and min per group)."""
+    one block's float32 transient) into tensors of the whole weight. With `compact` (the fp32 kernels') a TWO_LEVEL
+    type keeps its factors and sub-scales (quant_levels.py) and Q4_0 no mins (symmetric int4); else every type has
+    one scale (and min) per group, as the bf16 kernels read them."""
     from gguf import GGML_QUANT_SIZES
 
     block, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -45,7 +47,7 @@ def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20, two_lev
     out: dict[str, torch.Tensor | None] = {}
     step = max(1, block_elements // row_len)
     for start in range(0, rows, step):
-        part = _rows(np.asarray(data[start:start + step]), qtype, two_level)
+        part = _rows(np.asarray(data[start:start + step]), qtype, compact)
         if not out:
             out = {f: None if (t := getattr(part, f)) is None else torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
                    for f in fields}
@@ -58,8 +60,8 @@ def quant_weight(data: np.ndarray, qtype, block_elements: int = 1 << 20, two_lev
                        out["super_mins"])
 
 
-def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, two_level: bool = True) -> PackedQuant:
-    """quant.pack(quant_weight(data, qtype, two_level=two_level)) made a block of rows (a multiple of 16, about `block_elements` values)
+def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, compact: bool = True) -> PackedQuant:
+    """quant.pack(quant_weight(data, qtype, compact=compact)) made a block of rows (a multiple of 16, about `block_elements` values)
     at a time straight into the packed tensors: the unpacked values (a byte per weight) of one block exist at a time,
     not of the whole tensor (525 MB for an 8B model's embedding or head)."""
     from gguf import GGML_QUANT_SIZES
@@ -68,7 +70,7 @@ def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, two_le
     rows, row_len, out = data.shape[0], data.shape[1] // block_bytes * block, None
     step = max(16, block_elements // row_len // 16 * 16)
     for start in range(0, rows, step):
-        part = pack(quant_weight(data[start:start + step], qtype, two_level=two_level))
+        part = pack(quant_weight(data[start:start + step], qtype, compact=compact))
         if out is None:
             empty = lambda t: None if t is None else torch.empty((rows // 16, *t.shape[1:]), dtype=t.dtype)  # noqa: E731
             out = PackedQuant(part.kind, rows, part.k, part.group, empty(part.data), empty(part.scales),
@@ -82,9 +84,10 @@ def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, two_le
     return out
 
 
-def _rows(data: np.ndarray, qtype, two_level: bool) -> QuantWeight:
+def _rows(data: np.ndarray, qtype, compact: bool) -> QuantWeight:
     """The QuantWeight of some rows of a block tensor: fp16 scales where the type's are exactly fp16 (HALF_SCALES,
-    unless -8 d overflows), a TWO_LEVEL type's factors and sub-scales where `two_level`, else fp32 scales."""
+    unless -8 d overflows), a TWO_LEVEL type's factors and sub-scales where `compact`, else fp32 scales; Q4_0
+    symmetric (no mins) where `compact`."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
@@ -108,7 +111,9 @@ def _rows(data: np.ndarray, qtype, two_level: bool) -> QuantWeight:
         q = q.astype(np.int8 if kind == "int8" else np.uint8)
     q = torch.from_numpy(q.reshape(rows, -1))
     tensor = lambda a, dtype: None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype))  # noqa: E731
-    if levels is not None and two_level:
+    if compact and qtype.name == "Q4_0":
+        mins = None  # -8 d: implied
+    if levels is not None and compact:
         factors, sub, min_factors, min_sub = levels
         return QuantWeight(kind, q, tensor(sub, np.int8), tensor(min_sub, np.int8), group,
                            tensor(factors, np.float16), tensor(min_factors, np.float16))

@@ -12,10 +12,12 @@ Two formats, each a lossless target for the block types of GGUF files (kernels' 
 Scales and mins are fp16 where that is exact (GGUF's Q8_0 / Q5_0 / Q4_0 / Q4_1 store fp16 scales; the quantizers
 here round their scale up and min down to fp16 and quantize against those), else fp32 (a scale past fp16's range).
 At group 32 fp16 scales cost 0.5 bit per weight (int4: 1 with its mins), fp32 twice that: Q4_0 (4.5 bits) kept as
-int4 takes 5 bits per weight, not 6. Q4_K and Q6_K keep their files' two levels (quant_levels.py: an fp16 factor per
-256 inputs times int8 sub-scales, whose products are the scales), read by cpu_quant_f32.c and cpu_quant_i8.c;
-``linear`` takes them there whatever the activations' dtype, and the GGUF loader gives one-level scales (the exact
-fp32 products) where the bf16 kernels would run. A fused linear whose parts differ in format is a ``QuantStack``. The unpacked form is
+int4 takes 5 bits per weight, not 6. Two compact forms keep GGUF files' bytes (``QuantWeight.expanded`` is the plain
+form they stand for): Q4_K and Q6_K's two levels (quant_levels.py: an fp16 factor per 256 inputs times int8
+sub-scales, whose products are the scales), and symmetric int4 (Q4_0: no mins, each -8 times its scale; 4.5 bits
+per weight). Only cpu_quant_f32.c and cpu_quant_i8.c read them: ``linear`` takes them there whatever the
+activations' dtype, and the GGUF loader expands them where the bf16 kernels would run. A fused linear whose parts
+differ in format is a ``QuantStack``. The unpacked form is
 ``QuantWeight``: values [N, K] one per byte, scales / mins [N, K / g]. It is what ``quantize_int8`` /
 ``quantize_int4`` (from a float tensor) and a GGUF mapping produce, what the loader concatenates
 (q / k / v, gate / up) and reorders (rotary pairs) row-wise, and what ``pack`` turns into the kernel's layout:
@@ -66,16 +68,18 @@ def check_group(k: int, group: int) -> None:
 
 @dataclass
 class QuantWeight:
-    """A quantized [N, K] weight, unpacked (the module docstring): q int8 (int8) or uint8 0..15 (int4); with
-    ``super_scales`` its scales (and mins) are two-level (quant_levels.py): int8 sub-scales times fp16 factors."""
+    """A quantized [N, K] weight, unpacked (the module docstring): q int8 (int8) or uint8 0..15 (int4). Two compact
+    forms, which only the fp32 kernels read: with ``super_scales`` the scales (and mins) are two-level
+    (quant_levels.py: int8 sub-scales times fp16 factors); an int4 weight without mins is symmetric (each group's
+    min is -8 times its scale: GGUF's Q4_0, 0.5 bit per weight less)."""
 
     kind: str
     q: torch.Tensor  # [N, K]
     scales: torch.Tensor  # [N, K / group] float16 or float32 (two-level: int8)
-    mins: torch.Tensor | None  # [N, K / group] scales' dtype (int4), None (int8)
+    mins: torch.Tensor | None  # [N, K / group] scales' dtype (int4), None (int8, symmetric int4)
     group: int
     super_scales: torch.Tensor | None = None  # two-level: [N, K / SUPER] float16
-    super_mins: torch.Tensor | None = None  # two-level int4: [N, K / SUPER] float16
+    super_mins: torch.Tensor | None = None  # two-level int4 with mins: [N, K / SUPER] float16
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
@@ -83,17 +87,16 @@ class QuantWeight:
         want = (torch.int8, None) if self.kind == "int8" else (torch.uint8, torch.float32)
         if self.kind not in KINDS or self.q.dtype != want[0]:
             raise ValueError(f"{self.kind} weights need values of dtype {want[0]}, got {self.kind} / {self.q.dtype}")
-        two = self.two_level
+        two, has_mins = self.two_level, self.mins is not None
         if two:
             levels.check(k, self.group)
-        dtypes = (torch.int8,) if two else SCALE_DTYPES
+        present = {"mins": has_mins and self.kind == "int4", "super_scales": two, "super_mins": two and has_mins}
         for name, t, cols in (("scales", self.scales, k // self.group), ("mins", self.mins, k // self.group),
                               ("super_scales", self.super_scales, k // levels.SUPER),
                               ("super_mins", self.super_mins, k // levels.SUPER)):
-            needed = (name.startswith("super") <= two) and (not name.endswith("mins") or self.kind == "int4")
-            if (t is None) == needed:
+            if (t is not None) != present.get(name, True):
                 raise ValueError(f"{self.kind} weights {'take no' if t is not None else 'need'} {name}")
-            allowed = (torch.float16,) if name.startswith("super") else dtypes
+            allowed = (torch.float16,) if name.startswith("super") else (torch.int8,) if two else SCALE_DTYPES
             if t is not None and (t.dtype not in allowed or (name == "mins" and t.dtype != self.scales.dtype)
                                   or tuple(t.shape) != (n, cols)):
                 raise ValueError(f"{name} must be {' or '.join(str(d)[6:] for d in allowed)} [{n}, {cols}], got "
@@ -110,21 +113,33 @@ class QuantWeight:
         return self.super_scales is not None
 
     @property
-    def format(self) -> tuple[str, int, bool]:
-        """What weights must share to be concatenated into one: kind, group, two-level scales or not."""
-        return self.kind, self.group, self.two_level
+    def symmetric(self) -> bool:
+        return self.kind == "int4" and self.mins is None
 
-    def one_level(self) -> "QuantWeight":
-        """The same weight with one scale (and min) per group (two-level ones' exact float32 products)."""
-        if not self.two_level:
+    @property
+    def format(self) -> tuple[str, int, bool, bool]:
+        """What weights must share to be concatenated into one: kind, group, the compact forms."""
+        return self.kind, self.group, self.two_level, self.symmetric
+
+    def expanded(self) -> "QuantWeight":
+        """The same weight in the form every kernel reads: one scale and (int4) one min per group, two-level ones'
+        exact float32 products, a symmetric weight's mins -8 times its scales (in fp16 where that stays finite)."""
+        if not (self.two_level or self.symmetric):
             return self
-        mins = None if self.mins is None else levels.product(self.super_mins, self.mins, self.group)
-        return QuantWeight(self.kind, self.q, levels.product(self.super_scales, self.scales, self.group), mins,
-                           self.group)
+        if self.two_level:
+            mins = None if self.mins is None else levels.product(self.super_mins, self.mins, self.group)
+            scales = levels.product(self.super_scales, self.scales, self.group)
+        else:
+            scales, mins = self.scales, None
+        if self.kind == "int4" and mins is None:
+            mins = scales * -8
+            if not bool(torch.isfinite(mins).all()):
+                scales, mins = scales.float(), scales.float() * -8
+        return QuantWeight(self.kind, self.q, scales, mins, self.group)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weights this stands for (the definition the kernel matches)."""
-        w = self.one_level()
+        w = self.expanded()
         return dequantize_values(w.q, w.scales, w.mins, w.group)
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
@@ -240,10 +255,20 @@ class PackedQuant:
         return self.scales.dtype == torch.uint8
 
     @property
+    def symmetric(self) -> bool:
+        return self.kind == "int4" and self.mins is None
+
+    @property
+    def compact(self) -> bool:
+        """In a form only cpu_quant_f32.c and cpu_quant_i8.c read (two-level scales, symmetric int4)."""
+        return self.two_level or self.symmetric
+
+    @property
     def flags(self) -> int:
         """The kernels' format flags (cpu_qview.h): 1 int4 (else int8), 2 fp16 scales and mins (else fp32), 4
-        two-level scales and mins (quant_levels.py)."""
-        return int(self.kind == "int4") | 2 * int(self.scales.dtype == torch.float16) | 4 * int(self.two_level)
+        two-level scales and mins (quant_levels.py), 8 symmetric int4 (no mins)."""
+        return (int(self.kind == "int4") | 2 * int(self.scales.dtype == torch.float16) | 4 * int(self.two_level)
+                | 8 * int(self.symmetric))
 
     def _group_scales(self, t: torch.Tensor | None, blk: torch.Tensor, col: torch.Tensor) -> torch.Tensor | None:
         """The per-group scales (or mins) [n, K / group] of columns blk * 16 + col (one level)."""
@@ -262,8 +287,10 @@ class PackedQuant:
         else:  # bytes [n, K/32, 8, 2]: low nibbles pair row 2r, high 2r + 1
             raw = self.data.view(self.n // 16, self.k // 32, 8, 16, 2)[blk, :, :, col]
             q = torch.stack((raw & 15, raw >> 4), dim=3)
-        w = dequantize_values(q.reshape(len(ids), self.k), self._group_scales(self.scales, blk, col),
-                              self._group_scales(self.mins, blk, col), self.group)
+        scales, mins = self._group_scales(self.scales, blk, col), self._group_scales(self.mins, blk, col)
+        if self.symmetric:
+            mins = scales.float() * -8
+        w = dequantize_values(q.reshape(len(ids), self.k), scales, mins, self.group)
         return w.to(dtype)
 
     def unpack(self) -> QuantWeight:
@@ -379,8 +406,8 @@ def linear(x: torch.Tensor, w: "PackedQuant | QuantStack", bias: torch.Tensor | 
         biases = [None if bias is None else bias[end - p.n:end] for p, end in zip(w.parts, ends)]
         return torch.cat([linear(x, p, b) for p, b in zip(w.parts, biases)], dim=1)
     path = kernel(x.dtype) if x.device.type == "cpu" else None
-    if path is not None and w.two_level:
-        path = "fp32"  # the bf16 kernels (cpu_quant.c, cpu_quant_vec.c) take one-level scales only
+    if path is not None and w.compact:
+        path = "fp32"  # the bf16 kernels (cpu_quant.c, cpu_quant_vec.c) take the expanded form only
     if path is None:
         return F.linear(x, w.unpack().dequantize().to(x.dtype), bias)
     if x.dim() != 2 or x.shape[1] != w.k:

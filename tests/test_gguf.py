@@ -223,18 +223,19 @@ def test_tensor_names_outside_the_forward_are_refused():
 
 def test_block_tensors_map_onto_quant_weights_without_loss(tmp_path):
     """Q8_0, Q5_0, Q6_K (int8, groups 32 / 32 / 16) and Q4_0, Q4_1, Q4_K (affine int4, group 32) stand for exactly
-    the values the gguf package dequantizes, with two-level scales (Q4_K, Q6_K) or one-level ones, rows split into
-    blocks and Llama's q / k rows reordered as floats are."""
+    the values the gguf package dequantizes, in the compact forms (Q4_K, Q6_K two-level, Q4_0 symmetric) or expanded,
+    rows split into blocks and Llama's q / k rows reordered as floats are."""
     reader = GGUFReader(FIXTURE)
     rng = np.random.default_rng(0)
     w = rng.standard_normal((48, 256)).astype(np.float32)
     cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS]
     cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
     assert {q.name for _, q in cases} == set(LOSSLESS)
-    for (data, qtype), two_level in itertools.product(cases, (True, False)):
-        qw = quant_weight(data, qtype, block_elements=5000, two_level=two_level)
+    for (data, qtype), compact in itertools.product(cases, (True, False)):
+        qw = quant_weight(data, qtype, block_elements=5000, compact=compact)
         assert (qw.kind, qw.group) == LOSSLESS[qtype.name]
-        assert qw.two_level == (two_level and qtype.name in TWO_LEVEL)  # Q4_K, Q6_K: fp16 factors, int8 sub-scales
+        assert qw.two_level == (compact and qtype.name in TWO_LEVEL)  # Q4_K, Q6_K: fp16 factors, int8 sub-scales
+        assert qw.symmetric == (compact and qtype.name == "Q4_0")  # its mins -8 d implied
         want = torch.from_numpy(np.array(dequantize(data, qtype), dtype=np.float32))
         assert torch.equal(qw.dequantize(), want), qtype.name
     floats = gguf_loader.load_gguf_state_dict(FIXTURE, torch.float32, CPU)
@@ -257,9 +258,9 @@ def test_packing_in_row_blocks_as_read_changes_nothing():
     cases = [(t.data, t.tensor_type) for t in reader.tensors if t.tensor_type.name in LOSSLESS and t.data.ndim == 2
              and t.data.shape[0] % 16 == 0]
     cases += [(quantize(w, GGMLQuantizationType[k]), GGMLQuantizationType[k]) for k in ("Q4_0", "Q4_1", "Q5_0")]
-    for (data, qtype), two_level in itertools.product(cases, (True, False)):
-        whole = pack(quant_weight(data, qtype, two_level=two_level))
-        blocks = packed_weight(data, qtype, block_elements=3000, two_level=two_level)
+    for (data, qtype), compact in itertools.product(cases, (True, False)):
+        whole = pack(quant_weight(data, qtype, compact=compact))
+        blocks = packed_weight(data, qtype, block_elements=3000, compact=compact)
         assert all(torch.equal(a, b) for a, b in ((whole.data, blocks.data), (whole.scales, blocks.scales))), qtype
         assert whole.mins is None or torch.equal(whole.mins, blocks.mins)
 
@@ -378,6 +379,10 @@ def test_kept_quantized_in_float32_is_the_float32_model(path, tmp_path, monkeypa
     rounded = prefill_logits(path, "bfloat16", monkeypatch)
     err, bf16_err = (kept - exact).abs().max().item(), (rounded - exact).abs().max().item()
     assert err <= 1e-4 * exact.abs().max().item() and err < bf16_err / 50, (err, bf16_err)
+    monkeypatch.setattr(runner_module, "keeps_blocks", lambda dtype, device: True)
+    model = ModelRunner(path, num_slots=64, dtype="float32", num_threads=1, quantized_activations="none").model
+    forms = {(w.two_level, w.symmetric) for w in model.quantized_weights()}  # the compact forms, as read
+    assert forms == ({(False, True)} if path.endswith("q4_0.gguf") else {(True, False), (False, False)}), forms
 
 
 def test_quantization_flag_applies_to_a_float_gguf_as_to_its_checkpoint(tmp_path):

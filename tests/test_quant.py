@@ -225,8 +225,8 @@ def test_bad_formats_are_clear_errors():
         quant.pack_int8(q8, torch.ones(16, 3), 32)
     with pytest.raises(ValueError, match="0..15"):
         quant.pack_int4(q4 + 16, torch.ones(16, 2), torch.zeros(16, 2), 32)
-    with pytest.raises(ValueError, match="need mins"):
-        quant.QuantWeight("int4", q4, torch.ones(16, 2), None, 32)
+    with pytest.raises(ValueError, match="int8 weights take no mins"):
+        quant.QuantWeight("int8", q8, torch.ones(16, 2), torch.ones(16, 2), 32)
     with pytest.raises(ValueError, match="N a multiple of 16"):
         quant.pack(quant.quantize_int8(torch.randn(24, 64)))
     with pytest.raises(ValueError, match="quantization must be one of"):
