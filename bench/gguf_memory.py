@@ -71,7 +71,7 @@ def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequ
     `activations` is the engine's quantized_activations."""
     from ._llamacpp import single_ours
     from .harness import warm_up
-    from ..kernels import quant
+    from ..kernels import quant_linear
     from ..kernels import runner as runner_module
     from ..scheduler import Engine
 
@@ -81,7 +81,7 @@ def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequ
     engine = Engine(path, dtype=dtype, num_threads=threads, kv_cache_tokens=kv_tokens, context_length=kv_tokens,
                     max_running_requests=4, quantized_activations=activations)
     runner = engine.runner
-    kernel = None if dequantize else quant.kernel(runner.dtype)
+    kernel = None if dequantize else quant_linear.kernel(runner.dtype)
     loaded = {"load_s": time.perf_counter() - start, "after_load": vm_status(), "kernel": kernel,
               "int8_activations": runner.int8_activations,
               "dtype": str(runner.dtype).removeprefix("torch."),

@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None, sets: dict[str, list] | None = None)
     args = _parse(argv)
     import torch
 
-    from ..kernels import quant
+    from ..kernels import quant_linear
     from .demo_kit.eval_cases import case_sets
     from .harness import bench_model_path
 
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None, sets: dict[str, list] | None = None)
             runs.append(run_config(name, path, sets, args.threads))
             bar.update()
     report = {"bench": "quant_quality", "command": args.command, "model": args.model, "path": path,
-              "quant_kernel": quant.kernel(), "threads": args.threads,
+              "quant_kernel": quant_linear.kernel(), "threads": args.threads,
               "configs": [score(r, runs[0]) for r in runs]}
     out = BenchOutput("quant_quality", args.out)
     out.finish(out.write_report("quant_quality", report, markdown(report)))

@@ -28,6 +28,7 @@ from .gguf_file import field as gguf_field, hf_tensor_name, open_gguf
 from .gguf_header import GGUFHeader
 from .gguf_quant import LOSSLESS, packed_weight, quant_weight
 from .quant import PackedQuant, QuantWeight, packable
+from .quant_linear import kernel
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +72,7 @@ class DequantReport:
             parts.append(f"dequantized {count(self.tensors)} to {str(self.dtype).removeprefix('torch.')}; max "
                          f"relative error against the float32 dequantized values {self.max_rel_error:.2e} over "
                          f"{self.sampled:,} sampled values")
-        if self.kept:  # which kernel multiplies them (quant.kernel: tiles, avx512-bf16 or fp32)
-            from .quant import kernel
-
+        if self.kept:  # which kernel multiplies them (quant_linear.kernel: tiles, avx512-bf16 or fp32)
             parts.append(f"quantized kernel {kernel(self.dtype)}"
                          + (", int8 activations at decode (--quantized-activations)" if self.int8_activations else ""))
         return "GGUF: " + ("; ".join(parts) if parts else "no quantized tensors")
@@ -81,12 +80,10 @@ class DequantReport:
 
 def keeps_blocks(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether block tensors stay quantized: on a CPU where a native quantized kernel runs for the model's dtype
-    (quant.kernel(dtype)): in bf16 the AMX tiles or AVX512-BF16 (at least as exact as the bf16 linear on the
+    (quant_linear.kernel(dtype)): in bf16 the AMX tiles or AVX512-BF16 (at least as exact as the bf16 linear on the
     bf16-rounded dequantized weights) or the fp32 kernel; in fp32 the fp32 kernel (the fp32 model of the
     dequantized weights up to the order of its sums), in every build of the library, AVX2 and portable ones too.
-    Elsewhere quant.linear would dequantize the weights at every call."""
-    from .quant import kernel
-
+    Elsewhere quant_linear.linear would dequantize the weights at every call."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and kernel(dtype) is not None
 
 
@@ -121,8 +118,6 @@ class GGUFState(Mapping):
         self._kept = _kept_names(self._infos) if keep_quantized else set()
         # the compact forms (two-level K-quant scales, Q4_0 without mins) for the kernels that read them
         # (cpu_quant_f32.c, cpu_quant_i8.c), not for the bf16 ones
-        from .quant import kernel
-
         self._compact = keep_quantized and kernel(dtype) == "fp32"
         self.report = DequantReport(dtype, int8_activations=int8_activations and keep_quantized)
         self._bar = tqdm(total=sum(t.n_bytes for t in self._infos.values()), desc="loading GGUF weights",

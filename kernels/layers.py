@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import native, quant
+from . import native, quant, quant_linear
 from .model_config import RopeConfig
 
 NATIVE_MAX_ROWS = 2  # rows of an unpacked bf16 weight that take the native kernel (see Linear)
@@ -28,7 +28,7 @@ class Linear:
     row kernel (``native.linear_bf16``) for a step of at most ``NATIVE_MAX_ROWS`` rows, where it
     streams the weight faster than ``F.linear`` (and beyond which it falls behind); otherwise
     ``F.linear``. A quantized weight (``quant.QuantWeight``, from ``--quantization``) is packed for the
-    quantized tile kernel (``quant.pack`` / ``quant.linear``); a list of them (``quant.cat_rows``: a fusion's parts in
+    quantized tile kernel (``quant.pack`` / ``quant_linear.linear``); a list of them (``quant.cat_rows``: a fusion's parts in
     different formats) becomes a ``quant.QuantStack``."""
 
     __slots__ = ("weight", "bias", "tiles", "packed", "native", "quant")
@@ -57,7 +57,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.quant is not None:
-            return quant.linear(x, self.quant, self.bias)
+            return quant_linear.linear(x, self.quant, self.bias)
         if self.tiles is not None:  # no per-shape state: any row count runs as it is
             return native.linear_tiles(x, self.tiles, self.bias)
         if self.native and rows <= NATIVE_MAX_ROWS:

@@ -427,5 +427,5 @@ def linear_tiles(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 
 
 def tiles_ready() -> bool:
-    """Whether AMX tile kernels run here (the library is built and ``_use_amx``): quant.linear asks."""
+    """Whether AMX tile kernels run here (the library is built and ``_use_amx``): quant_linear.linear asks."""
     return load() is not None and _use_amx()

@@ -1,4 +1,4 @@
-"""int8 activations for quantized linears at decode (cpu_quant_i8.c, called by quant.linear_int8): llama.cpp's
+"""int8 activations for quantized linears at decode (cpu_quant_i8.c, called by quant_linear.linear_int8): llama.cpp's
 arithmetic on its own files; this module holds the rules (which calls, where, the activations' definition).
 
 A decode step's rows (at most ``MAX_ROWS[kind]``) are quantized to int8 per block of 32 inputs (16 where the
@@ -12,7 +12,7 @@ fp32 kernel, which is what single-stream decode of a 4-bit GGUF file on an AVX2 
 
 The setting (``EngineConfig.quantized_activations``, ``--quantized-activations``): "none" keeps weight-only
 quantization everywhere; "int8" quantizes decode activations for every quantized weight; "auto" (the default) does
-it for a GGUF file's weights where the quantized kernel would be the fp32 one (quant.kernel: CPUs without
+it for a GGUF file's weights where the quantized kernel would be the fp32 one (quant_linear.kernel: CPUs without
 AVX512-BF16, or --dtype float32), as llama.cpp computes those files, and keeps weight-only quantization elsewhere
 (--quantization of a float checkpoint, and the bf16 kernels, which were not measured against this one).
 """
@@ -54,7 +54,7 @@ def ready() -> bool:
 
 def resolve(setting: str, gguf: bool, exact_kernel: str | None, device: torch.device) -> bool:
     """Whether the model's quantized linears take int8 activations at decode (the module docstring), given the
-    exact kernel its weights would run on (quant.kernel(dtype)); ValueError for "int8" where the kernel cannot run."""
+    exact kernel its weights would run on (quant_linear.kernel(dtype)); ValueError for "int8" where the kernel cannot run."""
     if setting not in CHOICES:
         raise ValueError(f"quantized_activations must be one of {', '.join(CHOICES)}, got {setting!r}")
     if setting == "none":

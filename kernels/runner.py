@@ -55,7 +55,8 @@ from .kv_budget import (CUDA_KV_MEMORY_FRACTION, DEFAULT_CPU_KV_TOKENS, default_
 from .gguf_file import is_gguf_path
 from .gguf_loader import keeps_blocks, load_gguf_state_dict
 from .loader import checkpoint_dtype, load_state_dict, resolve_dtype
-from .quant import kernel as quant_kernel, load_transform
+from .quant import load_transform
+from .quant_linear import kernel as quant_kernel
 from .quant_spec import parse_quantization
 from .model import CausalLM
 from .model_config import ModelConfig, load_model_config

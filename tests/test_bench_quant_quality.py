@@ -7,7 +7,7 @@ import json
 import pytest
 
 from radixserve.bench import quant_quality as qq
-from radixserve.kernels import native, quant
+from radixserve.kernels import native, quant_linear
 
 
 def test_configuration_names_map_onto_engine_keywords():
@@ -40,7 +40,7 @@ def test_scoring_counts_points_identity_and_fails_past_the_threshold():
     assert qq.score(_run("kv-int8", one, ids), base)["meets_threshold"] is True
 
 
-@pytest.mark.skipif(native.cannot_build() is not None or quant.kernel() is None,
+@pytest.mark.skipif(native.cannot_build() is not None or quant_linear.kernel() is None,
                     reason="needs the native library and AMX tiles or AVX512-BF16")
 def test_a_run_on_the_tiny_model(tmp_path):
     """The replies are scored by the cases' own checks (one always right, one never), fp32's replies are its own,

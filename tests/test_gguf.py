@@ -32,7 +32,7 @@ from _http_server import SCRIPTS, ServerProcess, scripted_model_path
 from radixserve.bench.checkpoints import gguf_export
 from radixserve.bench.checkpoints.gguf_export import dequantized_copy, export_gguf
 from radixserve.bench.checkpoints.random_weights import build_checkpoint, cached_checkpoint
-from radixserve.kernels import ModelRunner, SeqInput, gguf_loader, native, quant
+from radixserve.kernels import ModelRunner, SeqInput, gguf_loader, native, quant, quant_linear
 from radixserve.kernels import runner as runner_module
 from radixserve.kernels.gguf_file import hf_tensor_name
 from radixserve.kernels.gguf_quant import LOSSLESS, TWO_LEVEL, packed_weight, quant_weight
@@ -301,7 +301,7 @@ def test_server_serves_a_gguf_file_over_http(tmp_path):
 
 def prefill_logits(path: str, dtype: str, monkeypatch, keep: bool = False) -> torch.Tensor:
     """The logits of a 12-token prefill by a ModelRunner on `path`, its block tensors kept quantized or not (on a
-    CPU without the quantized tile kernel, kept weights run through quant.linear's dequantizing path), activations
+    CPU without the quantized tile kernel, kept weights run through quant_linear.linear's dequantizing path), activations
     in the model's dtype (int8 ones: test_quant_act.py)."""
     monkeypatch.setattr(runner_module, "keeps_blocks", lambda dtype, device: keep)
     runner = ModelRunner(path, num_slots=64, dtype=dtype, num_threads=1, quantized_activations="none")
@@ -359,8 +359,8 @@ def test_tied_table_kept_quantized_is_the_head_and_as_accurate_as_bf16(tmp_path,
 
 
 def test_engine_keeps_blocks_where_a_quantized_kernel_runs():
-    assert gguf_loader.keeps_blocks(torch.bfloat16, CPU) == (quant.kernel() is not None)
-    assert gguf_loader.keeps_blocks(torch.float32, CPU) == (quant.kernel(torch.float32) == "fp32")
+    assert gguf_loader.keeps_blocks(torch.bfloat16, CPU) == (quant_linear.kernel() is not None)
+    assert gguf_loader.keeps_blocks(torch.float32, CPU) == (quant_linear.kernel(torch.float32) == "fp32")
     assert not gguf_loader.keeps_blocks(torch.float16, CPU)
 
 

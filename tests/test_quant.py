@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from radixserve.kernels import native, quant
+from radixserve.kernels import native, quant, quant_linear
 from radixserve.kernels.layers import Linear
 from radixserve.kernels.quant_spec import parse_quantization
 from radixserve.scheduler import Engine, SamplingParams
@@ -30,7 +30,7 @@ from radixserve.scheduler import Engine, SamplingParams
 from _engine_helpers import hf_logprobs, hf_model, make_checkpoint
 
 TILES = native.cannot_build() is None and native.tiles_ready()
-KERNEL = native.cannot_build() is None and quant.kernel() is not None
+KERNEL = native.cannot_build() is None and quant_linear.kernel() is not None
 VEC = native.cannot_build() is None and native.load() is not None and native._use_dpbf16()
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the native library")
 
@@ -45,7 +45,7 @@ def _quantized(kind: str, w: torch.Tensor, group: int, half: bool = True) -> qua
 
 
 def _on(path: str):
-    """Runs quant.linear on `path` ("tiles", "vec": tiles refused even where they run, "f32": both refused)."""
+    """Runs quant_linear.linear on `path` ("tiles", "vec": tiles refused even where they run, "f32": both refused)."""
     stack = contextlib.ExitStack()
     if path in ("vec", "f32"):
         stack.enter_context(mock.patch.object(native, "tiles_ready", lambda: False))
@@ -103,7 +103,7 @@ def test_quantized_matmul_matches_float64(kg, m, blocks, kb, bias, threads, half
     torch.set_num_threads(threads)
     try:
         with _on(path):
-            got = quant.linear(x, quant.pack(qw), b)
+            got = quant_linear.linear(x, quant.pack(qw), b)
         tiles = native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), b) if path == "tiles" else None
     finally:
         torch.set_num_threads(1)
@@ -127,11 +127,11 @@ def test_fp32_activations_are_summed_in_fp32(kg, m, blocks, kb, bias, threads, h
     x, b = torch.randn(m, k, generator=gen), torch.randn(n, generator=gen) if bias else None
     torch.set_num_threads(threads)
     try:
-        with mock.patch.object(quant, "DEQUANT_CHUNK_BYTES", 4 * k * 32):
-            got = quant.linear(x, quant.pack(qw), b)
+        with mock.patch.object(quant_linear, "DEQUANT_CHUNK_BYTES", 4 * k * 32):
+            got = quant_linear.linear(x, quant.pack(qw), b)
     finally:
         torch.set_num_threads(1)
-    assert quant.kernel(torch.float32) == "fp32" and got.dtype == torch.float32
+    assert quant_linear.kernel(torch.float32) == "fp32" and got.dtype == torch.float32
     _check_f32(got, x, qw, b)
 
 
@@ -148,7 +148,7 @@ def test_fp32_kernel_widens_every_kind_of_fp16_scale(rows):
     assert (scales.float().abs() < 6.1e-5).any() and (scales == 0).any()  # subnormals and zeros are in
     qw = quant.QuantWeight("int4", torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), scales, mins, group)
     x = torch.randn(rows, k, generator=gen)
-    _check_f32(quant.linear(x, quant.pack(qw), None), x, qw, None)
+    _check_f32(quant_linear.linear(x, quant.pack(qw), None), x, qw, None)
 
 
 @needs_kernel
@@ -159,8 +159,8 @@ def test_prefill_rows_and_long_rows(kind, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     qw = _quantized(kind, torch.randn(80, 4864, generator=gen), 32)
     x = torch.randn(300, 4864, generator=gen).bfloat16()
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK_BYTES", 2 * 4864 * 48)
-    got = quant.linear(x, quant.pack(qw), None)
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK_BYTES", 2 * 4864 * 48)
+    got = quant_linear.linear(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     if TILES:
         assert torch.equal(got, native.linear_tiles(x, native.pack_tiles(qw.dequantize().bfloat16()), None))
@@ -175,7 +175,7 @@ def test_a_wrong_scale_column_or_row_would_show(rows, path):
     qw = quant.quantize_int4(torch.randn(48, 64, generator=gen), 32)
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     with _on(path):
-        got = quant.linear(x, quant.pack(qw), None)
+        got = quant_linear.linear(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     with pytest.raises(AssertionError):
         _check(got[:, [1, 0, *range(2, 48)]], x, qw, None)
@@ -184,7 +184,7 @@ def test_a_wrong_scale_column_or_row_would_show(rows, path):
     for swapped in (quant.QuantWeight("int4", qw.q, qw.scales.flip(1).contiguous(), qw.mins, 32),
                     quant.QuantWeight("int4", qw.q, qw.scales, qw.mins.flip(1).contiguous(), 32)):
         with pytest.raises(AssertionError), _on(path):
-            _check(quant.linear(x, quant.pack(swapped), None), x, qw, None)
+            _check(quant_linear.linear(x, quant.pack(swapped), None), x, qw, None)
 
 
 @settings(max_examples=40, deadline=None)
@@ -238,7 +238,7 @@ def test_linear_falls_back_to_dequantized_float_without_a_kernel(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     qw = quant.quantize_int8(torch.randn(32, 64, generator=gen), 32)
     x = torch.randn(3, 64, generator=gen).bfloat16()
-    monkeypatch.setattr(quant, "kernel", lambda dtype=None: None)  # no native library
+    monkeypatch.setattr(quant_linear, "kernel", lambda dtype=None: None)  # no native library
     layer = Linear(qw, None)
     assert layer.quant is not None and layer.weight is None
     _check(layer(x), x, qw, None)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from radixserve.bench.checkpoints.gguf_export import export_gguf
 from radixserve.bench.checkpoints.random_weights import cached_checkpoint
-from radixserve.kernels import ModelRunner, SeqInput, quant, quant_act
+from radixserve.kernels import ModelRunner, SeqInput, quant, quant_act, quant_linear
 from radixserve.scheduler import EngineConfig
 
 CPU = torch.device("cpu")
@@ -64,7 +64,7 @@ def test_int8_rows_match_their_definition(kg, m, blocks, kb, bias, half, threads
     b = torch.randn(16 * blocks, generator=g) if bias else None
     torch.set_num_threads(threads)
     try:
-        got = quant.linear_int8(x, quant.pack(qw), b)
+        got = quant_linear.linear_int8(x, quant.pack(qw), b)
     finally:
         torch.set_num_threads(1)
     _check(got, x, qw, b)
@@ -82,7 +82,7 @@ def test_ties_round_to_even_and_zero_blocks_stay_zero(kind):
     qx = quant_act.quantize_activations(x, 32)
     assert qx[0, :6].tolist() == [127.0, 0.0, 2.0, 2.0, 0.0, -2.0] and not qx[0, 32:].any()
     qw = _weight(kind, 16, 64, 32, True, 3)
-    got = quant.linear_int8(x, quant.pack(qw), None)
+    got = quant_linear.linear_int8(x, quant.pack(qw), None)
     _check(got, x, qw, None)
     away = x.clone()
     away[0, 1:6] = torch.tensor([1.0, 2.0, 3.0, -1.0, -2.0])  # what rounding half away from zero would compute
@@ -93,7 +93,7 @@ def test_ties_round_to_even_and_zero_blocks_stay_zero(kind):
 @needs_int8
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_marked_weights_take_int8_rows_up_to_their_limit(kind):
-    """quant.linear on a weight marked int8_activations: up to MAX_ROWS[kind] rows on the int8 kernel (its result,
+    """quant_linear.linear on a weight marked int8_activations: up to MAX_ROWS[kind] rows on the int8 kernel (its result,
     not the exact one), above that the exact kernel bit for bit; unmarked weights never take it."""
     qw = _weight(kind, 32, 128, 32, True, 7)
     marked, plain = quant.pack(qw), quant.pack(qw)
@@ -101,13 +101,13 @@ def test_marked_weights_take_int8_rows_up_to_their_limit(kind):
     limit = quant_act.MAX_ROWS[kind]
     for rows in (1, limit, limit + 1, 40):
         x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
-        got, exact = quant.linear(x, marked, None), quant.linear(x, plain, None)
+        got, exact = quant_linear.linear(x, marked, None), quant_linear.linear(x, plain, None)
         if rows <= limit:
-            assert torch.equal(got, quant.linear_int8(x, marked, None)) and not torch.equal(got, exact)
+            assert torch.equal(got, quant_linear.linear_int8(x, marked, None)) and not torch.equal(got, exact)
         else:
             assert torch.equal(got, exact)
     bf = torch.randn(1, 128, dtype=torch.bfloat16)
-    assert quant.linear(bf, marked, None).dtype == torch.bfloat16  # cast back to the activations' dtype
+    assert quant_linear.linear(bf, marked, None).dtype == torch.bfloat16  # cast back to the activations' dtype
 
 
 def test_the_setting_resolves_as_documented(monkeypatch):

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.kernels import native, quant, quant_act, quant_levels
+from radixserve.kernels import native, quant, quant_act, quant_levels, quant_linear
 
 KERNEL = native.cannot_build() is None and native.load() is not None
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="needs the native library")
@@ -82,14 +82,14 @@ def test_kernels_give_the_expanded_forms_results_bit_for_bit(kg, m, blocks, supe
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert torch.equal(quant.linear(x, small, b), quant.linear(x, full, b))
-        assert torch.equal(quant.linear(x.bfloat16(), small, b), quant._linear_f32(x.bfloat16(), full, b).bfloat16())
+        assert torch.equal(quant_linear.linear(x, small, b), quant_linear.linear(x, full, b))
+        assert torch.equal(quant_linear.linear(x.bfloat16(), small, b), quant_linear._linear_f32(x.bfloat16(), full, b).bfloat16())
         if quant_act.ready() and m <= 16:
-            assert torch.equal(quant.linear_int8(x, small, b), quant.linear_int8(x, full, b))
+            assert torch.equal(quant_linear.linear_int8(x, small, b), quant_linear.linear_int8(x, full, b))
     finally:
         torch.set_num_threads(prev)
     exact = torch.nn.functional.linear(x.double(), w.dequantize().double(), None if b is None else b.double())
-    assert (quant.linear(x, small, b).double() - exact).abs().max() < 1e-3 * exact.abs().max()
+    assert (quant_linear.linear(x, small, b).double() - exact).abs().max() < 1e-3 * exact.abs().max()
 
 
 def test_bad_compact_weights_are_clear_errors():
@@ -117,7 +117,7 @@ def test_bad_compact_weights_are_clear_errors():
 @needs_kernel
 @pytest.mark.parametrize("form", ["int4", "sym"])
 def test_the_bf16_kernels_refuse_the_compact_forms(form):
-    """quant.linear sends compact weights to the fp32 kernel; the bf16 ones (AMX tiles, AVX512-BF16) refuse them
+    """quant_linear.linear sends compact weights to the fp32 kernel; the bf16 ones (AMX tiles, AVX512-BF16) refuse them
     rather than read a blob as scales or miss the mins (every build exports them: they return -1 where they cannot
     run at all, so this checks the refusal only on CPUs where they run)."""
     w = quant.pack(compact(form, 16, 256, 32, 1))
