@@ -12,9 +12,10 @@ VmHWM (/proc/self/status: every page it ever had resident, the file's mapped pag
 after serving. Single stream: one request of --context random ids on an empty cache, --new-tokens decoded
 (bench/_llamacpp.py's single_ours); llama.cpp: `llama-bench -p 0 -n NEW -d CONTEXT -r 1` on the same file (--llama-bench;
 its decode after CONTEXT tokens in the KV cache; skipped when absent: llama-batched-bench's result line goes through
-llama.cpp's asynchronous logger and is lost in most runs of this build); the engines alternate, --runs each. The floor: the bytes one decode
-step reads (packed linears and LM head; llama.cpp's: the file's tensors less the embedding table) over the read
-bandwidth (roofline.measure_stream_gbs, measured after the engines have exited).
+llama.cpp's asynchronous logger and is lost in most runs of this build); the engines alternate, --runs each, after
+one untimed run of each radixserve child at the timed shapes (llama-bench makes its own warm-up run). The floor: the
+bytes one decode step reads (packed linears and LM head; llama.cpp's: the file's tensors less the embedding table)
+over the read bandwidth (roofline.measure_stream_gbs, measured after the engines have exited).
 """
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ def child(path: str, kv_tokens: int, threads: int, dtype: str = "bfloat16", dequ
               "int8_activations": runner.int8_activations,
               "dtype": str(runner.dtype).removeprefix("torch."),
               "kv_pool_bytes": runner.k_cache.nbytes + runner.v_cache.nbytes, **model_bytes(runner.model)}
+    warm_up(engine)  # before the reply: the parent's next step (another child's load, a timed run) waits for it
     print(json.dumps(loaded), flush=True)
-    warm_up(engine)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "run":
@@ -155,6 +156,8 @@ def run(args) -> dict[str, Any]:
             ours[name] = Child(args.gguf, args.kv_cache_tokens, args.threads, args.dtype, args.dequantize, value)
             loaded[name] = ours[name].reply()
         engines = [*ours, "llama.cpp"] if llama else list(ours)
+        for child in ours.values():  # one untimed run at the timed shapes, as llama-bench makes its own warm-up run
+            child.ask(f"run {args.context} {args.new_tokens} -1")
         for rep, order in enumerate(alternation(engines, args.runs)):
             for name in order:
                 time.sleep(args.settle_s)
