@@ -48,6 +48,8 @@ class DequantReport:
     dtype: torch.dtype
     tensors: dict[str, int] = field(default_factory=dict)  # dequantized, per type
     kept: dict[str, int] = field(default_factory=dict)  # kept quantized, per type
+    kept_file_bytes: int = 0  # the kept tensors' bytes in the file
+    kept_bytes: int = 0  # and packed (quant.PackedQuant.nbytes)
     max_rel_error: float = 0.0
     sampled: int = 0
     int8_activations: bool = False  # the kept weights take int8 activations at decode (quant_act.py)
@@ -60,14 +62,18 @@ class DequantReport:
             self.max_rel_error = max(self.max_rel_error, err)
         self.sampled += exact.numel()
 
-    def keep(self, kind: str) -> None:
+    def keep(self, kind: str, file_bytes: int, held_bytes: int) -> None:
         self.kept[kind] = self.kept.get(kind, 0) + 1
+        self.kept_file_bytes += file_bytes
+        self.kept_bytes += held_bytes
 
     def line(self) -> str:
         count = lambda d: ", ".join(f"{k} ({n} tensors)" for k, n in sorted(d.items()))  # noqa: E731
         parts = []
         if self.kept:
-            parts.append(f"kept {count(self.kept)} quantized, without loss")
+            held = f"{self.kept_bytes / 1e9:.2f} GB" if self.kept_bytes >= 1e8 else f"{self.kept_bytes / 1e6:.1f} MB"
+            parts.append(f"kept {count(self.kept)} quantized, without loss, in {held} "
+                         f"({self.kept_bytes / max(self.kept_file_bytes, 1):.2f}x their bytes in the file)")
         if self.tensors:
             parts.append(f"dequantized {count(self.tensors)} to {str(self.dtype).removeprefix('torch.')}; max "
                          f"relative error against the float32 dequantized values {self.max_rel_error:.2e} over "
@@ -126,10 +132,10 @@ class GGUFState(Mapping):
     def __getitem__(self, name: str) -> Any:
         t = self._infos[name]
         if name in self._kept:
-            self.report.keep(t.tensor_type.name)
             # one linear of its own (not fused, rows in order): packed a block of rows at a time
             convert = packed_weight if STANDALONE.search(name) else quant_weight
             weight = convert(self.header.data(t), t.tensor_type, compact=self._compact)
+            self.report.keep(t.tensor_type.name, int(t.n_bytes), weight.nbytes)
         elif self.transform is not None:
             weight = tensor_weight(self.header.data(t), t.tensor_type, torch.float32, self.report)
             kept = self.transform(name, weight)

@@ -100,6 +100,13 @@ class QuantWeight:
         return self.q.shape
 
     @property
+    def nbytes(self) -> int:
+        """The bytes it takes packed (PackedQuant.nbytes): int4 values two to a byte, the scale tables as they are."""
+        tables = (self.scales, self.mins, self.super_scales, self.super_mins)
+        return self.q.numel() // (2 if self.kind == "int4" else 1) + sum(
+            t.numel() * t.element_size() for t in tables if t is not None)
+
+    @property
     def two_level(self) -> bool:
         return self.super_scales is not None
 

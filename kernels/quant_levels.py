@@ -2,8 +2,9 @@
 
 A Q4_K or Q6_K super-block of 256 inputs holds one fp16 factor d (and, Q4_K, dmin) and an integer sub-scale per
 group (Q4_K: 6-bit sc and m per 32 values; Q6_K: int8 sc per 16): the group's scale is d * sc, its min -dmin * m.
-Kept as one fp32 scale (and min) per group, those products cost 1 bit per weight at group 32 (2 at 16), where the
-file spends 0.19 (0.56); two-level they cost 0.25 + 0.06 (0.5 + 0.06).
+Kept as one fp32 scale (and min) per group, those products cost 2 bits per weight (Q4_K: two fp32 per 32 values;
+Q6_K: one per 16), where the file spends 0.5 (Q4_K: 6-bit sc and m per 32, d and dmin per 256) and 0.56 (Q6_K);
+two-level, with int8 sub-scales and fp16 factors, 0.625 and 0.56.
 
 - ``QuantWeight`` (unpacked): ``scales`` (and ``mins``) int8 [N, K / group] sub-scales, ``super_scales`` (and
   ``super_mins``) fp16 [N, K / SUPER] factors; a group's scale is fp32(factor) * fp32(sub-scale), exact (an fp16

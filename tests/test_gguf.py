@@ -330,7 +330,7 @@ def test_q4_k_m_fixture_kept_quantized_is_as_accurate_as_bf16(monkeypatch, caplo
     Q4_K q / k: that fusion stays quantized as a QuantStack of an int4 [q; k] and an int8 v, nothing is dequantized;
     the embedding table is kept, its rows looked up)."""
     check_kept_quantized(FIXTURE, monkeypatch, caplog, "kept Q4_K (12 tensors), Q5_0 (1 tensors), Q6_K (2 tensors), "
-                         "Q8_0 (1 tensors) quantized, without loss; quantized kernel")
+                         "Q8_0 (1 tensors) quantized, without loss, in ")
     monkeypatch.setattr(runner_module, "keeps_blocks", lambda dtype, device: True)
     model = ModelRunner(FIXTURE, num_slots=64, dtype="float32", num_threads=1, quantized_activations="none").model
     stack = model.layers[1].qkv.quant
@@ -376,6 +376,9 @@ def test_kept_quantized_in_float32_is_the_float32_model(path, tmp_path, monkeypa
         kept = prefill_logits(path, "float32", monkeypatch, keep=True)
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF: kept"))
     assert line.endswith("; quantized kernel fp32"), line
+    # held as the file's bytes in the compact forms: Q4_0 exactly; the fixture's Q5_0 / Q6_K values take 8 bits
+    held = float(re.search(r"\(([0-9.]+)x their bytes in the file\)", line).group(1))
+    assert held == 1.0 if path.endswith("q4_0.gguf") else 1.05 < held < 1.3, line
     rounded = prefill_logits(path, "bfloat16", monkeypatch)
     err, bf16_err = (kept - exact).abs().max().item(), (rounded - exact).abs().max().item()
     assert err <= 1e-4 * exact.abs().max().item() and err < bf16_err / 50, (err, bf16_err)
