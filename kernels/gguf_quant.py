@@ -85,9 +85,8 @@ def packed_weight(data: np.ndarray, qtype, block_elements: int = 1 << 22, compac
 
 
 def _rows(data: np.ndarray, qtype, compact: bool) -> QuantWeight:
-    """The QuantWeight of some rows of a block tensor: fp16 scales where the type's are exactly fp16 (HALF_SCALES,
-    unless -8 d overflows), a TWO_LEVEL type's factors and sub-scales where `compact`, else fp32 scales; Q4_0
-    symmetric (no mins) where `compact`."""
+    """The QuantWeight of some rows of a block tensor: fp16 scales where the type's are exactly fp16 (HALF_SCALES),
+    a TWO_LEVEL type's factors and sub-scales, Q4_0 symmetric (no mins); without `compact` its expanded form."""
     from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
@@ -111,16 +110,16 @@ def _rows(data: np.ndarray, qtype, compact: bool) -> QuantWeight:
         q = q.astype(np.int8 if kind == "int8" else np.uint8)
     q = torch.from_numpy(q.reshape(rows, -1))
     tensor = lambda a, dtype: None if a is None else torch.from_numpy(np.ascontiguousarray(a.reshape(rows, -1), dtype))  # noqa: E731
-    if compact and qtype.name == "Q4_0":
-        mins = None  # -8 d: implied
-    if levels is not None and compact:
+    if levels is not None:
         factors, sub, min_factors, min_sub = levels
-        return QuantWeight(kind, q, tensor(sub, np.int8), tensor(min_sub, np.int8), group,
-                           tensor(factors, np.float16), tensor(min_factors, np.float16))
-    scales, mins = tensor(scales, np.float32), tensor(mins, np.float32)
-    if qtype.name in HALF_SCALES and all(bool(torch.isfinite(t.half()).all()) for t in (scales, mins) if t is not None):
-        scales, mins = scales.half(), None if mins is None else mins.half()  # the file's fp16 values: exact
-    return QuantWeight(kind, q, scales, mins, group)
+        w = QuantWeight(kind, q, tensor(sub, np.int8), tensor(min_sub, np.int8), group, tensor(factors, np.float16),
+                        tensor(min_factors, np.float16))
+    else:
+        scales, mins = tensor(scales, np.float32), tensor(mins, np.float32)
+        if qtype.name in HALF_SCALES and all(bool(torch.isfinite(t.half()).all()) for t in (scales, mins) if t is not None):
+            scales, mins = scales.half(), None if mins is None else mins.half()  # the file's fp16 values: exact
+        w = QuantWeight(kind, q, scales, mins, group)  # Q4_0: symmetric
+    return w if compact else w.expanded()
 
 
 def _direct_values(kind: str, blocks: np.ndarray) -> np.ndarray | None:
@@ -140,7 +139,7 @@ def _scales(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
     if kind in ("Q8_0", "Q5_0"):
         return f16(0), None
     if kind == "Q4_0":
-        return f16(0), -8 * f16(0)
+        return f16(0), None  # its mins, -8 d, are implied (symmetric int4)
     if kind == "Q4_1":
         return f16(0), f16(2)
     raise ValueError(f"{kind} has no lossless quantized form")

@@ -47,9 +47,11 @@ def linear(x: torch.Tensor, w: "PackedQuant | QuantStack", bias: torch.Tensor | 
     from . import native
 
     if isinstance(w, QuantStack):
-        ends = torch.tensor([p.n for p in w.parts]).cumsum(0).tolist()
-        biases = [None if bias is None else bias[end - p.n:end] for p, end in zip(w.parts, ends)]
-        return torch.cat([linear(x, p, b) for p, b in zip(w.parts, biases)], dim=1)
+        outs, start = [], 0
+        for p in w.parts:  # each part's rows of the bias
+            outs.append(linear(x, p, None if bias is None else bias[start:start + p.n]))
+            start += p.n
+        return torch.cat(outs, dim=1)
     path = kernel(x.dtype) if x.device.type == "cpu" else None
     if path is not None and w.compact:
         path = "fp32"  # the bf16 kernels (cpu_quant.c, cpu_quant_vec.c) take the expanded form only
