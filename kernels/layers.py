@@ -37,9 +37,8 @@ class Linear:
         """``tiles=False`` packs for oneDNN even where the tile kernel could run (bench/decode_floor.py's
         side-by-side)."""
         self.bias = bias
-        self.quant = quant.pack(weight) if isinstance(weight, quant.QuantWeight) else (
-            quant.QuantStack(tuple(quant.pack(p) for p in weight)) if isinstance(weight, list) else (
-                weight if isinstance(weight, quant.PackedQuant) else None))  # a packed one: a quantized tied table
+        quantized = isinstance(weight, (quant.QuantWeight, quant.PackedQuant, list))
+        self.quant = quant.packed(weight) if quantized else None
         if self.quant is not None:
             self.tiles = self.packed = self.weight = None
             self.native = False

@@ -35,6 +35,7 @@ quant_linear.py's.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from dataclasses import dataclass
@@ -333,6 +334,14 @@ def packed_parts(w: "PackedQuant | QuantStack | None") -> tuple[PackedQuant, ...
     return () if w is None else w.parts if isinstance(w, QuantStack) else (w,)
 
 
+def packed(weight: "QuantWeight | list[QuantWeight] | PackedQuant") -> "PackedQuant | QuantStack":
+    """What a layer multiplies: a QuantWeight packed, cat_rows' list as a QuantStack, a PackedQuant as it is (a
+    quantized tied table)."""
+    if isinstance(weight, QuantWeight):
+        return pack(weight)
+    return QuantStack(tuple(pack(p) for p in weight)) if isinstance(weight, list) else weight
+
+
 def packable(shape: tuple[int, int] | torch.Size) -> bool:
     """Whether a weight of this [N, K] shape packs: N a multiple of 16 and K of 32 (the tile shape)."""
     return shape[0] % 16 == 0 and shape[1] % 32 == 0
@@ -410,16 +419,10 @@ def load_transform(spec: QuantSpec | None) -> Callable[[str, torch.Tensor], torc
 
 def cat_rows(parts: list[torch.Tensor | QuantWeight | None]) -> torch.Tensor | QuantWeight | list[QuantWeight]:
     """Row-wise concatenation of fused projections' weights (q / k / v, gate / up): quantized where every part is,
-    one QuantWeight where they share a format (kind and group), else a list of one QuantWeight per run of parts in
+    one QuantWeight where they share a format (QuantWeight.format), else a list of one QuantWeight per run of parts in
     one format (a QuantStack once packed); float where any part is (every quantized part dequantized)."""
     if all(isinstance(p, QuantWeight) for p in parts):
-        runs: list[list[QuantWeight]] = []
-        for p in parts:
-            if runs and runs[-1][0].format == p.format:
-                runs[-1].append(p)
-            else:
-                runs.append([p])
-        stacked = [QuantWeight.cat(run) for run in runs]
+        stacked = [QuantWeight.cat(list(run)) for _, run in itertools.groupby(parts, key=lambda p: p.format)]
         return stacked[0] if len(stacked) == 1 else stacked
     dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
     return torch.cat([p.dequantize().to(dtype) if isinstance(p, QuantWeight) else p for p in parts])
