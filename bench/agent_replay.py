@@ -63,13 +63,14 @@ class _Clock:
 
 
 def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, step: StepModel,
-            admitted_at: dict[str, float], sessions: bool) -> Any:
+            admitted_at: dict[str, float], sessions: bool, engine_config: dict[str, Any] | None = None) -> Any:
     """An Engine as agent_trace's server runs it (sessions off: its agent cache off too), its sessions on the virtual
     clock, admissions time-stamped."""
     from ..scheduler.engine import Engine
 
     engine = Engine(model_path, kv_cache_tokens=kv_tokens, context_length=cfg.max_sequence(),
-                    max_running_requests=min(cfg.agents, 64), num_threads=1, disable_agent_cache=not sessions)
+                    max_running_requests=min(cfg.agents, 64), num_threads=1, disable_agent_cache=not sessions,
+                    **(engine_config or {}))
     sessions = engine.kv.sessions
     sessions._clock = clock
     if not step.wall:
@@ -88,11 +89,12 @@ def _engine(model_path: str, cfg: TraceConfig, kv_tokens: int, clock: _Clock, st
 
 
 def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
-        step: StepModel = StepModel(), name_tools: bool = False, warm: bool = False) -> dict[str, Any]:
+        step: StepModel = StepModel(), name_tools: bool = False, warm: bool = False,
+        engine_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """One run of the trace; returns the counts, the busy fraction over the arrivals and the realised records. With
     `name_tools` the engine is told which tool each turn called, as a chat turn's `tool_calls` tells the server."""
     clock, admitted_at = _Clock(), {}
-    engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at, sessions)
+    engine = _engine(model_path, cfg, kv_tokens, clock, step, admitted_at, sessions, engine_config)
     if warm:
         warm_gaps(engine.kv.sessions.gaps, cfg, name_tools)
     apps, plans = make_plan(cfg)
@@ -126,8 +128,10 @@ def run(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool,
             if delta.finished:
                 _finished(engine, cfg, plans, delta.result, sent.pop(delta.rid), clock.now, admitted_at, history,
                           cold, records, due, sessions, name_tools)
+    pins = engine.kv.sessions.stats() | engine.kv.swap_stats()
+    engine.shutdown()
     return {"records": records, "kv_tokens": engine.kv.total_slots, "busy_s": busy,
-            "busy_arrivals": busy_arrivals / last_arrival, "end_s": clock.now, "pins": engine.kv.sessions.stats()}
+            "busy_arrivals": busy_arrivals / last_arrival, "end_s": clock.now, "pins": pins}
 
 
 def _finished(engine, cfg, plans, result, sent, now, admitted_at, history, cold, records, due, sessions,
@@ -178,7 +182,8 @@ def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
     latencies = [r.latency_s for r in records]
     row = {"excess": recomputed - sum(r.cold_tokens for r in records), "busy_arrivals": round(out["busy_arrivals"], 3),
            "turn_p50_s": round(percentile(latencies, 50), 3), "turn_p99_s": round(percentile(latencies, 99), 3),
-           "pins": {k: v for k, v in out["pins"].items() if k.startswith("num_pins_") or k == "num_tool_returns"}}
+           "pins": {k: v for k, v in out["pins"].items()
+                    if k.startswith(("num_pins_", "swap_")) or k == "num_tool_returns"}}
     if sim:
         replay = simulated_excess(records, out["kv_tokens"])
         row |= {"lru_sim": replay["lru"], "online_sim": replay["online"], "belady_sim": replay["belady"]}
@@ -186,13 +191,14 @@ def counts(out: dict[str, Any], sim: bool = True) -> dict[str, Any]:
 
 
 def seed_rows(model_path: str, cfg: TraceConfig, budgets: Sequence[float], step: StepModel,
-              name_tools: bool = False, warm: bool = False) -> list[dict[str, Any]]:
+              name_tools: bool = False, warm: bool = False,
+              engine_config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Per budget: sessions on and off, and whether on meets the target (closes 75% of off's gap to Bélády)."""
     peak = peak_working_set(run(model_path, cfg, cfg.upper_bound(), False, step)["records"], cfg)
     rows = []
     for budget in budgets:
         kv_tokens = max(int(budget * peak), cfg.max_sequence() + cfg.answer_tokens)
-        on = counts(run(model_path, cfg, kv_tokens, True, step, name_tools, warm))
+        on = counts(run(model_path, cfg, kv_tokens, True, step, name_tools, warm, engine_config))
         off = counts(run(model_path, cfg, kv_tokens, False, step, name_tools))
         target = on["belady_sim"] + 0.25 * (off["excess"] - on["belady_sim"])
         rows.append({"seed": cfg.seed, "budget": budget, "peak": peak, "kv_tokens": kv_tokens, "on": on, "off": off,
@@ -216,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--wall-steps", action="store_true",
                    help="advance the clock by each step's measured wall time (use the model of interest)")
     p.add_argument("--config", type=json.loads, default={}, help="other TraceConfig fields, as JSON")
+    p.add_argument("--engine-config", type=json.loads, default={},
+                   help="Engine options of the sessions-on runs, as JSON (e.g. '{\"kv_swap_space\": 4}')")
     p.add_argument("--name-tools", action="store_true",
                    help="tell the engine (and the online yardstick) which tool each turn called, as chat does")
     p.add_argument("--warm-gaps", action="store_true",
@@ -234,7 +242,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for seed in args.seeds:
         cfg = TraceConfig(agents=args.agents, arrivals_per_s=args.arrivals_per_s, seed=seed, **args.config)
-        for row in seed_rows(model_path, cfg, args.budgets, step, args.name_tools, args.warm_gaps):
+        for row in seed_rows(model_path, cfg, args.budgets, step, args.name_tools, args.warm_gaps,
+                             args.engine_config):
             rows.append(row)
             on, off = row["on"], row["off"]
             print(f"seed {seed} budget {row['budget']:g} ({row['kv_tokens']} of peak {row['peak']}): excess on "

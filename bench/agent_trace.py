@@ -144,7 +144,9 @@ def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_
             "wall_s": wall_s, "turns_per_s": len(records) / wall_s if wall_s else 0.0,
             "pool_slots": stats.get("total_slots"),  # the server's KV pool (None: a peer's, unknown)
             "pins": {k: stats.get(k, 0) for k in ("num_pins_pinned", "num_pins_used", "num_pins_expired",
-                                                   "num_pins_reclaimed", "num_pins_settled", "num_starts_held")}}
+                                                   "num_pins_reclaimed", "num_pins_settled", "num_starts_held",
+                                                   "swap_saved", "swap_restored", "swap_peak_tokens",
+                                                   "swap_bytes_per_token")}}
 
 
 def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int, dtype: str = "auto",
@@ -157,14 +159,16 @@ def server_args(model_path: str, cfg: TraceConfig, kv_tokens: int, threads: int,
 
 def run_budget(model_path: str, cfg: TraceConfig, kv_tokens: int, sessions: bool, threads: int, dtype: str = "auto",
                kv_cache_dtype: str = "auto", env: dict[str, str] | None = None,
-               admission_ratio: float | None = None) -> dict[str, Any]:
+               admission_ratio: float | None = None, swap_space: float = 0.0) -> dict[str, Any]:
     """One run on a fresh server; `admission_ratio`: its load control of sessions (sessions on only; None: its
-    default, 0: off)."""
+    default, 0: off); `swap_space`: GiB of its session swap tier on disk (sessions on only; 0: none)."""
     from ..frontend.spawn import ServerProcess
 
     args = server_args(model_path, cfg, kv_tokens, threads, dtype, kv_cache_dtype)
     if sessions and admission_ratio is not None:
         args += ["--session-admission-ratio", str(admission_ratio)]
+    if sessions and swap_space:
+        args += ["--kv-swap-space", str(swap_space)]
     server = ServerProcess(args + ([] if sessions else ["--disable-agent-cache"]), env=env)
     try:
         return asyncio.run(run_trace(server.url, cfg, sessions, kv_tokens))
@@ -215,11 +219,11 @@ def markdown(report: dict[str, Any]) -> str:
              "after its last turn. Excess = recomputed - cold (first-time tokens). Each row: the median over "
              f"{report['repeats']} seed(s), the modes alternating on fresh servers. KV budget: its memory (the "
              "model's dtype's bytes of its share of the working set); each KV dtype's pool holds the tokens "
-             "that memory holds in it.", "",
+             "that memory holds in it." + _swap_note(report.get("kv_swap_space", 0)), "",
              "| KV budget (MiB) | KV dtype | tokens held | sessions | recomputed | cold | excess | turn p50 / p99 s "
              "| agent p50 / p99 s | turns/s | busy (arrivals) | pins used / reclaimed / expired, starts held "
-             "| excess: LRU / online / Bélády sim |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| restored | excess: LRU / online / Bélády sim |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         p = row["pins"]
         lines.append(f"| {row['budget']:g} ({row['kv_bytes'] / 2**20:.3g}) | {row['kv_cache_dtype']} "
@@ -229,9 +233,16 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{row['agent_p99_s']:.1f} | {row['turns_per_s']:.2f} "
                      f"| {row['busy']:.0%} ({row['busy_arrivals']:.0%}) | {p['num_pins_used']:g} / "
                      f"{p['num_pins_reclaimed']:g} / {p['num_pins_expired']:g}, {p['num_starts_held']:g} "
+                     f"| {p.get('swap_restored', 0):g} "
                      f"| {' / '.join(format(row['sim'][policy], 'g') for policy in POLICIES)}"
                      f"{_overflow(row['sim'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _swap_note(swap_space: float) -> str:
+    return (f" Sessions on: the server's session swap tier holds up to {swap_space:g} GiB on disk "
+            "(`--kv-swap-space`); restored = prompt tokens read back from it (counted as cached: not recomputed), "
+            "besides the KV budget." if swap_space else "")
 
 
 def _overflow(sim: dict[str, float]) -> str:
@@ -262,11 +273,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for kv_dtype, sessions in run_order(args.kv_cache_dtypes, args.sessions, (i + rep) % 2 == 1):
                 kv_tokens = pool_tokens(model_tokens, shape, kv_dtype)
                 row = run_budget(model_path, seeded, kv_tokens, sessions, args.threads, args.dtype, kv_dtype,
-                                 admission_ratio=args.session_admission_ratio)
+                                 admission_ratio=args.session_admission_ratio, swap_space=args.kv_swap_space)
                 runs.append({"rep": rep, "seed": seeded.seed, "budget": budget, "kv_cache_dtype": kv_dtype,
                              "kv_tokens": kv_tokens, "kv_bytes": model_tokens * kv_bytes_per_token(*shape),
                              "sessions": sessions, **row})
     report = {"bench": "agent_trace", "command": args.command, "model": args.model, "repeats": args.repeats,
+              "kv_swap_space": args.kv_swap_space,
               "config": dataclasses.asdict(cfg), "working_set": statistics.median(peaks), "peaks": peaks,
               "rows": medians(runs), "runs": runs}
     out = BenchOutput("agent_trace", args.out)
@@ -303,6 +315,8 @@ def _parse(argv: Sequence[str] | None) -> Any:
     p.add_argument("--repeats", type=int, default=3, help="runs per budget and mode; each row is their median")
     p.add_argument("--session-admission-ratio", type=float, default=None,
                    help="the server's --session-admission-ratio with sessions on (default: the server's; 0: off)")
+    p.add_argument("--kv-swap-space", type=float, default=0.0,
+                   help="the server's --kv-swap-space (GiB of disk for the session swap tier) with sessions on")
     p.add_argument("--seed", type=int, default=d.seed)
     args = parse_args(p, argv)
     args.sessions = [mode == "on" for mode in args.sessions]

@@ -145,6 +145,13 @@ class EngineConfig:
                          "most, while the histories of the started sessions coming back, the running requests and "
                          "its own prompt exceed this many KV pools (scheduler/sessions.py); off with "
                          "--disable-agent-cache")
+    kv_swap_space: float = option(
+        0.0, "GiB of disk for the session swap tier (0: off): when a request of an open session finishes, its "
+             "history's KV is copied to a file in --kv-swap-dir (only what the file lacks: a turn's new tokens), "
+             "and read back into the cache when the session's next request finds the tree lost it "
+             "(scheduler/kv_swap.py); the sessions saved least recently go first; off with --disable-agent-cache")
+    kv_swap_dir: str | None = option(None, "directory of the session swap tier's files (None: the system's "
+                                           "temporary directory); each is unlinked as soon as it is made")
     disable_jump_forward: bool = option(
         False, "structured generation: decode a grammar's forced continuations token by token instead of "
                "appending them at once and computing them in one extend step")
@@ -163,6 +170,7 @@ class EngineConfig:
         check_int("seed", self.seed)
         check_number("reuse_bonus", self.reuse_bonus, lo=0)
         check_number("session_admission_ratio", self.session_admission_ratio, lo=0)
+        check_number("kv_swap_space", self.kv_swap_space, lo=0)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("quantized_activations", self.quantized_activations, QUANTIZED_ACTIVATIONS)

@@ -14,6 +14,7 @@ from .constrained import ConstrainedDecoding
 from .detokenizer import IncrementalDetokenizer
 from .grammar import GrammarBackend
 from .kv_ops import PrefixKV
+from .kv_swap import session_swap
 from .metrics import EngineMetrics, engine_stats, slots_by_tenant
 from .output import OutputProcessor
 from .planner import Batch, BatchItem, Planner
@@ -68,7 +69,8 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.kv = PrefixKV(num_slots, cfg.page_size, cfg.disable_radix_cache, cfg.eviction_policy,
                            num_rows=cfg.max_running_requests, reuse_bonus=cfg.reuse_bonus,
-                           agent_cache=not cfg.disable_agent_cache, admission_ratio=cfg.session_admission_ratio)
+                           agent_cache=not cfg.disable_agent_cache, admission_ratio=cfg.session_admission_ratio,
+                           swap=session_swap(cfg, self.runner))
         self.policy = SchedulePolicy(cfg.schedule_policy, self.kv, cfg.policy)
         self.planner = Planner(self.config, self.kv, self.policy)
         self.outputs = OutputProcessor(self.eos_token_ids, self.context_length)
@@ -377,6 +379,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self._loop.stop()
+        self.kv.close()
 
     def __enter__(self) -> "Engine":
         return self

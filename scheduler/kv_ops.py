@@ -16,6 +16,7 @@ import logging
 
 from ..radix.allocator import KVAllocator
 from ..radix.radix_cache import DEFAULT_REUSE_BONUS, RadixCache, TreeNode
+from .kv_swap import SessionSwap
 from .req import Req
 from .sessions import ADMISSION_RATIO, Sessions
 from .slot_row import SlotRows
@@ -31,7 +32,7 @@ DECODE_AHEAD = 16
 class PrefixKV:
     def __init__(self, num_slots: int, page_size: int, disable_cache: bool, eviction_policy: str,
                  num_rows: int = 64, reuse_bonus: float = DEFAULT_REUSE_BONUS, agent_cache: bool = True,
-                 admission_ratio: float = ADMISSION_RATIO):
+                 admission_ratio: float = ADMISSION_RATIO, swap: SessionSwap | None = None):
         self.page_size = page_size
         self.rows = SlotRows(num_rows)
         self.allocator = KVAllocator(num_slots, page_size)
@@ -41,6 +42,10 @@ class PrefixKV:
         # agent-trace baseline) the cache is plain LRU with reuse.
         self.agent_cache = agent_cache
         self.sessions = Sessions(self.tree, enabled=agent_cache, admission_ratio=admission_ratio)
+        # Open sessions' histories copied to disk as they finish, read back when the tree lost them (kv_swap.py).
+        self.swap = swap if agent_cache and not disable_cache else None
+        if self.swap is not None:
+            self.sessions.on_close = self.swap.drop
         self._hinted_need: dict[int, int] = {}  # id(waiting request) -> its uncached tokens when hinted
         self.waiting_need = 0  # their sum: the slots the waiting queue will ask for
 
@@ -93,10 +98,39 @@ class PrefixKV:
             req.hint_node = None
             self.waiting_need -= self._hinted_need.pop(id(req), 0)
 
+    def restore(self, req: Req) -> int:
+        """Before the request's admission is decided: read back from the swap tier the pages of its prompt that its
+        session's file holds and the tree lost, into free or evictable slots (never a pin's or a running request's),
+        and insert them, so its match takes them. Returns the tokens restored."""
+        sid = req.params.session_id
+        if self.swap is None or sid is None or req.prefix_only:
+            return 0
+        ids = req.tree_ids(self.match_cap(req))
+        held = self.swap.extent(sid, req.tree_salt, ids) // self.page_size * self.page_size
+        if held == 0:
+            return 0
+        slots, node = self.tree.match_prefix(ids[:held], salt=req.tree_salt, record_hit=False)
+        missing = held - len(slots)
+        if missing < self.page_size or missing > self.allocator.num_free_slots + self.tree.evictable_size:
+            return 0
+        self.tree.lock(node)  # the prefix it extends stays while slots are made
+        new = self._alloc(missing)
+        self.tree.unlock(node)
+        if new is None:
+            return 0
+        if not self.swap.load(sid, len(slots), new):
+            self.allocator.free(new)
+            return 0
+        num_cached, _, _ = self.tree.insert_path(ids[:held], slots + new, salt=req.tree_salt)
+        if num_cached > len(slots):  # cannot happen (the prefix was locked, nothing inserted): never leak
+            self.allocator.free(new[:num_cached - len(slots)])
+        return missing
+
     def admit(self, req: Req, matched: tuple[list[int], TreeNode] | None = None) -> int:
         """Lock the request's cached prefix and give it a table row; returns the prefix's length. `matched`: the
         planner's match of this step (its node still locked), so the tree is walked once per candidate."""
         if matched is None:
+            self.restore(req)
             slots, node = self.match(req)
         else:
             slots, node = matched
@@ -181,6 +215,7 @@ class PrefixKV:
         elif finished:
             excess = self.waiting_need - self.allocator.num_free_slots - self.tree.evictable_size
             self.sessions.keep(req.params.session_id, req.last_node, req.tree_len, queue_excess=excess)
+            self._save(req)
         slots = self.rows.release(req.slot_row)
         if len(slots) > req.tree_len:
             self.allocator.free(slots[req.tree_len:])
@@ -188,9 +223,25 @@ class PrefixKV:
         req.last_node = None
         req.kv_len = req.tree_len = 0
 
+    def _save(self, req: Req) -> None:
+        sid = req.params.session_id
+        if self.swap is not None and self.sessions.is_open(sid) and req.tree_len:
+            self.swap.save(sid, req.tree_salt, req.tree_ids(req.tree_len), req.kv_slots[:req.tree_len])
+
     def flush(self) -> None:
         self.sessions.drop_all()
+        if self.swap is not None:
+            self.swap.drop_all()
         self.tree.reset()
+
+    def close(self) -> None:
+        """The engine shuts down: the swap tier's files go."""
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+
+    def swap_stats(self) -> dict[str, int]:
+        return self.swap.stats() if self.swap is not None else {}
 
     def check_integrity(self, running: list[Req]) -> None:
         self.tree.check_integrity(in_flight_slots=sum(r.owned_slots for r in running))

@@ -114,4 +114,5 @@ def engine_stats(kv: Any, planner: Any, m: EngineMetrics) -> dict[str, Any]:
         "tenant_caps": dict(planner.tenant_caps),
         "tenant_weights": planner.policy.share.weights() if planner.policy.share is not None else {},
         **kv.sessions.stats(),
+        **kv.swap_stats(),
     }

@@ -263,6 +263,8 @@ class Planner:
         for num, req in enumerate(order[:limit]):
             cap = self.kv.match_cap(req)
             key = (id(req.prompt_ids), req.params.cache_salt, cap) if cap <= len(req.prompt_ids) else None
+            if key not in by_prompt:
+                self.kv.restore(req)  # its session's history, where the swap tier holds more of it than the tree
             slots, node = by_prompt.get(key) or self.kv.match(req, record_hit=False)  # admission records the hit
             if key is not None:
                 by_prompt[key] = (slots, node)

@@ -102,6 +102,7 @@ class Sessions:
         self._called: dict[str, str] = {}  # session -> the tool(s) its last turn called (settle)
         self._reclaimed: deque[tuple[float, int]] = deque()  # (when, own slots) of the recent reclaims
         self.counts = dict.fromkeys(("pinned", "used", "expired", "reclaimed", "closed", "settled", "skipped"), 0)
+        self.on_close: Callable[[str], None] | None = None  # told of every session that closes (kv_swap.py)
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -120,9 +121,14 @@ class Sessions:
         self._finished.pop(session_id, None)
         self._called.pop(session_id, None)
         left = self._left.pop(session_id, None)
+        if self.on_close is not None:
+            self.on_close(session_id)
         if not self._drop(session_id, "closed") and left is not None and not left.node.is_evicted:
             self._tree.demote(left.node)  # unpinned (skipped under pressure), it still goes first: nobody continues it
         return True
+
+    def is_open(self, session_id: str | None) -> bool:
+        return session_id is not None and session_id in self._last_seen
 
     @property
     def num_open(self) -> int:

@@ -160,16 +160,17 @@ def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
     calls = []
 
     def run_budget(path, cfg, kv_tokens, sessions, threads, dtype="auto", kv_cache_dtype="auto", env=None,
-                   admission_ratio=None):
+                   admission_ratio=None, swap_space=0.0):
         calls.append((kv_tokens, sessions, dtype, kv_cache_dtype))
         ratios.append(admission_ratio)
+        swaps.append(swap_space)
         return _fake_row(4000)
 
-    ratios = []
+    ratios, swaps = [], []
 
     monkeypatch.setattr(agent_trace, "run_budget", run_budget)
     report = agent_trace.main([*TINY, "--repeats", "2", "--kv-cache-dtypes", "auto,int8", "--sessions", "on",
-                               "--session-admission-ratio", "1.5", "--out", str(tmp_path)])
+                               "--session-admission-ratio", "1.5", "--kv-swap-space", "2", "--out", str(tmp_path)])
     auto = 2000  # 0.5 of the fake peak, above the floor (one longest request)
     int8 = pool_tokens(auto, (2, 2, 16, 4), "int8")
     assert int8 == 2000 * 512 // 160 == 6400  # tiny runs in fp32: 2 x 2 x 2 x 16 x 4 bytes a token against 16 + 4
@@ -178,15 +179,19 @@ def test_the_cli_runs_each_kv_dtype_at_one_budget_memory(tmp_path, monkeypatch):
     assert calls == [(calibrate, False, "auto", "auto"), (auto, True, "auto", "auto"), (int8, True, "auto", "int8"),
                      (calibrate, False, "auto", "auto"), (int8, True, "auto", "int8"), (auto, True, "auto", "auto")]
     assert ratios == [None, 1.5, 1.5, None, 1.5, 1.5]  # load control for the measured runs, not the calibrations
+    assert swaps == [0.0, 2.0, 2.0, 0.0, 2.0, 2.0]  # and so the swap tier
     assert [(r["kv_cache_dtype"], r["kv_tokens"], r["sessions"]) for r in report["rows"]] == [
         ("auto", auto, True), ("int8", int8, True)]
     assert report["rows"][0]["kv_bytes"] == report["rows"][1]["kv_bytes"] == auto * 512
     text = (tmp_path / "agent_trace_tiny.md").read_text()
     assert f"| 0.5 ({auto * 512 / 2**20:.3g}) | int8 | {int8} | on |" in text and "| auto | 2000 | on |" in text
+    assert "swap tier holds up to 2 GiB on disk" in text
 
 
 def test_a_tiny_trace_runs_with_an_int8_kv_cache(tmp_path):
-    report = agent_trace.main([*TINY, "--kv-cache-dtypes", "int8", "--sessions", "on", "--out", str(tmp_path)])
+    report = agent_trace.main([*TINY, "--kv-cache-dtypes", "int8", "--sessions", "on", "--kv-swap-space", "0.01",
+                               "--out", str(tmp_path)])
     (row,) = report["rows"]
     assert row["kv_cache_dtype"] == "int8" and row["pool_slots"] == row["kv_tokens"]  # the server's own pool
     assert row["turns"] == 6 * 3 and row["pins"]["num_pins_pinned"] > 0
+    assert row["pins"]["swap_saved"] > 0  # the server took --kv-swap-space: finished turns went to its tier

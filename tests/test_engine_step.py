@@ -189,17 +189,22 @@ class TableFollowsSlots(RuleBasedStateMachine):
 
     ckpt: str = ""
     total_checked = 0
+    restored = 0  # tokens read back from the swap tier over all examples
     kv_cache_dtype = "auto"
+    swap_tokens = 0  # a session swap tier of about this many tokens of the tiny model (scheduler/kv_swap.py)
+    kv_tokens = 192
 
     @initialize(page_size=st.sampled_from([1, 4]), admission=st.sampled_from([1.5, 0.25]))
     def start(self, page_size, admission):
         # admission 0.25 (48 slots): sessions' starts often wait for load control (Sessions.starts), which counts
         # the server as behind whenever anything waits (the tiny model's queue never takes BEHIND_S)
-        self.engine = Engine(self.ckpt, num_threads=1, kv_cache_tokens=192, page_size=page_size,
+        self.engine = Engine(self.ckpt, num_threads=1, kv_cache_tokens=self.kv_tokens, page_size=page_size,
                              chunked_prefill_size=24, max_running_requests=6, shared_prefix_min_tokens=0,
-                             kv_cache_dtype=self.kv_cache_dtype, session_admission_ratio=admission)
+                             kv_cache_dtype=self.kv_cache_dtype, session_admission_ratio=admission,
+                             kv_swap_space=self.swap_tokens * 512 / 2**30)
         self.engine.kv.sessions.behind_s = 1e-12
         self.rids: list[str] = []
+        self.last_prompt: dict[str, list[int]] = {}
         self.checked_steps = 0
         runner, build = self.engine.runner, self.engine.runner.build_forward_input
 
@@ -221,6 +226,17 @@ class TableFollowsSlots(RuleBasedStateMachine):
         admission reclaims when it needs them)."""
         prompt = [10 + family] * 20 + [50 + family + j for j in range(own)]
         self.rids.append(self.engine.add_request(prompt, dict(GREEDY, max_new_tokens=new, session_id=session)))
+        if session is not None:
+            self.last_prompt[session] = prompt
+
+    @rule(session=st.sampled_from(["s0", "s1"]), tool=st.integers(1, 20))
+    def next_turn(self, session, tool):
+        """The session's next turn: its last prompt and a tool result (what the swap tier restores, if the tree
+        lost it)."""
+        prompt = self.last_prompt.get(session, [30])
+        prompt = (prompt if len(prompt) < 60 else [30]) + [300 + j for j in range(tool)]
+        self.rids.append(self.engine.add_request(prompt, dict(GREEDY, max_new_tokens=2, session_id=session)))
+        self.last_prompt[session] = prompt
 
     @rule(session=st.sampled_from(["s0", "s1"]))
     def close_session(self, session):
@@ -269,6 +285,8 @@ class TableFollowsSlots(RuleBasedStateMachine):
             stats = engine.stats()
             assert stats["free_slots"] == stats["total_slots"]
             TableFollowsSlots.total_checked += self.checked_steps
+            TableFollowsSlots.restored += stats.get("swap_restored", 0)
+            engine.shutdown()
 
 
 def test_table_follows_slot_lists(tmp_path_factory):
@@ -279,6 +297,21 @@ def test_table_follows_slot_lists(tmp_path_factory):
     runner.settings = settings(max_examples=40, stateful_step_count=30, deadline=None, derandomize=True)
     runner().runTest()
     assert TableFollowsSlots.total_checked > 100  # the in-step check really ran
+
+
+class SwapTierFollowsSlots(TableFollowsSlots):
+    swap_tokens, kv_tokens = 120, 96  # a smaller pool: sessions' histories are evicted between their turns
+
+
+def test_table_and_kv_identity_with_a_session_swap_tier(tmp_path_factory):
+    """The same machine with a swap tier: a session's next turn finds its history restored from disk when the tree
+    lost it (insertions of freshly allocated slots between the planner's steps), and the table and the KV identity
+    hold after every rule as without it."""
+    SwapTierFollowsSlots.ckpt = make_checkpoint(tmp_path_factory, "table_sm_swap")
+    runner = SwapTierFollowsSlots.TestCase
+    runner.settings = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True)
+    runner().runTest()
+    assert SwapTierFollowsSlots.restored > 0  # restores happened among its steps
 
 
 class Int8PoolFollowsSlots(TableFollowsSlots):
