@@ -58,6 +58,13 @@ class PrefixKV:
         drops pins when it needs their slots: they never starve it)."""
         return self.allocator.num_free_slots + self.tree.evictable_size + self.tree.pinned_size
 
+    def history_room(self) -> float:
+        """Load control's bound on the histories of started sessions (Sessions.starts): `admission_ratio` pools,
+        and the swap tier's tokens besides, where histories the pool cannot keep go at the cost of a copy, not of
+        their recompute."""
+        tier = self.swap.capacity_tokens if self.swap is not None else 0
+        return self.sessions.admission_ratio * self.total_slots + tier
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
@@ -215,7 +222,8 @@ class PrefixKV:
         elif finished:
             excess = self.waiting_need - self.allocator.num_free_slots - self.tree.evictable_size
             self.sessions.keep(req.params.session_id, req.last_node, req.tree_len, queue_excess=excess)
-            self._save(req)
+        if finished:
+            self._save(req)  # a rebased history (the next turn's rendering) too
         slots = self.rows.release(req.slot_row)
         if len(slots) > req.tree_len:
             self.allocator.free(slots[req.tree_len:])

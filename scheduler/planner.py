@@ -199,7 +199,7 @@ class Planner:
                     continue  # its tenant runs its most already: it waits, others go on
                 if self.running and self.kv.sessions.starts(req.params.session_id):
                     load = self._load() if load is None else load
-                    if load + req.seq_len > self.kv.sessions.admission_ratio * self.kv.total_slots:
+                    if load + req.seq_len > self.kv.history_room():
                         self.kv.sessions.hold(req.params.session_id)
                         continue  # a new program would thrash the started ones' histories: it waits for one to end
                 tenant = tenant_of(req)

@@ -166,3 +166,17 @@ def test_load_control_is_on_by_default_and_a_bad_ratio_is_refused(ckpt):
     assert Engine(ckpt, num_threads=1, kv_cache_tokens=320).kv.sessions.admission_ratio == ADMISSION_RATIO
     with pytest.raises(ValueError, match="session_admission_ratio"):
         Engine(ckpt, num_threads=1, session_admission_ratio=-1.0)
+
+
+def test_a_swap_tier_adds_its_tokens_to_the_room_for_histories(ckpt):
+    """With a session swap tier (scheduler/kv_swap.py) the histories the pool cannot keep go to disk and come back as
+    a copy, not a recompute: load control counts the tier's tokens besides the ratio's pools, and the start that
+    waited above no longer waits."""
+    now = [0.0]
+    engine = _engine(ckpt, now, session_admission_ratio=0.5, kv_swap_space=200 * 512 / 2**30)
+    assert engine.kv.history_room() == 0.5 * 320 + engine.kv.swap.capacity_tokens
+    running = engine.add_request(_prompt(1), dict(LONG, session_id="a"))
+    engine.step()
+    start = engine.add_request(_prompt(2), dict(GREEDY, session_id="b"))
+    first = _admission_steps(engine, [running, start])
+    assert first[start] <= 2 and engine.stats()["num_starts_held"] == 0
