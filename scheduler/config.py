@@ -146,8 +146,8 @@ class EngineConfig:
                          "its own prompt exceed this many KV pools (scheduler/sessions.py); off with "
                          "--disable-agent-cache")
     kv_swap_space: float = option(
-        0.0, "GiB of disk for the session swap tier (0: off): when a request of an open session finishes, its "
-             "history's KV is copied to a file in --kv-swap-dir (only what the file lacks: a turn's new tokens), "
+        0.0, "GiB of disk for the session swap tier (0: off): an open session's history's KV is copied to a file "
+             "in --kv-swap-dir before eviction may take it (only what the file lacks: a turn's new tokens), "
              "and read back into the cache when the session's next request finds the tree lost it "
              "(scheduler/kv_swap.py); the sessions saved least recently go first; off with --disable-agent-cache")
     kv_swap_dir: str | None = option(None, "directory of the session swap tier's files (None: the system's "

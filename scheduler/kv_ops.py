@@ -42,10 +42,13 @@ class PrefixKV:
         # agent-trace baseline) the cache is plain LRU with reuse.
         self.agent_cache = agent_cache
         self.sessions = Sessions(self.tree, enabled=agent_cache, admission_ratio=admission_ratio)
-        # Open sessions' histories copied to disk as they finish, read back when the tree lost them (kv_swap.py).
+        # Open sessions' histories copied to disk before eviction may take them, read back when the tree lost them
+        # (kv_swap.py); a finished request's path waits in _unsaved (token ids and the tree's slots, no copy) until
+        # the next eviction, so a pool that never evicts never writes.
         self.swap = swap if agent_cache and not disable_cache else None
+        self._unsaved: dict[str, tuple[str | None, list[int], list[int]]] = {}  # session -> (salt, ids, slots)
         if self.swap is not None:
-            self.sessions.on_close = self.swap.drop
+            self.sessions.on_close = self._closed
         self._hinted_need: dict[int, int] = {}  # id(waiting request) -> its uncached tokens when hinted
         self.waiting_need = 0  # their sum: the slots the waiting queue will ask for
 
@@ -110,16 +113,17 @@ class PrefixKV:
         session's file holds and the tree lost, into free or evictable slots (never a pin's or a running request's),
         and insert them, so its match takes them. Returns the tokens restored."""
         sid = req.params.session_id
-        if self.swap is None or sid is None or req.prefix_only:
-            return 0
+        if self.swap is None or sid is None or req.prefix_only or req.restore_epoch == self.tree.epoch:
+            return 0  # (the last look found the tree holding all the file has, and the tree has not changed since)
         ids = req.tree_ids(self.match_cap(req))
         held = self.swap.extent(sid, req.tree_salt, ids) // self.page_size * self.page_size
-        if held == 0:
+        missing = held - self.tree.match_length(ids[:held], salt=req.tree_salt) if held else 0
+        if missing < self.page_size:
+            req.restore_epoch = self.tree.epoch
+            return 0
+        if missing > self.allocator.num_free_slots + self.tree.evictable_size:
             return 0
         slots, node = self.tree.match_prefix(ids[:held], salt=req.tree_salt, record_hit=False)
-        missing = held - len(slots)
-        if missing < self.page_size or missing > self.allocator.num_free_slots + self.tree.evictable_size:
-            return 0
         self.tree.lock(node)  # the prefix it extends stays while slots are made
         new = self._alloc(missing)
         self.tree.unlock(node)
@@ -232,13 +236,26 @@ class PrefixKV:
         req.kv_len = req.tree_len = 0
 
     def _save(self, req: Req) -> None:
+        """The session's history is now the request's cached path: written to its file before the next eviction
+        (`_write_unsaved`; the tree's slots stay valid until then: only eviction frees them)."""
         sid = req.params.session_id
         if self.swap is not None and self.sessions.is_open(sid) and req.tree_len:
-            self.swap.save(sid, req.tree_salt, req.tree_ids(req.tree_len), req.kv_slots[:req.tree_len])
+            self._unsaved[sid] = (req.tree_salt, req.tree_ids(req.tree_len), req.kv_slots[:req.tree_len])
+
+    def _write_unsaved(self) -> None:
+        for sid, (salt, ids, slots) in self._unsaved.items():
+            self.swap.save(sid, salt, ids, slots)
+        self._unsaved.clear()
+
+    def _closed(self, session_id: str) -> None:
+        self._unsaved.pop(session_id, None)
+        if self.swap is not None:
+            self.swap.drop(session_id)
 
     def flush(self) -> None:
         self.sessions.drop_all()
         if self.swap is not None:
+            self._unsaved.clear()
             self.swap.drop_all()
         self.tree.reset()
 
@@ -259,6 +276,8 @@ class PrefixKV:
         if shortfall > self.tree.evictable_size:
             self.sessions.reclaim(shortfall - self.tree.evictable_size)
         if shortfall > 0:
+            if self._unsaved:
+                self._write_unsaved()  # before eviction frees any of their slots
             self.sessions.note_eviction()
             self.sessions.rank_away(shortfall)
             self.tree.evict(shortfall)

@@ -4,8 +4,9 @@ An agent's history leaves the pool while its tool runs whenever other traffic ne
 reclaimed, or none was worth making), and its next turn then recomputes it: at model L's measured 1.06 ms a
 token, 5 s for a 5k-token history. The swap tier keeps a copy on disk instead, as InferCept swaps an intercepted
 request's KV out and llama.cpp saves a slot to a file: when a request of an open session finishes, the part of its
-cached path the tier does not hold yet is appended to the session's file (a turn adds its tool result and output:
-hundreds of tokens, not the history); when a request of the session is about to be admitted and the tier holds
+cached path the tier does not hold yet is appended to the session's file before the next eviction may take its
+slots (scheduler/kv_ops.py defers the copy: a pool that never evicts never writes; a turn adds its tool result and
+output, hundreds of tokens, not the history); when a request of the session is about to be admitted and the tier holds
 more of its prompt than the tree does, the missing pages are read back into freshly allocated slots and inserted
 into the tree, so the request matches them like any cached prefix. A copy is bit for bit the KV that was computed.
 

@@ -90,6 +90,7 @@ class Req:
     tree_len: int = 0  # leading slots that belong to the radix tree (locked through last_node)
     last_node: Any = None  # locked TreeNode, or None
     hint_node: Any = None  # while waiting: the hinted end of its cached prefix (PrefixKV.hint), or None
+    restore_epoch: int = -1  # the tree's epoch when PrefixKV.restore last found nothing of it to read back
     # Its slot list and its row of the runner's request->slot table (changed only through SlotRow's methods).
     slot_row: SlotRow = field(default_factory=SlotRow)
 

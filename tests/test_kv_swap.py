@@ -158,6 +158,10 @@ def test_a_history_the_pool_lost_comes_back_from_the_tier(ckpt, tmp_path):
     stats = engine.stats()
     assert cached == 203 and out == want  # the same greedy tokens: the KV read back is what was computed
     assert stats["num_pins_reclaimed"] == 1 and stats["swap_restores"] == 1 and stats["swap_restored"] > 170
+    # written when the flood's admission first evicted: the first turn's path; the second's waits for an eviction
+    assert stats["swap_saved"] == stats["swap_tokens"] == 203
+    engine.generate([_history(60, 300)], GREEDY)
+    stats = engine.stats()
     assert stats["swap_saved"] == stats["swap_tokens"] == stats["swap_peak_tokens"] == 210  # the turn added 7
     files = engine.kv.swap._store
     assert files.num_bytes == 210 * files.bytes_per_token and os.listdir(tmp_path) == []
@@ -185,10 +189,14 @@ def test_the_tier_is_off_with_the_agent_cache_and_never_reclaims_a_pin(ckpt):
     engine.check_integrity()
 
 
-def test_the_session_saved_least_recently_goes_when_the_tier_is_full(ckpt):
+def test_nothing_is_written_until_eviction_and_the_least_recently_saved_goes_when_full(ckpt):
     engine = _engine(ckpt, kv_swap_space=250 * 512 / 2**30)  # 250 tokens: one 200-token history at a time
-    for sid in ("a", "b"):
-        engine.generate([_history(ord(sid), 200)], dict(GREEDY, session_id=sid))
+    engine.generate([_history(ord("a"), 200)], dict(GREEDY, session_id="a"))
+    engine.generate([_history(9, 50)], GREEDY)
+    assert engine.stats()["swap_saved"] == 0  # the pool had room: no eviction, no write
+    engine.generate([_history(ord("b"), 200)], dict(GREEDY, session_id="b"))  # its admission evicts: "a" written
+    assert engine.stats()["swap_saved"] == 203
+    engine.generate([_history(10, 300)], GREEDY)  # "b" written, "a" dropped for room
     stats = engine.stats()
     assert stats["swap_sessions"] == 1 and stats["swap_dropped"] == 1 and stats["swap_tokens"] == 203
     assert engine.kv.swap.extent("b", None, _history(ord("b"), 200)) == 200
@@ -211,9 +219,9 @@ def test_a_failing_disk_costs_the_tier_never_a_request_or_a_slot(ckpt, monkeypat
     assert out.finish_reason == "length" and out.cached_tokens < 32  # computed again, the file dropped
     monkeypatch.setattr(files, "write", fail)
     engine.generate([_history(3, 50)], dict(GREEDY, session_id="other"))
+    engine.generate([_history(51, 300)], GREEDY)  # evicts: the agent's and the other's paths fail to be written
     stats = engine.stats()
-    assert stats["swap_restores"] == 0 and stats["swap_sessions"] == 1  # the agent's second turn, saved again
-    assert engine.kv.swap.extent("other", None, _history(3, 50)) == 0
+    assert stats["swap_restores"] == 0 and stats["swap_sessions"] == stats["swap_tokens"] == 0
     engine.check_integrity()
     engine.flush_cache()
     assert engine.stats()["free_slots"] == engine.stats()["total_slots"]  # no slot leaked by the failed restore
