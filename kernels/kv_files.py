@@ -62,7 +62,7 @@ class KVFiles:
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         col = 0
         for plane, width in zip(self._planes, self._widths):
-            rows = buf[:, col:col + width].contiguous().view(plane.dtype).reshape(n, *plane.shape[:1], *plane.shape[2:])
+            rows = buf[:, col:col + width].contiguous().view(plane.dtype).reshape(n, plane.shape[0], *plane.shape[2:])
             plane.index_copy_(1, index, rows.movedim(0, 1).to(self.device))
             col += width
 
