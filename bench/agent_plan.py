@@ -151,3 +151,20 @@ def simulated_excess(records: Sequence[TurnRecord], kv_tokens: int) -> dict[str,
         out[f"{policy}_overflow"] = result["overflow"]
         out[f"{policy}_deferred"] = result["deferred"]
     return out
+
+
+def tail_turns(records: Sequence[TurnRecord], pct: float = 99.0) -> list[dict[str, float | int | None]]:
+    """The slowest (100 - `pct`)% of the turns (at least one; rounded up), slowest first, with where their time
+    went: queued in the engine (arrival to admission: memory or the order kept them waiting) and the rest (their
+    prefill of the uncached tokens and their decode, shared with the batch). `queue_s` None: not reported."""
+    count = max(1, math.ceil(len(records) * (100.0 - pct) / 100.0 - 1e-9)) if records else 0
+    tail = sorted(records, key=lambda r: -r.latency_s)[:count]
+    return [{"agent": r.agent, "turn": r.turn, "latency_s": r.latency_s, "queue_s": r.queue_s,
+             "uncached": r.prompt_tokens - r.cached_tokens} for r in tail]
+
+
+def queued_share(tail: Sequence[dict[str, float | int | None]]) -> float | None:
+    """The share of the tail turns' latency they spent queued (None: no queue times reported)."""
+    known = [t for t in tail if t["queue_s"] is not None]
+    total = sum(t["latency_s"] for t in known)
+    return sum(t["queue_s"] for t in known) / total if known and total > 0 else None

@@ -15,9 +15,11 @@ compute (first-time tokens: an app's prompt the first time it is sent, each agen
 result, and the one token per turn no cache holds), the **excess** recompute (recomputed - cold), per-turn latency
 (send to the turn's last token) and agent completion time p50/p99, throughput, the server's busy fraction (its
 engine's step time over the run's wall time, and over the arrivals: until the last agent arrives, before the drain
-of the slowest tools dilutes it), the server's pin counters, and the excess of three yardsticks replayed on each
-run's realised trace at the same capacity (bench/cache_sim.py): an LRU cache, Bélády's (evict what is next used
-furthest away) and the online one (Bélády's rule on what a server can know then).
+of the slowest tools dilutes it), the server's pin counters, the slowest 1% of turns with their time queued in
+the engine (where a p99 comes from: waiting for memory or the order, or computing), and the excess of three
+yardsticks replayed on each run's realised trace at the same capacity (bench/cache_sim.py): an LRU cache,
+Bélády's (evict what is next used furthest away) and the online one (Bélády's rule on what a server can know
+then).
 Budgets are fractions of the trace's peak working set: the most tokens its live histories and their apps'
 prompts held at once on the realised timeline of a calibration run with a pool that never evicts
 (`peak_working_set`). Every repetition is another seed (another trace), calibrated on its own. The modes
@@ -41,7 +43,8 @@ import httpx
 
 from ..kernels.kv_budget import KV_CACHE_DTYPES, kv_bytes_per_token
 from ..scheduler.config import DTYPES
-from .agent_plan import TraceConfig, TurnRecord, make_plan, peak_working_set, simulated_excess
+from .agent_plan import (TraceConfig, TurnRecord, make_plan, peak_working_set, queued_share, simulated_excess,
+                         tail_turns)
 from .cache_sim import POLICIES
 from .kv_memory import kv_shape, pool_tokens
 from .output import BenchOutput, bench_parser, comma_choices, parse_args, percentile
@@ -137,10 +140,12 @@ def summarize(records: Sequence[TurnRecord], completions: Sequence[float], wall_
     cached = sum(r.cached_tokens for r in records)
     cold = sum(r.cold_tokens for r in records)
     latencies = [r.latency_s for r in records]
+    tail = tail_turns(records)
     return {"turns": len(records), "prompt_tokens": prompt, "cached_tokens": cached, "recomputed": prompt - cached,
             "cold": cold, "excess": prompt - cached - cold,
             "turn_p50_s": percentile(latencies, 50), "turn_p99_s": percentile(latencies, 99),
             "agent_p50_s": percentile(completions, 50), "agent_p99_s": percentile(completions, 99),
+            "tail": tail, "tail_queued": queued_share(tail),  # the slowest 1% of turns, and their time queued
             "wall_s": wall_s, "turns_per_s": len(records) / wall_s if wall_s else 0.0,
             "pool_slots": stats.get("total_slots"),  # the server's KV pool (None: a peer's, unknown)
             "pins": {k: stats.get(k, 0) for k in ("num_pins_pinned", "num_pins_used", "num_pins_expired",
@@ -197,10 +202,10 @@ def medians(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for k in dict.fromkeys(map(key, runs)):
         mine = [r for r in runs if key(r) == k]
-        row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins", "sim")}
+        row = {k: v for k, v in mine[0].items() if k not in ("rep", "pins", "sim", "tail")}  # the tails: in runs
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("budget", "seed"):
-                row[k] = statistics.median(r[k] for r in mine)
+                row[k] = statistics.median(r[k] for r in mine if r[k] is not None)
         for nested in ("pins", "sim"):
             row[nested] = {k: statistics.median(r[nested][k] for r in mine) for k in mine[0][nested]}
         rows.append(row)
@@ -236,7 +241,16 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {p.get('swap_restored', 0):g} "
                      f"| {' / '.join(format(row['sim'][policy], 'g') for policy in POLICIES)}"
                      f"{_overflow(row['sim'])} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _tail_lines(report["rows"])) + "\n"
+
+
+def _tail_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the slowest turns' time went (each run's slowest 1%; the runs' records: the JSON)."""
+    shares = [f"{row['budget']:g} {row['kv_cache_dtype']} {'on' if row['sessions'] else 'off'}: "
+              f"{row['tail_queued']:.0%}" for row in rows if row.get("tail_queued") is not None]
+    return ["", "The slowest turns (each run's slowest 1%, at least one; the JSON's runs list them): the share of "
+            "their latency spent queued in the engine (arrival to admission), the median over the seeds: "
+            + "; ".join(shares) + "."] if shares else []
 
 
 def _swap_note(swap_space: float) -> str:

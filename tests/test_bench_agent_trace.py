@@ -3,7 +3,7 @@ import json
 import statistics
 
 from radixserve.bench import agent_trace
-from radixserve.bench.agent_plan import TraceConfig, TurnRecord, make_plan
+from radixserve.bench.agent_plan import TraceConfig, TurnRecord, make_plan, queued_share, tail_turns
 from radixserve.bench.agent_trace import summarize
 from radixserve.bench.cache_sim import POLICIES
 from radixserve.bench.harness import bench_model_path
@@ -66,6 +66,22 @@ def test_excess_is_recompute_beyond_the_cold_tokens():
     assert row["turns"] == 3 and row["turns_per_s"] == 0.75 and row["pins"]["num_pins_used"] == 1
 
 
+def test_the_tail_is_the_slowest_percent_of_turns_with_their_queued_time():
+    # 200 turns: latency i / 100 s, queued half of it, except the slowest, queued 0.9 of it; 3 uncached tokens each.
+    records = [TurnRecord(i % 7, i % 4, 10, 7, 3, i / 100, float(i), [], [], (0.9 if i == 199 else 0.5) * i / 100)
+               for i in range(200)]
+    tail = tail_turns(records[::-1])  # any order in, slowest first out
+    assert [t["latency_s"] for t in tail] == [1.99, 1.98]  # 1% of 200 turns: the two slowest
+    assert tail[0] == {"agent": 199 % 7, "turn": 199 % 4, "latency_s": 1.99, "queue_s": 0.9 * 1.99, "uncached": 3}
+    assert abs(queued_share(tail) - (0.9 * 1.99 + 0.5 * 1.98) / (1.99 + 1.98)) < 1e-12
+    assert tail_turns(records[:10]) == tail_turns(records[9:10])  # under 100 turns: the slowest alone
+    assert len(tail_turns(records[:192])) == 2  # 1.92 rounds up
+    unreported = [TurnRecord(0, 0, 10, 7, 3, 1.0, 0.0, [], [])]  # a peer's server reports no queue time
+    assert queued_share(tail_turns(unreported)) is None and tail_turns([]) == []
+    row = summarize(records, [1.0], 10.0, {})
+    assert row["tail"] == tail and row["tail_queued"] == queued_share(tail)
+
+
 def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     report = agent_trace.main([*TINY, "--out", str(tmp_path)])
     on, off = sorted(report["rows"], key=lambda r: not r["sessions"])
@@ -81,6 +97,10 @@ def test_a_tiny_trace_runs_with_sessions_on_and_off(tmp_path):
     assert len(saved["rows"]) == 2 and f"| auto | {on['kv_tokens']} | on |" in table
     assert on["pool_slots"] == off["pool_slots"] == on["kv_tokens"]
     assert (tmp_path / "agent_trace_tiny.png").stat().st_size > 10_000  # recompute and p99 against the budget
+    for run in saved["runs"]:  # the server reports each turn's time queued: the slowest turns say how much
+        assert run["tail"] and 0 <= run["tail_queued"] <= 1 and "tail" not in saved["rows"][0]
+        assert run["tail"][0]["latency_s"] == max(t["latency_s"] for t in run["tail"]) >= run["turn_p99_s"]
+    assert f"0.5 auto on: {on['tail_queued']:.0%}" in table
 
 
 def test_rows_are_medians_over_the_repetitions():
