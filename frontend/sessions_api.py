@@ -5,7 +5,8 @@ JSON string); POST /close_session {"session_id": str}; /generate names the sessi
 OpenAI-style APIs (chat, completions, responses) take a `session_id` body field (`extra_body` for the openai SDK)
 or an `x-session-id` header. A request naming a session that is not open opens it; sessions close explicitly or
 after the engine's idle timeout. SGLang's token-level continuation (`session_params.rid`, `offset`, `replace`,
-`drop_previous_output`) is not supported: clients send the whole history, which the session keeps cached. A chat
+`drop_previous_output`, and `/open_session`'s `streaming`, where the server appends each input to the session's
+context) is refused with a 400: clients send the whole history, which the session keeps cached. A chat
 turn that ends with a final answer rather than a tool call shortens its pin's time to live; one that calls tools
 names them, so that the session is expected back after those tools' observed latency (`settle_turn`).
 A session is its tenant's (frontend/tenants.py): the engine knows it by `engine_session(id, tenant)`, so another
@@ -78,6 +79,11 @@ async def open_session(state: ServerState, request: Request, body: Any) -> Respo
     capacity = body.get("capacity_of_str_len")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise bad_request("capacity_of_str_len must be a non-negative integer", "capacity_of_str_len")
+    if body.get("streaming") not in (None, False):
+        # SGLang's streaming session appends each request's input to the session's context on the server; here a
+        # request carries its whole history, so a client sending only the new tokens would get answers without it.
+        raise bad_request("streaming sessions are not supported: open a plain session and send the whole history "
+                          "(the session keeps it cached)", "streaming", code="unsupported_parameter")
     sid = body.get("session_id")
     tenant = current_tenant().name
     if sid is None and tenant != DEFAULT_TENANT:

@@ -69,6 +69,7 @@ def test_generate_names_its_session_in_session_params(server):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, {"x-session-id": "x" * 300}, "x-session-id"),
     ("/close_session", {}, {}, "session_id"),
     ("/open_session", {"capacity_of_str_len": -1}, {}, "capacity_of_str_len"),
+    ("/open_session", {"capacity_of_str_len": 1000, "streaming": True}, {}, "streaming"),  # SGLang's append mode
 ])
 def test_bad_session_input_is_a_400_naming_the_parameter(server, path, body, headers, param):
     with server.client() as c:
