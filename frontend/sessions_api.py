@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .engine_client import engine_call
-from .errors import bad_request
+from .errors import APIError, bad_request
 from .state import ServerState
 from .tenants import current as current_tenant, engine_session
 from ..scheduler.checks import check_session_id
@@ -33,6 +33,12 @@ from ..scheduler.fair_share import DEFAULT_TENANT
 logger = logging.getLogger(__name__)
 HEADER = "x-session-id"
 _CONTINUATION_KEYS = ("rid", "offset", "replace", "drop_previous_output")
+
+
+def _continuation_refused(param: str) -> APIError:
+    """SGLang's server-side continuation (its context kept and appended to by the server) is not this server's."""
+    return bad_request(f"{param} is not supported: send the whole history (the session keeps it cached)", param,
+                       code="unsupported_parameter")
 
 
 def checked(session_id: Any, param: str) -> str:
@@ -64,8 +70,7 @@ def native_session(body: dict[str, Any]) -> str | None:
         raise bad_request("session_params must be an object with \"id\"", "session_params")
     for key in _CONTINUATION_KEYS:
         if params.get(key) not in (None, False, 0):
-            raise bad_request(f"session_params.{key} is not supported: send the whole history (the session keeps it "
-                              "cached)", f"session_params.{key}", code="unsupported_parameter")
+            raise _continuation_refused(f"session_params.{key}")
     sid = checked(params.get("id"), "session_params.id")
     if top is not None and top != sid:
         raise bad_request("session_params.id and the session_id / x-session-id header differ", "session_params.id")
@@ -82,8 +87,7 @@ async def open_session(state: ServerState, request: Request, body: Any) -> Respo
     if body.get("streaming") not in (None, False):
         # SGLang's streaming session appends each request's input to the session's context on the server; here a
         # request carries its whole history, so a client sending only the new tokens would get answers without it.
-        raise bad_request("streaming sessions are not supported: open a plain session and send the whole history "
-                          "(the session keeps it cached)", "streaming", code="unsupported_parameter")
+        raise _continuation_refused("streaming")
     sid = body.get("session_id")
     tenant = current_tenant().name
     if sid is None and tenant != DEFAULT_TENANT:
